@@ -1,0 +1,239 @@
+//! KV cache manager: the block pool plus the radix prefix cache, seen through requests.
+//!
+//! A block is in exactly one state: free (on the pool's stack), cached with no reference
+//! (evictable), or referenced (count > 0, cached or not). Allocation takes the free stack first and
+//! evicts the least recently used cached block only when the stack is empty.
+
+use crate::block_pool::{BlockId, BlockPool, NULL_BLOCK};
+use crate::error::Result;
+use crate::radix::RadixCache;
+use crate::request::Request;
+
+#[derive(Debug)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    radix: RadixCache,
+    block_size: usize,
+    enable_caching: bool,
+}
+
+impl KvCacheManager {
+    pub fn new(num_blocks: usize, block_size: usize, enable_caching: bool) -> Result<Self> {
+        Ok(Self {
+            pool: BlockPool::new(num_blocks)?,
+            radix: RadixCache::new(num_blocks, block_size),
+            block_size,
+            enable_caching,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks that can hold KV (the null block excluded).
+    pub fn num_usable_blocks(&self) -> usize {
+        self.pool.num_blocks() - 1
+    }
+
+    /// Blocks an allocation may take now: free ones plus unreferenced cached ones.
+    pub fn num_allocatable(&self) -> usize {
+        self.pool.num_free() + self.radix.num_unreferenced()
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    pub fn num_cached(&self) -> usize {
+        self.radix.num_cached()
+    }
+
+    /// Fraction of usable blocks that some request references (cached-only blocks do not count).
+    pub fn usage(&self) -> f64 {
+        let usable = self.num_usable_blocks();
+        (usable - self.num_allocatable()) as f64 / usable as f64
+    }
+
+    pub fn ref_count(&self, block: BlockId) -> u32 {
+        self.pool.ref_count(block)
+    }
+
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Cached full blocks that prefix the request's tokens, leaving at least one token to
+    /// compute (its logits are needed).
+    pub fn match_prefix(&self, req: &Request) -> Vec<BlockId> {
+        if !self.enable_caching || req.num_tokens() == 0 {
+            return Vec::new();
+        }
+        let max_blocks = (req.num_tokens() - 1) / self.block_size;
+        self.radix.match_prefix(&req.namespace, &req.token_ids, max_blocks)
+    }
+
+    /// Whether [`Self::allocate_slots`] with the same arguments would succeed.
+    pub fn can_allocate(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> bool {
+        self.allocation_cost(req, hits, num_slots) <= self.num_allocatable()
+    }
+
+    /// Makes the request hold `hits` (prefix-cache blocks appended to its empty table) and enough
+    /// blocks for `num_slots` token slots in all. A shared block about to be written is copied
+    /// first (copy-on-write); the `[src, dst]` pair goes to `copies`. Returns false, changing
+    /// nothing, when the pool cannot supply the blocks: the caller preempts.
+    pub fn allocate_slots(
+        &mut self,
+        req: &mut Request,
+        hits: &[BlockId],
+        num_slots: usize,
+        copies: &mut Vec<[BlockId; 2]>,
+    ) -> bool {
+        debug_assert!(hits.is_empty() || req.block_table.is_empty());
+        if !self.can_allocate(req, hits, num_slots) {
+            return false;
+        }
+        for &block in hits {
+            self.take_ref(block);
+            req.block_table.push(block);
+        }
+        if let Some(idx) = self.shared_write_block(req) {
+            let old = req.block_table[idx];
+            let new = self.alloc_block();
+            copies.push([old, new]);
+            self.release(old);
+            req.block_table[idx] = new;
+        }
+        let needed = self.blocks_for(num_slots).saturating_sub(req.block_table.len());
+        for _ in 0..needed {
+            let block = self.alloc_block();
+            req.block_table.push(block);
+        }
+        true
+    }
+
+    /// Drops every block of the request; cached ones stay in the tree as evictable.
+    pub fn free(&mut self, req: &mut Request) {
+        // Tail first, so a prefix outlives its extensions in LRU order.
+        for &block in req.block_table.iter().rev() {
+            self.release(block);
+        }
+        req.block_table.clear();
+        req.num_inserted_blocks = 0;
+    }
+
+    /// Inserts the request's full, computed blocks into the prefix cache. Where an identical
+    /// block is already cached the request switches to it and its own copy is released.
+    pub fn cache_full_blocks(&mut self, req: &mut Request) {
+        if !self.enable_caching {
+            return;
+        }
+        let computed = req.num_computed_tokens.min(req.num_tokens());
+        let full = (computed / self.block_size).min(req.block_table.len());
+        let start = req.num_inserted_blocks;
+        if full <= start {
+            return;
+        }
+        let held = self.radix.insert(
+            &req.namespace,
+            &req.token_ids[..full * self.block_size],
+            &req.block_table[..full],
+            start,
+        );
+        for (offset, block) in held.into_iter().enumerate() {
+            let idx = start + offset;
+            let own = req.block_table[idx];
+            if block != own {
+                self.take_ref(block);
+                self.release(own);
+                req.block_table[idx] = block;
+            }
+        }
+        req.num_inserted_blocks = full;
+    }
+
+    /// References the blocks that hold the parent's computed KV, for a forked child.
+    pub fn fork(&mut self, parent: &Request) -> Vec<BlockId> {
+        let n = self.blocks_for(parent.num_computed_tokens).min(parent.block_table.len());
+        let shared = parent.block_table[..n].to_vec();
+        for &block in &shared {
+            self.take_ref(block);
+        }
+        shared
+    }
+
+    /// Checks that reference counts equal the block-table entries of `tables`, and that every
+    /// block is free, cached or referenced exactly as the counters say.
+    pub fn check<'a>(&self, tables: impl Iterator<Item = &'a [BlockId]>) -> std::result::Result<(), String> {
+        let n = self.pool.num_blocks();
+        let mut expected = vec![0u32; n];
+        for table in tables {
+            for &block in table {
+                if block == NULL_BLOCK {
+                    return Err("a block table holds the null block".into());
+                }
+                expected[block as usize] += 1;
+            }
+        }
+        let mut on_free = vec![false; n];
+        for &block in self.pool.free_blocks() {
+            if block == NULL_BLOCK || on_free[block as usize] {
+                return Err(format!("free stack holds block {block} twice or the null block"));
+            }
+            on_free[block as usize] = true;
+        }
+        for block in 1..n as BlockId {
+            let (count, want) = (self.pool.ref_count(block), expected[block as usize]);
+            if count != want {
+                return Err(format!("block {block}: refcount {count}, tables hold {want}"));
+            }
+            let cached = self.radix.is_cached(block);
+            let free = on_free[block as usize];
+            if count == 0 && cached == free {
+                return Err(format!("unreferenced block {block}: cached={cached} free={free}"));
+            }
+            if count > 0 && free {
+                return Err(format!("referenced block {block} is on the free stack"));
+            }
+        }
+        self.radix.check()
+    }
+
+    fn allocation_cost(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> usize {
+        let held = req.block_table.len() + hits.len();
+        let new_blocks = self.blocks_for(num_slots).saturating_sub(held);
+        let revived = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        let cow = usize::from(self.shared_write_block(req).is_some());
+        new_blocks + revived + cow
+    }
+
+    /// Index of the partly filled block the next token will be written to, if other requests
+    /// share it.
+    fn shared_write_block(&self, req: &Request) -> Option<usize> {
+        let idx = req.num_computed_tokens / self.block_size;
+        let partial = req.num_computed_tokens % self.block_size != 0;
+        (partial && idx < req.block_table.len() && self.pool.ref_count(req.block_table[idx]) > 1)
+            .then_some(idx)
+    }
+
+    fn alloc_block(&mut self) -> BlockId {
+        if let Some(block) = self.pool.pop_free() {
+            return block;
+        }
+        let block = self.radix.evict_lru().expect("allocation_cost was checked");
+        self.pool.incref(block);
+        block
+    }
+
+    fn take_ref(&mut self, block: BlockId) {
+        if self.pool.incref(block) == 1 {
+            self.radix.mark_referenced(block);
+        }
+    }
+
+    fn release(&mut self, block: BlockId) {
+        if self.pool.decref(block) == 0 && !self.radix.mark_unreferenced(block) {
+            self.pool.push_free(block);
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! What one step hands to the model worker: plain data and flat arrays, no tensors.
+
+use crate::block_pool::BlockId;
+use crate::request::{FinishReason, Request, RequestId};
+
+/// One request's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub id: RequestId,
+    /// Tokens computed this step (a prefill chunk, one decode token, or one plus drafts).
+    pub num_tokens: usize,
+    /// How many of those are draft tokens to verify.
+    pub num_spec_tokens: usize,
+    /// Positions whose logits are sampled: 0 for a prompt chunk that does not reach the end,
+    /// else `1 + num_spec_tokens`.
+    pub num_logits: usize,
+}
+
+/// The result of [`crate::Scheduler::schedule`]. Arrays are indexed by scheduled request
+/// (`req_ids` order) or by token (`input_ids` order); tokens of one request are contiguous.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerOutput {
+    pub step: u64,
+    pub req_ids: Vec<RequestId>,
+    pub num_scheduled_tokens: Vec<i32>,
+    pub num_spec_tokens: Vec<i32>,
+    pub num_logits: Vec<i32>,
+    /// Token index of each sampled position, grouped by request.
+    pub logits_indices: Vec<i32>,
+    /// `num_reqs + 1` offsets into the token axis.
+    pub query_start_loc: Vec<i32>,
+    /// Context length of each request after this step (cached prefix included).
+    pub seq_lens: Vec<i32>,
+    pub input_ids: Vec<i32>,
+    pub positions: Vec<i64>,
+    /// KV slot of each token: `block * block_size + offset`.
+    pub slot_mapping: Vec<i64>,
+    /// Row-major `[num_reqs, block_table_width]`, padded with the null block.
+    pub block_tables: Vec<i32>,
+    pub block_table_width: usize,
+    /// Copy-on-write pairs `[src, dst]`, flattened: copy these blocks before the forward.
+    pub block_copies: Vec<i32>,
+    pub preempted_req_ids: Vec<RequestId>,
+    /// Requests that finished or were aborted since the previous step: drop their state.
+    pub finished_req_ids: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn num_reqs(&self) -> usize {
+        self.req_ids.len()
+    }
+
+    pub fn total_num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.req_ids.is_empty()
+    }
+
+    /// Appends one request's tokens. `start` is its `num_computed_tokens` before this step.
+    pub(crate) fn push_request(&mut self, req: &Request, s: &ScheduledRequest, start: usize, bs: usize) {
+        if self.query_start_loc.is_empty() {
+            self.query_start_loc.push(0);
+        }
+        let first_token = self.input_ids.len();
+        for pos in start..start + s.num_tokens {
+            let token = match req.token_ids.get(pos) {
+                Some(&t) => t,
+                None => req.spec_token_ids[pos - req.token_ids.len()],
+            };
+            self.input_ids.push(token as i32);
+            self.positions.push(pos as i64);
+            let block = req.block_table[pos / bs] as i64;
+            self.slot_mapping.push(block * bs as i64 + (pos % bs) as i64);
+        }
+        let end = first_token + s.num_tokens;
+        for idx in end - s.num_logits..end {
+            self.logits_indices.push(idx as i32);
+        }
+        self.req_ids.push(s.id);
+        self.num_scheduled_tokens.push(s.num_tokens as i32);
+        self.num_spec_tokens.push(s.num_spec_tokens as i32);
+        self.num_logits.push(s.num_logits as i32);
+        self.query_start_loc.push(end as i32);
+        self.seq_lens.push((start + s.num_tokens) as i32);
+    }
+
+    /// Lays out the block tables of the scheduled requests, in `req_ids` order.
+    pub(crate) fn set_block_tables<'a>(&mut self, tables: impl Iterator<Item = &'a [BlockId]> + Clone) {
+        let width = tables.clone().map(<[BlockId]>::len).max().unwrap_or(0);
+        self.block_table_width = width;
+        self.block_tables = Vec::with_capacity(width * self.req_ids.len());
+        for table in tables {
+            self.block_tables.extend(table.iter().map(|&b| b as i32));
+            self.block_tables.extend(std::iter::repeat_n(0, width - table.len()));
+        }
+    }
+}
+
+/// The result of [`crate::Scheduler::update`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateResult {
+    /// Per scheduled request (`req_ids` order): how many of its sampled tokens were appended
+    /// (fewer than sampled when it stopped early; 0 when it was aborted meanwhile).
+    pub num_appended: Vec<i32>,
+    pub finished: Vec<(RequestId, FinishReason)>,
+}

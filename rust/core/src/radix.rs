@@ -1,0 +1,358 @@
+//! Token-exact radix tree over full KV blocks.
+//!
+//! Each edge is exactly one block of tokens (a page-granular radix tree: the KV cache is only
+//! shared and evicted in whole blocks, so edges are never split). Children are looked up by the
+//! full token slice, compared for equality: a hash only picks the bucket, never decides identity.
+//! Each [`Namespace`] (LoRA adapter, cache salt) has its own root, so two adapters or tenants never
+//! share a block.
+//!
+//! The tree holds block ids, not references: the cache manager tells it when a cached block loses
+//! its last reference ([`RadixCache::mark_unreferenced`]) or gains one
+//! ([`RadixCache::mark_referenced`]). Unreferenced leaves are evictable, oldest first.
+//!
+//! NOTE: eviction only ever takes leaves. That is complete because a request that references a
+//! cached block references every ancestor of it too (its block table is a path from the root), so
+//! unreferenced nodes form subtrees that can be peeled from the leaves up.
+
+use std::collections::{BTreeSet, HashMap};
+
+use rustc_hash::FxHashMap;
+
+use crate::block_pool::BlockId;
+
+/// Who may share a cached prefix: the same adapter and the same cache salt.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Namespace {
+    /// LoRA adapter id; 0 is the base model.
+    pub adapter_id: u32,
+    /// Tenant salt; requests with different salts never share KV.
+    pub salt: String,
+}
+
+impl Namespace {
+    pub fn new(adapter_id: u32, salt: impl Into<String>) -> Self {
+        Self { adapter_id, salt: salt.into() }
+    }
+}
+
+type NodeId = u32;
+const NO_NODE: NodeId = u32::MAX;
+
+#[derive(Debug)]
+struct Node {
+    parent: NodeId,
+    block: BlockId,
+    key: Box<[u32]>,
+    children: FxHashMap<Box<[u32]>, NodeId>,
+    referenced: bool,
+    last_access: u64,
+    /// Set on roots only, to drop them when their tree empties.
+    namespace: Option<Namespace>,
+}
+
+#[derive(Debug)]
+pub struct RadixCache {
+    block_size: usize,
+    nodes: Vec<Node>,
+    free_nodes: Vec<NodeId>,
+    roots: HashMap<Namespace, NodeId>,
+    node_of_block: Vec<NodeId>,
+    evictable: BTreeSet<(u64, NodeId)>,
+    clock: u64,
+    num_cached: usize,
+    num_unreferenced: usize,
+}
+
+impl RadixCache {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            roots: HashMap::new(),
+            node_of_block: vec![NO_NODE; num_blocks],
+            evictable: BTreeSet::new(),
+            clock: 0,
+            num_cached: 0,
+            num_unreferenced: 0,
+        }
+    }
+
+    /// Blocks held by the tree.
+    pub fn num_cached(&self) -> usize {
+        self.num_cached
+    }
+
+    /// Cached blocks that no request references: all can be reclaimed by eviction.
+    pub fn num_unreferenced(&self) -> usize {
+        self.num_unreferenced
+    }
+
+    pub fn is_cached(&self, block: BlockId) -> bool {
+        self.node_of_block[block as usize] != NO_NODE
+    }
+
+    /// Longest cached chain of full blocks that prefixes `tokens`, at most `max_blocks` long.
+    pub fn match_prefix(&self, ns: &Namespace, tokens: &[u32], max_blocks: usize) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let Some(&root) = self.roots.get(ns) else { return out };
+        let mut node = root;
+        for key in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            match self.nodes[node as usize].children.get(key) {
+                Some(&child) => {
+                    out.push(self.nodes[child as usize].block);
+                    node = child;
+                }
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Inserts the chain of full blocks `blocks` for `tokens` (`blocks[i]` holds
+    /// `tokens[i*bs..(i+1)*bs]`), starting at block index `start`: the first `start` blocks must
+    /// already be on the tree. Every block must be referenced by the caller.
+    ///
+    /// Returns, for each index from `start`, the block the tree holds for that key: the given one
+    /// when it was inserted, or an earlier identical block the caller should switch to.
+    pub fn insert(
+        &mut self,
+        ns: &Namespace,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        start: usize,
+    ) -> Vec<BlockId> {
+        let mut node = self.root(ns);
+        let mut out = Vec::with_capacity(blocks.len().saturating_sub(start));
+        for (i, key) in tokens.chunks_exact(self.block_size).take(blocks.len()).enumerate() {
+            let found = self.nodes[node as usize].children.get(key).copied();
+            node = match found {
+                Some(child) => child,
+                None => {
+                    debug_assert!(i >= start, "prefix of an insert is not cached");
+                    self.add_child(node, key, blocks[i])
+                }
+            };
+            if i >= start {
+                out.push(self.nodes[node as usize].block);
+            }
+        }
+        out
+    }
+
+    /// A cached block gained its first reference: it is no longer evictable.
+    pub fn mark_referenced(&mut self, block: BlockId) {
+        let node = self.node_of_block[block as usize];
+        if node == NO_NODE {
+            return;
+        }
+        let n = &mut self.nodes[node as usize];
+        if !n.referenced {
+            n.referenced = true;
+            self.num_unreferenced -= 1;
+            self.evictable.remove(&(n.last_access, node));
+        }
+    }
+
+    /// A cached block lost its last reference: it stays cached and becomes evictable (once a
+    /// leaf). Returns false when the block is not cached (the caller frees it).
+    pub fn mark_unreferenced(&mut self, block: BlockId) -> bool {
+        let node = self.node_of_block[block as usize];
+        if node == NO_NODE {
+            return false;
+        }
+        self.clock += 1;
+        let n = &mut self.nodes[node as usize];
+        debug_assert!(n.referenced);
+        n.referenced = false;
+        n.last_access = self.clock;
+        self.num_unreferenced += 1;
+        if n.children.is_empty() {
+            self.evictable.insert((n.last_access, node));
+        }
+        true
+    }
+
+    /// Evicts the least recently used unreferenced leaf; returns its block, now owned by nobody.
+    pub fn evict_lru(&mut self) -> Option<BlockId> {
+        let (_, node) = self.evictable.pop_first()?;
+        let (parent, block, key) = {
+            let n = &mut self.nodes[node as usize];
+            (n.parent, n.block, std::mem::take(&mut n.key))
+        };
+        self.nodes[parent as usize].children.remove(&key);
+        self.node_of_block[block as usize] = NO_NODE;
+        self.free_nodes.push(node);
+        self.num_cached -= 1;
+        self.num_unreferenced -= 1;
+        let p = &self.nodes[parent as usize];
+        if p.children.is_empty() {
+            if let Some(ns) = &p.namespace {
+                let ns = ns.clone();
+                self.roots.remove(&ns);
+                self.free_nodes.push(parent);
+            } else if !p.referenced {
+                self.evictable.insert((p.last_access, parent));
+            }
+        }
+        Some(block)
+    }
+
+    /// Checks the tree's own bookkeeping; used by tests.
+    pub fn check(&self) -> Result<(), String> {
+        let mut cached = 0;
+        let mut unref = 0;
+        let mut leaves = BTreeSet::new();
+        for (&block_node, block) in self.node_of_block.iter().zip(0u32..) {
+            if block_node == NO_NODE {
+                continue;
+            }
+            let n = &self.nodes[block_node as usize];
+            if n.block != block {
+                return Err(format!("node of block {block} holds block {}", n.block));
+            }
+            cached += 1;
+            if !n.referenced {
+                unref += 1;
+                if n.children.is_empty() {
+                    leaves.insert((n.last_access, block_node));
+                }
+            } else if n.parent != NO_NODE && !self.nodes[n.parent as usize].referenced
+                && self.nodes[n.parent as usize].namespace.is_none()
+            {
+                return Err(format!("referenced block {block} under an unreferenced parent"));
+            }
+        }
+        if cached != self.num_cached || unref != self.num_unreferenced {
+            return Err(format!(
+                "counters: cached {cached}/{} unreferenced {unref}/{}",
+                self.num_cached, self.num_unreferenced
+            ));
+        }
+        if leaves != self.evictable {
+            return Err("evictable set differs from unreferenced leaves".into());
+        }
+        Ok(())
+    }
+
+    fn root(&mut self, ns: &Namespace) -> NodeId {
+        if let Some(&root) = self.roots.get(ns) {
+            return root;
+        }
+        let root = self.new_node(Node {
+            parent: NO_NODE,
+            block: 0,
+            key: Box::new([]),
+            children: FxHashMap::default(),
+            referenced: true,
+            last_access: 0,
+            namespace: Some(ns.clone()),
+        });
+        self.roots.insert(ns.clone(), root);
+        root
+    }
+
+    fn add_child(&mut self, parent: NodeId, key: &[u32], block: BlockId) -> NodeId {
+        debug_assert_eq!(self.node_of_block[block as usize], NO_NODE);
+        let p = &self.nodes[parent as usize];
+        if p.children.is_empty() && !p.referenced {
+            self.evictable.remove(&(p.last_access, parent));
+        }
+        let node = self.new_node(Node {
+            parent,
+            block,
+            key: key.into(),
+            children: FxHashMap::default(),
+            referenced: true,
+            last_access: 0,
+            namespace: None,
+        });
+        self.nodes[parent as usize].children.insert(key.into(), node);
+        self.node_of_block[block as usize] = node;
+        self.num_cached += 1;
+        node
+    }
+
+    fn new_node(&mut self, node: Node) -> NodeId {
+        match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeId
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns(a: u32) -> Namespace {
+        Namespace::new(a, "")
+    }
+
+    #[test]
+    fn match_is_token_exact_and_block_granular() {
+        let mut t = RadixCache::new(16, 2);
+        let toks = [1, 2, 3, 4, 5];
+        assert_eq!(t.insert(&ns(0), &toks, &[7, 8], 0), vec![7, 8]);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 9], 10), vec![7, 8]);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 9], 10), vec![7]);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 3], 10), Vec::<u32>::new());
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 1), vec![7]);
+    }
+
+    #[test]
+    fn namespaces_never_share() {
+        let mut t = RadixCache::new(16, 2);
+        t.insert(&ns(0), &[1, 2], &[3], 0);
+        assert!(t.match_prefix(&ns(1), &[1, 2], 10).is_empty());
+        assert!(t.match_prefix(&Namespace::new(0, "tenant"), &[1, 2], 10).is_empty());
+        assert_eq!(t.insert(&ns(1), &[1, 2], &[4], 0), vec![4]);
+        assert_eq!(t.match_prefix(&ns(1), &[1, 2], 10), vec![4]);
+    }
+
+    #[test]
+    fn duplicate_insert_returns_existing_block() {
+        let mut t = RadixCache::new(16, 2);
+        t.insert(&ns(0), &[1, 2, 3, 4], &[5, 6], 0);
+        assert_eq!(t.insert(&ns(0), &[1, 2, 3, 4, 7, 8], &[9, 10, 11], 0), vec![5, 6, 11]);
+        assert!(!t.is_cached(9));
+        assert!(t.is_cached(11));
+    }
+
+    #[test]
+    fn evicts_leaves_lru_then_parents() {
+        let mut t = RadixCache::new(16, 1);
+        t.insert(&ns(0), &[1, 2], &[3, 4], 0);
+        t.insert(&ns(0), &[5], &[6], 0);
+        assert_eq!(t.evict_lru(), None, "referenced blocks are not evictable");
+        t.mark_unreferenced(6);
+        t.mark_unreferenced(4);
+        t.mark_unreferenced(3);
+        t.check().unwrap();
+        assert_eq!(t.num_unreferenced(), 3);
+        assert_eq!(t.evict_lru(), Some(6));
+        assert_eq!(t.evict_lru(), Some(4));
+        assert_eq!(t.evict_lru(), Some(3));
+        assert_eq!(t.evict_lru(), None);
+        assert_eq!(t.num_cached(), 0);
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn rereferenced_block_is_not_evicted() {
+        let mut t = RadixCache::new(16, 1);
+        t.insert(&ns(0), &[1, 2], &[3, 4], 0);
+        t.mark_unreferenced(4);
+        t.mark_unreferenced(3);
+        t.mark_referenced(3);
+        t.mark_referenced(4);
+        assert_eq!(t.evict_lru(), None);
+        t.check().unwrap();
+    }
+}

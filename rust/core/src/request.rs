@@ -1,0 +1,152 @@
+//! Per-request state as the scheduler sees it: tokens, progress, blocks, limits.
+
+use crate::block_pool::BlockId;
+use crate::radix::Namespace;
+
+/// Caller-chosen request id, unique among live requests.
+pub type RequestId = u64;
+
+/// Lifecycle of a request. Ordered: everything from `FinishedStopped` on is finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    Preempted,
+    FinishedStopped,
+    FinishedLength,
+    FinishedAborted,
+}
+
+impl RequestStatus {
+    pub fn is_finished(self) -> bool {
+        self >= RequestStatus::FinishedStopped
+    }
+
+    pub fn finish_reason(self) -> Option<FinishReason> {
+        match self {
+            RequestStatus::FinishedStopped => Some(FinishReason::Stop),
+            RequestStatus::FinishedLength => Some(FinishReason::Length),
+            RequestStatus::FinishedAborted => Some(FinishReason::Abort),
+            _ => None,
+        }
+    }
+}
+
+/// Why a request ended; the integer values cross the FFI boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FinishReason {
+    /// An EOS or stop token was sampled.
+    Stop = 0,
+    /// `max_tokens` or the model length was reached.
+    Length = 1,
+    /// Aborted by the caller.
+    Abort = 2,
+}
+
+/// Everything needed to admit a request. `max_tokens: None` means "up to the model length".
+#[derive(Debug, Clone, Default)]
+pub struct NewRequest {
+    pub id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: Option<usize>,
+    pub min_tokens: usize,
+    /// Lower values are served first (vLLM's convention); ties go to the earlier arrival.
+    pub priority: i32,
+    pub namespace: Namespace,
+    pub stop_token_ids: Vec<u32>,
+    pub eos_token_id: Option<u32>,
+    pub ignore_eos: bool,
+}
+
+impl NewRequest {
+    pub fn new(id: RequestId, prompt_token_ids: Vec<u32>) -> Self {
+        Self { id, prompt_token_ids, ..Default::default() }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: RequestId,
+    pub namespace: Namespace,
+    pub priority: i32,
+    /// Tie-break within a priority: arrival order, negative for preempted requests so they go
+    /// back to the head of the queue.
+    pub(crate) order: i64,
+    pub status: RequestStatus,
+    /// Prompt followed by every accepted output token.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Tokens whose KV is written (after a step is scheduled it counts the scheduled tokens;
+    /// rejected draft tokens are taken back in `update`).
+    pub num_computed_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub num_cached_tokens: usize,
+    /// Draft tokens proposed for the next step.
+    pub spec_token_ids: Vec<u32>,
+    pub block_table: Vec<BlockId>,
+    /// Leading blocks of `block_table` already inserted in the prefix cache.
+    pub(crate) num_inserted_blocks: usize,
+    pub num_preemptions: u32,
+    pub(crate) admitted_once: bool,
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub eos_token_id: Option<u32>,
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    pub(crate) fn from_new(new: NewRequest, max_tokens: usize, order: i64) -> Self {
+        Self {
+            id: new.id,
+            namespace: new.namespace,
+            priority: new.priority,
+            order,
+            status: RequestStatus::Waiting,
+            num_prompt_tokens: new.prompt_token_ids.len(),
+            token_ids: new.prompt_token_ids,
+            num_computed_tokens: 0,
+            num_cached_tokens: 0,
+            spec_token_ids: Vec::new(),
+            block_table: Vec::new(),
+            num_inserted_blocks: 0,
+            num_preemptions: 0,
+            admitted_once: false,
+            max_tokens,
+            min_tokens: new.min_tokens,
+            stop_token_ids: new.stop_token_ids,
+            eos_token_id: new.eos_token_id,
+            ignore_eos: new.ignore_eos,
+        }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Queue key: lower sorts first.
+    pub(crate) fn key(&self) -> (i32, i64) {
+        (self.priority, self.order)
+    }
+
+    /// Appends one accepted token and returns the status it leaves the request in.
+    pub(crate) fn append_token(&mut self, token: u32, max_model_len: usize) -> RequestStatus {
+        self.token_ids.push(token);
+        let n_out = self.num_output_tokens();
+        if n_out >= self.min_tokens
+            && ((!self.ignore_eos && self.eos_token_id == Some(token))
+                || self.stop_token_ids.contains(&token))
+        {
+            return RequestStatus::FinishedStopped;
+        }
+        if n_out >= self.max_tokens || self.token_ids.len() >= max_model_len {
+            return RequestStatus::FinishedLength;
+        }
+        self.status
+    }
+}

@@ -1,0 +1,466 @@
+//! The per-step scheduler.
+//!
+//! There are no prefill and decode phases: every request has `num_computed_tokens` catching up
+//! with its tokens (plus draft tokens), and one step spends one token budget. Running requests
+//! go first in queue order (priority, then arrival); when blocks run out the last of them (lowest
+//! priority, newest) is preempted by recompute and put back at the head of the waiting queue.
+//! Waiting requests are admitted with their cached prefix only when nothing was preempted.
+
+use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Unbounded};
+
+use rustc_hash::FxHashMap;
+
+use crate::config::SchedulerConfig;
+use crate::error::{request_err, step_err, CoreError, Result};
+use crate::kv_manager::KvCacheManager;
+use crate::output::{ScheduledRequest, SchedulerOutput, UpdateResult};
+use crate::request::{NewRequest, Request, RequestId, RequestStatus};
+
+type QueueKey = (i32, i64);
+
+/// Counters since construction, plus gauges of now.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub num_waiting: usize,
+    pub num_running: usize,
+    pub kv_usage: f64,
+    pub num_free_blocks: usize,
+    pub num_cached_blocks: usize,
+    pub num_preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache at first admission, and how many were hits.
+    pub prefix_query_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub num_steps: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: FxHashMap<RequestId, Request>,
+    waiting: BTreeMap<QueueKey, RequestId>,
+    /// Sorted by queue key.
+    running: Vec<(QueueKey, RequestId)>,
+    next_order: i64,
+    next_head_order: i64,
+    in_flight: Option<(u64, Vec<ScheduledRequest>)>,
+    finished_since_step: Vec<RequestId>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let kv = KvCacheManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        )?;
+        Ok(Self {
+            config,
+            kv,
+            requests: FxHashMap::default(),
+            waiting: BTreeMap::new(),
+            running: Vec::new(),
+            next_order: 0,
+            next_head_order: -1,
+            in_flight: None,
+            finished_since_step: Vec::new(),
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request. Refuses, naming the field, one that could never be served: empty or
+    /// over-long prompt, `max_tokens` past the model length, or more KV than the whole pool.
+    pub fn add_request(&mut self, new: NewRequest) -> Result<()> {
+        let cfg = &self.config;
+        let prompt_len = new.prompt_token_ids.len();
+        if self.requests.contains_key(&new.id) {
+            return Err(request_err("request_id", format!("{} is already in use", new.id)));
+        }
+        if prompt_len == 0 {
+            return Err(request_err("prompt_token_ids", "must not be empty"));
+        }
+        if prompt_len >= cfg.max_model_len {
+            return Err(request_err(
+                "prompt_token_ids",
+                format!("{prompt_len} tokens leave no room to generate within max_model_len {}", cfg.max_model_len),
+            ));
+        }
+        let room = cfg.max_model_len - prompt_len;
+        let max_tokens = new.max_tokens.unwrap_or(room);
+        if max_tokens == 0 {
+            return Err(request_err("max_tokens", "must be at least 1"));
+        }
+        if max_tokens > room {
+            return Err(request_err(
+                "max_tokens",
+                format!("{prompt_len} prompt + {max_tokens} output tokens exceed max_model_len {}", cfg.max_model_len),
+            ));
+        }
+        if new.min_tokens > max_tokens {
+            return Err(request_err("min_tokens", format!("{} exceeds max_tokens {max_tokens}", new.min_tokens)));
+        }
+        if new.namespace.adapter_id != 0 && cfg.max_loras == 0 {
+            return Err(request_err("adapter_id", "LoRA adapters are disabled (max_loras = 0)"));
+        }
+        let blocks = self.kv.blocks_for(prompt_len + max_tokens + cfg.num_lookahead_tokens);
+        if blocks > self.kv.num_usable_blocks() {
+            return Err(request_err(
+                "max_tokens",
+                format!(
+                    "{prompt_len} prompt + {max_tokens} output tokens need {blocks} KV blocks; the pool has {}",
+                    self.kv.num_usable_blocks()
+                ),
+            ));
+        }
+        let req = Request::from_new(new, max_tokens, self.next_order);
+        self.next_order += 1;
+        self.waiting.insert(req.key(), req.id);
+        self.requests.insert(req.id, req);
+        Ok(())
+    }
+
+    /// Starts `child_id` as a copy of `parent_id` that shares its computed KV blocks
+    /// (copy-on-write), for `n > 1` sampling. The child inherits the stop limits.
+    pub fn fork_request(&mut self, parent_id: RequestId, child_id: RequestId) -> Result<()> {
+        if self.in_flight.is_some() {
+            return Err(step_err("step", "cannot fork while a step is in flight"));
+        }
+        if self.requests.contains_key(&child_id) {
+            return Err(request_err("request_id", format!("{child_id} is already in use")));
+        }
+        let parent = self.requests.get(&parent_id).ok_or(CoreError::UnknownRequest(parent_id))?;
+        let mut child = parent.clone();
+        child.id = child_id;
+        child.order = self.next_order;
+        self.next_order += 1;
+        child.spec_token_ids.clear();
+        child.admitted_once = false;
+        let can_run = parent.status == RequestStatus::Running && self.running.len() < self.config.max_num_seqs;
+        if can_run {
+            child.block_table = self.kv.fork(parent);
+            child.num_inserted_blocks = child.num_inserted_blocks.min(child.block_table.len());
+            insert_sorted(&mut self.running, (child.key(), child_id));
+        } else {
+            child.status = RequestStatus::Waiting;
+            child.block_table.clear();
+            child.num_inserted_blocks = 0;
+            child.num_computed_tokens = 0;
+            self.waiting.insert(child.key(), child_id);
+        }
+        self.requests.insert(child_id, child);
+        Ok(())
+    }
+
+    /// Drops a request wherever it is; its blocks are freed (cached ones stay cached).
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        let mut req = self.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
+        match req.status {
+            RequestStatus::Running => {
+                if let Some(pos) = self.running.iter().position(|&(_, r)| r == id) {
+                    self.running.remove(pos);
+                }
+            }
+            _ => {
+                self.waiting.remove(&req.key());
+            }
+        }
+        self.kv.free(&mut req);
+        self.finished_since_step.push(id);
+        Ok(())
+    }
+
+    /// Sets the draft tokens to verify at the request's next step (replacing earlier ones).
+    /// Drafts past the request's token limit are dropped.
+    pub fn set_spec_tokens(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
+        let max_model_len = self.config.max_model_len;
+        let req = self.requests.get_mut(&id).ok_or(CoreError::UnknownRequest(id))?;
+        let limit = (req.num_prompt_tokens + req.max_tokens).min(max_model_len);
+        let room = limit.saturating_sub(req.num_tokens());
+        req.spec_token_ids.clear();
+        if req.status == RequestStatus::Running {
+            req.spec_token_ids.extend_from_slice(&tokens[..tokens.len().min(room)]);
+        }
+        Ok(())
+    }
+
+    /// Decides one step. Call [`Self::update`] with its results before the next `schedule`.
+    pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        if self.in_flight.is_some() {
+            return Err(step_err("step", "the previous step has not been updated"));
+        }
+        let cfg = self.config.clone();
+        let bs = cfg.block_size;
+        let mut budget = cfg.max_num_batched_tokens;
+        let mut plan: Vec<(ScheduledRequest, usize)> = Vec::new();
+        let mut loras: Vec<u32> = Vec::new();
+        let mut copies = Vec::new();
+        let mut out = SchedulerOutput { step: self.stats.num_steps, ..Default::default() };
+
+        // Running requests, in queue order; victims are taken from the back.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i].1;
+            let req = self.requests.get_mut(&id).expect("running request is live");
+            let wanted = req.num_tokens() + req.spec_token_ids.len() - req.num_computed_tokens;
+            let num_new = wanted.min(budget);
+            if num_new == 0 || !lora_fits(&loras, req.namespace.adapter_id, cfg.max_loras) {
+                i += 1;
+                continue;
+            }
+            let start = req.num_computed_tokens;
+            let reaches_end = start + num_new >= req.num_tokens();
+            let slots = start + num_new + if reaches_end { cfg.num_lookahead_tokens } else { 0 };
+            let mut scheduled = true;
+            while !self.kv.can_allocate(&self.requests[&id], &[], slots) {
+                let (_, victim) = self.running.pop().expect("the request itself is running");
+                self.preempt(victim);
+                out.preempted_req_ids.push(victim);
+                if victim == id {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            let req = self.requests.get_mut(&id).expect("running request is live");
+            let allocated = self.kv.allocate_slots(req, &[], slots, &mut copies);
+            debug_assert!(allocated);
+            let num_spec = (start + num_new).saturating_sub(req.num_tokens());
+            req.spec_token_ids.truncate(num_spec);
+            let num_logits = if reaches_end { 1 + num_spec } else { 0 };
+            plan.push((ScheduledRequest { id, num_tokens: num_new, num_spec_tokens: num_spec, num_logits }, start));
+            add_lora(&mut loras, req.namespace.adapter_id);
+            budget -= num_new;
+            i += 1;
+        }
+
+        // Waiting requests, only when nothing had to be preempted.
+        let mut cursor: Option<QueueKey> = None;
+        while out.preempted_req_ids.is_empty() && budget > 0 && self.running.len() < cfg.max_num_seqs {
+            let next = match cursor {
+                None => self.waiting.iter().next(),
+                Some(c) => self.waiting.range((Excluded(c), Unbounded)).next(),
+            };
+            let Some((&key, &id)) = next else { break };
+            cursor = Some(key);
+            let req = self.requests.get_mut(&id).expect("waiting request is live");
+            if !lora_fits(&loras, req.namespace.adapter_id, cfg.max_loras) {
+                continue;
+            }
+            let hits = self.kv.match_prefix(req);
+            let cached = hits.len() * bs;
+            let num_new = (req.num_tokens() - cached).min(budget);
+            let reaches_end = cached + num_new >= req.num_tokens();
+            let slots = cached + num_new + if reaches_end { cfg.num_lookahead_tokens } else { 0 };
+            if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
+                break;
+            }
+            req.num_computed_tokens = cached;
+            if !req.admitted_once {
+                req.admitted_once = true;
+                req.num_cached_tokens = cached;
+                self.stats.prefix_query_tokens += req.num_tokens() as u64;
+                self.stats.prefix_hit_tokens += cached as u64;
+            }
+            req.status = RequestStatus::Running;
+            self.waiting.remove(&key);
+            insert_sorted(&mut self.running, (key, id));
+            let num_logits = usize::from(reaches_end);
+            plan.push((ScheduledRequest { id, num_tokens: num_new, num_spec_tokens: 0, num_logits }, cached));
+            add_lora(&mut loras, req.namespace.adapter_id);
+            budget -= num_new;
+        }
+
+        for (s, start) in &plan {
+            let req = self.requests.get_mut(&s.id).expect("scheduled request is live");
+            out.push_request(req, s, *start, bs);
+            req.num_computed_tokens = start + s.num_tokens;
+        }
+        let requests = &self.requests;
+        out.set_block_tables(plan.iter().map(|(s, _)| requests[&s.id].block_table.as_slice()));
+        out.block_copies = copies.into_iter().flatten().map(|b| b as i32).collect();
+        out.finished_req_ids = std::mem::take(&mut self.finished_since_step);
+        self.stats.num_preemptions += out.preempted_req_ids.len() as u64;
+        self.in_flight = Some((out.step, plan.into_iter().map(|(s, _)| s).collect()));
+        self.stats.num_steps += 1;
+        Ok(out)
+    }
+
+    /// Takes the step's sampled tokens back: `num_sampled[i]` tokens per scheduled request, laid
+    /// end to end in `sampled`. For a request that verified `k` drafts they are the accepted
+    /// drafts then one bonus token; the KV of rejected drafts is given back. Requests hit a stop
+    /// token, `max_tokens` or the model length finish here and free their blocks.
+    pub fn update(&mut self, sampled: &[u32], num_sampled: &[u32]) -> Result<UpdateResult> {
+        let (step, plan) = self.in_flight.take().ok_or_else(|| step_err("step", "no step in flight"))?;
+        if let Err(e) = self.check_step_result(&plan, sampled, num_sampled) {
+            self.in_flight = Some((step, plan));
+            return Err(e);
+        }
+        let max_model_len = self.config.max_model_len;
+        let mut result = UpdateResult { num_appended: Vec::with_capacity(plan.len()), finished: Vec::new() };
+        let mut offset = 0;
+        for (s, &n) in plan.iter().zip(num_sampled) {
+            let n = n as usize;
+            let tokens = &sampled[offset..offset + n];
+            offset += n;
+            let req = match self.requests.get_mut(&s.id) {
+                Some(req) if req.status == RequestStatus::Running => req,
+                _ => {
+                    result.num_appended.push(0);
+                    continue;
+                }
+            };
+            let mut appended = 0;
+            let mut status = req.status;
+            if n > 0 {
+                req.num_computed_tokens -= s.num_spec_tokens + 1 - n;
+                req.spec_token_ids.clear();
+                for &token in tokens {
+                    appended += 1;
+                    status = req.append_token(token, max_model_len);
+                    if status.is_finished() {
+                        break;
+                    }
+                }
+            }
+            result.num_appended.push(appended);
+            self.kv.cache_full_blocks(req);
+            if status.is_finished() {
+                req.status = status;
+                self.kv.free(req);
+                result.finished.push((s.id, status.finish_reason().expect("finished")));
+            }
+        }
+        if !result.finished.is_empty() {
+            for &(id, _) in &result.finished {
+                self.requests.remove(&id);
+                self.finished_since_step.push(id);
+            }
+            let requests = &self.requests;
+            self.running.retain(|(_, id)| requests.contains_key(id));
+        }
+        Ok(result)
+    }
+
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_waiting: self.waiting.len(),
+            num_running: self.running.len(),
+            kv_usage: self.kv.usage(),
+            num_free_blocks: self.kv.num_free(),
+            num_cached_blocks: self.kv.num_cached(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Verifies every bookkeeping invariant (queues, statuses, refcounts, free and cached
+    /// blocks). Meant for tests; cost is linear in requests and blocks.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut queued = 0;
+        for (key, id) in &self.waiting {
+            let req = self.requests.get(id).ok_or(format!("waiting {id} is not live"))?;
+            if req.key() != *key || !matches!(req.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                return Err(format!("waiting {id} has key {:?} status {:?}", req.key(), req.status));
+            }
+            if !req.block_table.is_empty() {
+                return Err(format!("waiting {id} holds blocks"));
+            }
+            queued += 1;
+        }
+        for w in self.running.windows(2) {
+            if w[0].0 >= w[1].0 {
+                return Err("running queue is not sorted".into());
+            }
+        }
+        for (key, id) in &self.running {
+            let req = self.requests.get(id).ok_or(format!("running {id} is not live"))?;
+            if req.key() != *key || req.status != RequestStatus::Running {
+                return Err(format!("running {id} has key {:?} status {:?}", req.key(), req.status));
+            }
+            let needed = self.kv.blocks_for(req.num_computed_tokens);
+            if req.block_table.len() < needed {
+                return Err(format!("running {id} holds {} blocks for {needed}", req.block_table.len()));
+            }
+            queued += 1;
+        }
+        if queued != self.requests.len() {
+            return Err(format!("{} live requests, {queued} queued", self.requests.len()));
+        }
+        self.kv.check(self.requests.values().map(|r| r.block_table.as_slice()))
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        let req = self.requests.get_mut(&id).expect("preempted request is live");
+        self.kv.free(req);
+        req.num_computed_tokens = 0;
+        req.spec_token_ids.clear();
+        req.status = RequestStatus::Preempted;
+        req.num_preemptions += 1;
+        req.order = self.next_head_order;
+        self.next_head_order -= 1;
+        self.waiting.insert(req.key(), id);
+    }
+
+    fn check_step_result(&self, plan: &[ScheduledRequest], sampled: &[u32], num_sampled: &[u32]) -> Result<()> {
+        if num_sampled.len() != plan.len() {
+            return Err(step_err(
+                "num_sampled",
+                format!("{} entries for {} scheduled requests", num_sampled.len(), plan.len()),
+            ));
+        }
+        let total: usize = num_sampled.iter().map(|&n| n as usize).sum();
+        if total != sampled.len() {
+            return Err(step_err("sampled_token_ids", format!("{} tokens, num_sampled sums to {total}", sampled.len())));
+        }
+        for (s, &n) in plan.iter().zip(num_sampled) {
+            let live = self.requests.contains_key(&s.id);
+            let ok = if live && s.num_logits > 0 { (1..=s.num_logits).contains(&(n as usize)) } else { n as usize <= s.num_logits };
+            if !ok {
+                return Err(step_err(
+                    "num_sampled",
+                    format!("request {} sampled {n} tokens at {} positions", s.id, s.num_logits),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lora_fits(loras: &[u32], adapter: u32, max_loras: usize) -> bool {
+    adapter == 0 || loras.contains(&adapter) || loras.len() < max_loras
+}
+
+fn add_lora(loras: &mut Vec<u32>, adapter: u32) {
+    if adapter != 0 && !loras.contains(&adapter) {
+        loras.push(adapter);
+    }
+}
+
+fn insert_sorted(running: &mut Vec<(QueueKey, RequestId)>, entry: (QueueKey, RequestId)) {
+    let pos = running.partition_point(|e| e.0 < entry.0);
+    running.insert(pos, entry);
+}
