@@ -1,0 +1,79 @@
+"""Types of the native module built from rust/py (the pyserve-core scheduler)."""
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+class ConfigError(ValueError): ...
+class InvalidRequestError(ValueError): ...
+class UnknownRequestError(KeyError): ...
+class StepError(RuntimeError): ...
+
+_Ints = Sequence[int] | npt.NDArray[np.integer]
+
+class SchedulerOutput:
+    step: int
+    req_ids: npt.NDArray[np.uint64]
+    num_scheduled_tokens: npt.NDArray[np.int32]
+    num_spec_tokens: npt.NDArray[np.int32]
+    num_logits: npt.NDArray[np.int32]
+    logits_indices: npt.NDArray[np.int32]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    input_ids: npt.NDArray[np.int32]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    block_tables: npt.NDArray[np.int32]
+    block_copies: npt.NDArray[np.int32]
+    preempted_req_ids: npt.NDArray[np.uint64]
+    finished_req_ids: npt.NDArray[np.uint64]
+    num_reqs: int
+    total_num_tokens: int
+    def __len__(self) -> int: ...
+
+class UpdateResult:
+    num_appended: npt.NDArray[np.int32]
+    finished_req_ids: npt.NDArray[np.uint64]
+    finish_reasons: list[str]
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        max_loras: int = 1,
+        num_lookahead_tokens: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: _Ints,
+        *,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+        priority: int = 0,
+        adapter_id: int = 0,
+        cache_salt: str = "",
+        stop_token_ids: _Ints | None = None,
+        eos_token_id: int | None = None,
+        ignore_eos: bool = False,
+    ) -> None: ...
+    def fork_request(self, parent_id: int, child_id: int) -> None: ...
+    def abort(self, request_id: int) -> None: ...
+    def set_spec_tokens(self, request_id: int, token_ids: _Ints) -> None: ...
+    def schedule(self) -> SchedulerOutput: ...
+    def update(self, sampled_token_ids: _Ints, num_sampled: _Ints) -> UpdateResult: ...
+    def has_unfinished_requests(self) -> bool: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    def stats(self) -> dict[str, int | float]: ...
+    def request_state(self, request_id: int) -> dict[str, object]: ...
+    def check_invariants(self) -> None: ...

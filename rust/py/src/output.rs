@@ -1,0 +1,111 @@
+//! `SchedulerOutput` and `UpdateResult` as Python objects. The core's vectors are moved into
+//! numpy arrays (no per-element copy).
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyserve_core::{FinishReason, SchedulerOutput, UpdateResult};
+
+/// One step's plan and flat inputs. Arrays: `req_ids` (uint64), per-request int32 arrays,
+/// per-token `input_ids` (int32), `positions` and `slot_mapping` (int64), `block_tables`
+/// (int32, `[num_reqs, width]`, padded with 0), `block_copies` (int32, `[m, 2]`).
+#[pyclass(name = "SchedulerOutput", module = "pyserve._core", frozen, get_all)]
+pub struct PySchedulerOutput {
+    step: u64,
+    req_ids: Py<PyArray1<u64>>,
+    num_scheduled_tokens: Py<PyArray1<i32>>,
+    num_spec_tokens: Py<PyArray1<i32>>,
+    num_logits: Py<PyArray1<i32>>,
+    logits_indices: Py<PyArray1<i32>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    input_ids: Py<PyArray1<i32>>,
+    positions: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray1<i64>>,
+    block_tables: Py<PyArray2<i32>>,
+    block_copies: Py<PyArray2<i32>>,
+    preempted_req_ids: Py<PyArray1<u64>>,
+    finished_req_ids: Py<PyArray1<u64>>,
+    num_reqs: usize,
+    total_num_tokens: usize,
+}
+
+fn matrix(py: Python<'_>, data: Vec<i32>, cols: usize) -> PyResult<Py<PyArray2<i32>>> {
+    let rows = if cols == 0 { 0 } else { data.len() / cols };
+    Ok(data.into_pyarray(py).reshape([rows, cols])?.unbind())
+}
+
+impl PySchedulerOutput {
+    pub fn new(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
+        let num_reqs = out.num_reqs();
+        let total_num_tokens = out.total_num_tokens();
+        Ok(Self {
+            step: out.step,
+            req_ids: out.req_ids.into_pyarray(py).unbind(),
+            num_scheduled_tokens: out.num_scheduled_tokens.into_pyarray(py).unbind(),
+            num_spec_tokens: out.num_spec_tokens.into_pyarray(py).unbind(),
+            num_logits: out.num_logits.into_pyarray(py).unbind(),
+            logits_indices: out.logits_indices.into_pyarray(py).unbind(),
+            query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
+            seq_lens: out.seq_lens.into_pyarray(py).unbind(),
+            input_ids: out.input_ids.into_pyarray(py).unbind(),
+            positions: out.positions.into_pyarray(py).unbind(),
+            slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
+            block_tables: matrix(py, out.block_tables, out.block_table_width)?,
+            block_copies: matrix(py, out.block_copies, 2)?,
+            preempted_req_ids: out.preempted_req_ids.into_pyarray(py).unbind(),
+            finished_req_ids: out.finished_req_ids.into_pyarray(py).unbind(),
+            num_reqs,
+            total_num_tokens,
+        })
+    }
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    fn __len__(&self) -> usize {
+        self.num_reqs
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(step={}, num_reqs={}, total_num_tokens={})",
+            self.step, self.num_reqs, self.total_num_tokens
+        )
+    }
+}
+
+/// What `update` did: tokens appended per scheduled request (`req_ids` order) and which
+/// requests finished, with reasons "stop", "length" or "abort".
+#[pyclass(name = "UpdateResult", module = "pyserve._core", frozen, get_all)]
+pub struct PyUpdateResult {
+    num_appended: Py<PyArray1<i32>>,
+    finished_req_ids: Py<PyArray1<u64>>,
+    finish_reasons: Vec<&'static str>,
+}
+
+pub fn reason_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+    }
+}
+
+impl PyUpdateResult {
+    pub fn new(py: Python<'_>, result: UpdateResult) -> Self {
+        let (ids, reasons): (Vec<u64>, Vec<&'static str>) =
+            result.finished.iter().map(|&(id, r)| (id, reason_name(r))).unzip();
+        Self {
+            num_appended: result.num_appended.into_pyarray(py).unbind(),
+            finished_req_ids: ids.into_pyarray(py).unbind(),
+            finish_reasons: reasons,
+        }
+    }
+}
+
+#[pymethods]
+impl PyUpdateResult {
+    fn __repr__(&self) -> String {
+        format!("UpdateResult(finished={})", self.finish_reasons.len())
+    }
+}

@@ -1,0 +1,205 @@
+//! `Scheduler` for Python: keyword-argument constructor, validated inputs, numpy in and out.
+
+use numpy::PyReadonlyArray1;
+use pyo3::exceptions::PyAssertionError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyserve_core::{Namespace, NewRequest, Scheduler, SchedulerConfig};
+
+use crate::error::{to_py, InvalidRequestError, StepError};
+use crate::output::{PySchedulerOutput, PyUpdateResult};
+
+#[pyclass(name = "Scheduler", module = "pyserve._core")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+/// Token ids from a numpy integer array or any sequence of ints, checked to fit in u32.
+fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let values: Vec<i64> = match obj.extract::<PyReadonlyArray1<i64>>() {
+        Ok(arr) => arr.as_slice()?.to_vec(),
+        Err(_) => match obj.extract::<PyReadonlyArray1<i32>>() {
+            Ok(arr) => arr.as_slice()?.iter().map(|&v| v as i64).collect(),
+            Err(_) => obj.extract::<Vec<i64>>().map_err(|_| {
+                InvalidRequestError::new_err(format!("invalid request field `{field}`: must be a sequence of ints"))
+            })?,
+        },
+    };
+    values
+        .into_iter()
+        .map(|v| {
+            u32::try_from(v).map_err(|_| {
+                InvalidRequestError::new_err(format!("invalid request field `{field}`: token id {v} is out of range"))
+            })
+        })
+        .collect()
+}
+
+/// A step-result array: int64 numpy (no copy) or any int sequence.
+fn step_values(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let convert = |v: i64| {
+        u32::try_from(v)
+            .map_err(|_| StepError::new_err(format!("invalid step result `{field}`: value {v} is out of range")))
+    };
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<i64>>() {
+        return arr.as_slice()?.iter().map(|&v| convert(v)).collect();
+    }
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<i32>>() {
+        return arr.as_slice()?.iter().map(|&v| convert(v as i64)).collect();
+    }
+    let values: Vec<i64> = obj
+        .extract()
+        .map_err(|_| StepError::new_err(format!("invalid step result `{field}`: must be a sequence of ints")))?;
+    values.into_iter().map(convert).collect()
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (*, num_blocks, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256,
+        max_model_len=4096, max_loras=1, num_lookahead_tokens=0, enable_prefix_caching=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: usize,
+        block_size: usize,
+        max_num_batched_tokens: usize,
+        max_num_seqs: usize,
+        max_model_len: usize,
+        max_loras: usize,
+        num_lookahead_tokens: usize,
+        enable_prefix_caching: bool,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
+            max_loras,
+            num_lookahead_tokens,
+            enable_prefix_caching,
+        };
+        Ok(Self { inner: Scheduler::new(config).map_err(to_py)? })
+    }
+
+    /// Queues a request; raises InvalidRequestError naming the field when it can never run.
+    #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens=None, min_tokens=0, priority=0,
+        adapter_id=0, cache_salt=String::new(), stop_token_ids=None, eos_token_id=None, ignore_eos=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: u64,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: Option<usize>,
+        min_tokens: usize,
+        priority: i32,
+        adapter_id: u32,
+        cache_salt: String,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        eos_token_id: Option<u32>,
+        ignore_eos: bool,
+    ) -> PyResult<()> {
+        let stop_token_ids = match stop_token_ids {
+            Some(obj) => parse_token_ids("stop_token_ids", obj)?,
+            None => Vec::new(),
+        };
+        let new = NewRequest {
+            id: request_id,
+            prompt_token_ids: parse_token_ids("prompt_token_ids", prompt_token_ids)?,
+            max_tokens,
+            min_tokens,
+            priority,
+            namespace: Namespace::new(adapter_id, cache_salt),
+            stop_token_ids,
+            eos_token_id,
+            ignore_eos,
+        };
+        self.inner.add_request(new).map_err(to_py)
+    }
+
+    /// Starts `child_id` sharing the parent's computed KV blocks (copy-on-write).
+    fn fork_request(&mut self, parent_id: u64, child_id: u64) -> PyResult<()> {
+        self.inner.fork_request(parent_id, child_id).map_err(to_py)
+    }
+
+    fn abort(&mut self, request_id: u64) -> PyResult<()> {
+        self.inner.abort(request_id).map_err(to_py)
+    }
+
+    /// Draft tokens to verify at the request's next step.
+    fn set_spec_tokens(&mut self, request_id: u64, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = parse_token_ids("spec_token_ids", token_ids)?;
+        self.inner.set_spec_tokens(request_id, &tokens).map_err(to_py)
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let out = self.inner.schedule().map_err(to_py)?;
+        PySchedulerOutput::new(py, out)
+    }
+
+    /// `sampled_token_ids`: the step's sampled tokens end to end; `num_sampled`: how many per
+    /// scheduled request, in `req_ids` order.
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+        num_sampled: &Bound<'_, PyAny>,
+    ) -> PyResult<PyUpdateResult> {
+        let sampled = step_values("sampled_token_ids", sampled_token_ids)?;
+        let counts = step_values("num_sampled", num_sampled)?;
+        let result = self.inner.update(&sampled, &counts).map_err(to_py)?;
+        Ok(PyUpdateResult::new(py, result))
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    /// Gauges and counters as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_waiting", s.num_waiting)?;
+        d.set_item("num_running", s.num_running)?;
+        d.set_item("kv_usage", s.kv_usage)?;
+        d.set_item("num_free_blocks", s.num_free_blocks)?;
+        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
+        d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("num_steps", s.num_steps)?;
+        Ok(d)
+    }
+
+    /// One live request's state as a dict (tokens, progress, blocks, status).
+    fn request_state<'py>(&self, py: Python<'py>, request_id: u64) -> PyResult<Bound<'py, PyDict>> {
+        let req = self
+            .inner
+            .request(request_id)
+            .ok_or_else(|| to_py(pyserve_core::CoreError::UnknownRequest(request_id)))?;
+        let d = PyDict::new(py);
+        d.set_item("status", format!("{:?}", req.status).to_lowercase())?;
+        d.set_item("token_ids", req.token_ids.clone())?;
+        d.set_item("num_prompt_tokens", req.num_prompt_tokens)?;
+        d.set_item("num_computed_tokens", req.num_computed_tokens)?;
+        d.set_item("num_cached_tokens", req.num_cached_tokens)?;
+        d.set_item("num_preemptions", req.num_preemptions)?;
+        d.set_item("block_table", req.block_table.clone())?;
+        Ok(d)
+    }
+
+    /// Raises AssertionError with the first broken bookkeeping invariant.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(PyAssertionError::new_err)
+    }
+}
