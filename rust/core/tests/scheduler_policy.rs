@@ -1,0 +1,275 @@
+//! The scheduling policy, pinned case by case.
+
+mod common;
+
+use common::{next_token, Driver};
+use pyserve_core::{CoreError, FinishReason, Namespace, NewRequest, RequestStatus, Scheduler, SchedulerConfig};
+
+fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+    let mut c = SchedulerConfig::new(num_blocks, block_size);
+    c.max_num_batched_tokens = budget;
+    c.max_model_len = 256;
+    c
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    let mut r = NewRequest::new(id, prompt);
+    r.max_tokens = Some(max_tokens);
+    r
+}
+
+fn no_drafts(_: &[u32]) -> Vec<u32> {
+    Vec::new()
+}
+
+#[test]
+fn long_prompt_is_chunked_to_the_budget() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 8)).unwrap());
+    d.add(req(1, (0..20).collect(), 2)).unwrap();
+    let chunks: Vec<Vec<i32>> = (0..3).map(|_| d.step(no_drafts).num_scheduled_tokens).collect();
+    assert_eq!(chunks, vec![vec![8], vec![8], vec![4]]);
+    assert_eq!(d.sched.request(1).unwrap().num_output_tokens(), 1, "only the last chunk samples");
+}
+
+#[test]
+fn cached_prefix_is_not_recomputed() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    let prompt: Vec<u32> = (0..18).collect();
+    d.add(req(1, prompt.clone(), 1)).unwrap();
+    d.run_to_end(10, no_drafts);
+    let mut other = prompt[..13].to_vec();
+    other.extend([30, 31]);
+    d.add(req(2, other, 1)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_scheduled_tokens, vec![3], "12 of 15 tokens come from the cache");
+    assert_eq!(out.positions, vec![12, 13, 14]);
+    assert_eq!(d.sched.stats().prefix_hit_tokens, 12);
+}
+
+#[test]
+fn adapters_and_salts_do_not_share_prefixes() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    let prompt: Vec<u32> = (0..9).collect();
+    d.add(req(1, prompt.clone(), 1)).unwrap();
+    d.run_to_end(10, no_drafts);
+    for (id, ns) in [(2, Namespace::new(1, "")), (3, Namespace::new(0, "tenant-b")), (4, Namespace::default())] {
+        let mut r = req(id, prompt.clone(), 1);
+        r.namespace = ns;
+        d.add(r).unwrap();
+        let out = d.step(no_drafts);
+        d.run_to_end(10, no_drafts);
+        let expected = if id == 4 { 1 } else { 9 };
+        assert_eq!(out.num_scheduled_tokens, vec![expected], "request {id}");
+    }
+}
+
+#[test]
+fn preemption_takes_lowest_priority_then_newest_and_requeues_at_head() {
+    // 6 usable blocks of 2 tokens; three requests of 4 prompt tokens each hold 2 blocks.
+    let mut c = config(7, 2, 64);
+    c.enable_prefix_caching = false;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    for (id, prio) in [(1, 0), (2, 1), (3, 0)] {
+        let mut r = req(id, vec![id as u32; 4], 8);
+        r.priority = prio;
+        d.add(r).unwrap();
+    }
+    d.step(no_drafts); // all three prefilled: 6 blocks held
+    let out = d.step(no_drafts); // position 4 needs a third block each: the pool is empty
+    assert_eq!(out.preempted_req_ids, vec![2], "priority 1 goes first");
+    assert_eq!(out.req_ids, vec![1, 3]);
+    d.add(req(4, vec![9; 3], 2)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.req_ids, vec![1, 3], "2 is at the head and does not fit; 4 waits behind it");
+    let state = d.sched.request(2).unwrap();
+    assert_eq!((state.status, state.num_computed_tokens, state.num_preemptions), (RequestStatus::Preempted, 0, 1));
+    d.run_to_end(100, no_drafts);
+    assert_eq!(d.finished.len(), 4);
+    for (id, (tokens, _)) in &d.finished {
+        assert!(!tokens.is_empty(), "request {id}");
+    }
+}
+
+#[test]
+fn preempted_request_runs_before_later_arrivals() {
+    let mut c = config(5, 2, 64);
+    c.enable_prefix_caching = false;
+    c.max_num_seqs = 1;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    d.add(req(1, vec![1; 3], 4)).unwrap();
+    d.add(req(2, vec![2; 3], 4)).unwrap();
+    let mut first_steps = Vec::new();
+    while d.sched.has_unfinished_requests() {
+        let out = d.step(no_drafts);
+        first_steps.extend(out.req_ids);
+    }
+    first_steps.dedup();
+    assert_eq!(first_steps, vec![1, 2]);
+}
+
+#[test]
+fn lora_cap_limits_distinct_adapters_per_step() {
+    let mut c = config(64, 4, 256);
+    c.max_loras = 2;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    for (id, adapter) in [(1, 1), (2, 2), (3, 3), (4, 0), (5, 1)] {
+        let mut r = req(id, vec![id as u32; 5], 3);
+        r.namespace = Namespace::new(adapter, "");
+        d.add(r).unwrap();
+    }
+    let out = d.step(no_drafts);
+    assert_eq!(out.req_ids, vec![1, 2, 4, 5], "adapter 3 waits for a free slot");
+    d.run_to_end(20, no_drafts);
+    assert_eq!(d.finished.len(), 5);
+}
+
+#[test]
+fn lora_requests_are_refused_when_adapters_are_disabled() {
+    let mut c = config(64, 4, 64);
+    c.max_loras = 0;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut r = req(1, vec![1, 2], 3);
+    r.namespace = Namespace::new(5, "");
+    assert!(matches!(s.add_request(r), Err(CoreError::InvalidRequest { field: "adapter_id", .. })));
+}
+
+#[test]
+fn lookahead_slots_and_rejected_drafts_are_rolled_back() {
+    let mut c = config(64, 4, 64);
+    c.num_lookahead_tokens = 3;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    d.add(req(1, vec![5, 6, 7], 20)).unwrap();
+    let out = d.step(no_drafts);
+    // 3 prompt tokens + 3 lookahead slots = 2 blocks.
+    assert_eq!(out.block_table_width, 2);
+    let tokens = d.live[&1].tokens.clone();
+    let good = next_token(&tokens);
+    let mut seq = tokens.clone();
+    seq.push(good);
+    let wrong = (next_token(&seq) + 1) % common::VOCAB;
+    d.sched.set_spec_tokens(1, &[good, wrong, 0]).unwrap();
+    d.live.get_mut(&1).unwrap().drafts = vec![good, wrong, 0];
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_spec_tokens, vec![3]);
+    assert_eq!(out.num_logits, vec![4]);
+    assert_eq!(out.num_scheduled_tokens, vec![4]);
+    let state = d.sched.request(1).unwrap();
+    // One draft accepted plus the bonus token: 4 + 2 = 6 tokens, KV for the first 5.
+    assert_eq!((state.num_tokens(), state.num_computed_tokens), (6, 5));
+}
+
+#[test]
+fn drafts_never_exceed_max_tokens() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    d.add(req(1, vec![1, 2, 3], 3)).unwrap();
+    d.step(no_drafts);
+    d.sched.set_spec_tokens(1, &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(d.sched.request(1).unwrap().spec_token_ids.len(), 2);
+}
+
+#[test]
+fn abort_frees_blocks_anywhere() {
+    let mut c = config(16, 4, 8);
+    c.enable_prefix_caching = false;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    d.add(req(1, (0..20).collect(), 4)).unwrap();
+    d.add(req(2, vec![1, 2], 4)).unwrap();
+    d.step(no_drafts);
+    assert!(d.sched.stats().kv_usage > 0.0);
+    d.abort(1);
+    d.abort(2);
+    d.sched.check_invariants().unwrap();
+    let stats = d.sched.stats();
+    assert_eq!((stats.kv_usage, stats.num_free_blocks), (0.0, 15));
+    assert_eq!(d.sched.schedule().unwrap().finished_req_ids, vec![1, 2]);
+    assert_eq!(d.sched.abort(1), Err(CoreError::UnknownRequest(1)));
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_on_write() {
+    let mut c = config(32, 4, 64);
+    c.enable_prefix_caching = false;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    d.add(req(1, (0..6).collect(), 4)).unwrap();
+    d.step(no_drafts);
+    d.fork(1, 2);
+    let (a, b) = (d.sched.request(1).unwrap().block_table.clone(), d.sched.request(2).unwrap().block_table.clone());
+    assert_eq!(a[..2], b[..2], "the prompt's blocks are shared");
+    let out = d.step(no_drafts);
+    // Both write position 6, in the shared half-full block 1: one of them copies it first.
+    assert_eq!(out.block_copies.len(), 2);
+    assert_eq!(out.block_copies[0], a[1] as i32);
+    d.run_to_end(20, no_drafts);
+    assert_eq!(d.finished[&1], d.finished[&2]);
+}
+
+#[test]
+fn stop_tokens_respect_min_tokens_and_ignore_eos() {
+    let prompt = vec![1u32, 2, 3];
+    let first = next_token(&prompt);
+    let cases = [(0, false, 1, FinishReason::Stop), (2, false, 2, FinishReason::Stop), (0, true, 4, FinishReason::Length)];
+    for (min_tokens, ignore_eos, len, reason) in cases {
+        let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+        let mut r = req(1, prompt.clone(), 4);
+        r.eos_token_id = Some(first);
+        r.min_tokens = min_tokens;
+        r.ignore_eos = ignore_eos;
+        // Sample the EOS token at every step, straight through the core.
+        d.sched.add_request(r).unwrap();
+        let mut got = Vec::new();
+        let mut finish = None;
+        while finish.is_none() {
+            let out = d.sched.schedule().unwrap();
+            let res = d.sched.update(&vec![first; out.num_reqs()], &vec![1; out.num_reqs()]).unwrap();
+            got.push(first);
+            finish = res.finished.first().map(|f| f.1);
+        }
+        assert_eq!((got.len(), finish.unwrap()), (len, reason), "min_tokens={min_tokens} ignore_eos={ignore_eos}");
+    }
+}
+
+#[test]
+fn requests_that_can_never_fit_are_refused() {
+    let mut s = Scheduler::new(config(5, 4, 64)).unwrap(); // 16 tokens of KV
+    let err = |r| match r {
+        Err(CoreError::InvalidRequest { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(err(s.add_request(req(1, vec![1; 10], 7))), "max_tokens");
+    assert_eq!(err(s.add_request(req(1, vec![], 7))), "prompt_token_ids");
+    assert_eq!(err(s.add_request(req(1, vec![1; 256], 1))), "prompt_token_ids");
+    assert_eq!(err(s.add_request(req(1, vec![1; 10], 0))), "max_tokens");
+    let mut r = req(1, vec![1; 3], 2);
+    r.min_tokens = 3;
+    assert_eq!(err(s.add_request(r)), "min_tokens");
+    s.add_request(req(1, vec![1; 10], 6)).unwrap();
+    assert_eq!(err(s.add_request(req(1, vec![1; 2], 1))), "request_id");
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let field = |c: SchedulerConfig| match Scheduler::new(c) {
+        Err(CoreError::InvalidConfig { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(field(SchedulerConfig::new(1, 16)), "num_blocks");
+    assert_eq!(field(SchedulerConfig::new(8, 12)), "block_size");
+    assert_eq!(field(SchedulerConfig::new(8, 0)), "block_size");
+    assert_eq!(field(config(8, 16, 8)), "max_num_batched_tokens");
+    let mut c = config(8, 4, 8);
+    c.max_num_seqs = 0;
+    assert_eq!(field(c), "max_num_seqs");
+}
+
+#[test]
+fn update_rejects_mismatched_results_and_keeps_the_step() {
+    let mut s = Scheduler::new(config(64, 4, 64)).unwrap();
+    s.add_request(req(1, vec![1, 2, 3], 2)).unwrap();
+    assert!(matches!(s.update(&[], &[]), Err(CoreError::InvalidStepResult { field: "step", .. })));
+    s.schedule().unwrap();
+    assert!(matches!(s.schedule(), Err(CoreError::InvalidStepResult { field: "step", .. })));
+    assert!(matches!(s.update(&[1, 2], &[2]), Err(CoreError::InvalidStepResult { field: "num_sampled", .. })));
+    assert!(matches!(s.update(&[1], &[1, 1]), Err(CoreError::InvalidStepResult { field: "num_sampled", .. })));
+    assert!(matches!(s.update(&[1, 1], &[1]), Err(CoreError::InvalidStepResult { field: "sampled_token_ids", .. })));
+    assert_eq!(s.update(&[7], &[1]).unwrap().num_appended, vec![1]);
+}
