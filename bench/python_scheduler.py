@@ -100,7 +100,7 @@ class PyScheduler:
 
     def _can_allocate(self, req, hits, num_slots):
         needed = max(0, self._blocks_for(num_slots) - len(req.block_table) - len(hits))
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0) if hits else 0
         return needed + revived <= self._num_allocatable()
 
     def _allocate_slots(self, req, hits, num_slots):
