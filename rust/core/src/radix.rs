@@ -217,7 +217,8 @@ impl RadixCache {
                 if n.children.is_empty() {
                     leaves.insert((n.last_access, block_node));
                 }
-            } else if n.parent != NO_NODE && !self.nodes[n.parent as usize].referenced
+            } else if n.parent != NO_NODE
+                && !self.nodes[n.parent as usize].referenced
                 && self.nodes[n.parent as usize].namespace.is_none()
             {
                 return Err(format!("referenced block {block} under an unreferenced parent"));

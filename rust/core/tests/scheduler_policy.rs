@@ -3,7 +3,9 @@
 mod common;
 
 use common::{next_token, Driver};
-use pyserve_core::{CoreError, FinishReason, Namespace, NewRequest, RequestStatus, Scheduler, SchedulerConfig};
+use pyserve_core::{
+    CoreError, FinishReason, Namespace, NewRequest, RequestStatus, Scheduler, SchedulerConfig,
+};
 
 fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
     let mut c = SchedulerConfig::new(num_blocks, block_size);
@@ -52,7 +54,9 @@ fn adapters_and_salts_do_not_share_prefixes() {
     let prompt: Vec<u32> = (0..9).collect();
     d.add(req(1, prompt.clone(), 1)).unwrap();
     d.run_to_end(10, no_drafts);
-    for (id, ns) in [(2, Namespace::new(1, "")), (3, Namespace::new(0, "tenant-b")), (4, Namespace::default())] {
+    for (id, ns) in
+        [(2, Namespace::new(1, "")), (3, Namespace::new(0, "tenant-b")), (4, Namespace::default())]
+    {
         let mut r = req(id, prompt.clone(), 1);
         r.namespace = ns;
         d.add(r).unwrap();
@@ -82,7 +86,10 @@ fn preemption_takes_lowest_priority_then_newest_and_requeues_at_head() {
     let out = d.step(no_drafts);
     assert_eq!(out.req_ids, vec![1, 3], "2 is at the head and does not fit; 4 waits behind it");
     let state = d.sched.request(2).unwrap();
-    assert_eq!((state.status, state.num_computed_tokens, state.num_preemptions), (RequestStatus::Preempted, 0, 1));
+    assert_eq!(
+        (state.status, state.num_computed_tokens, state.num_preemptions),
+        (RequestStatus::Preempted, 0, 1)
+    );
     d.run_to_end(100, no_drafts);
     assert_eq!(d.finished.len(), 4);
     for (id, (tokens, _)) in &d.finished {
@@ -193,7 +200,8 @@ fn fork_shares_blocks_and_copies_on_write() {
     d.add(req(1, (0..6).collect(), 4)).unwrap();
     d.step(no_drafts);
     d.fork(1, 2);
-    let (a, b) = (d.sched.request(1).unwrap().block_table.clone(), d.sched.request(2).unwrap().block_table.clone());
+    let (a, b) =
+        (d.sched.request(1).unwrap().block_table.clone(), d.sched.request(2).unwrap().block_table.clone());
     assert_eq!(a[..2], b[..2], "the prompt's blocks are shared");
     let out = d.step(no_drafts);
     // Both write position 6, in the shared half-full block 1: one of them copies it first.
@@ -207,7 +215,11 @@ fn fork_shares_blocks_and_copies_on_write() {
 fn stop_tokens_respect_min_tokens_and_ignore_eos() {
     let prompt = vec![1u32, 2, 3];
     let first = next_token(&prompt);
-    let cases = [(0, false, 1, FinishReason::Stop), (2, false, 2, FinishReason::Stop), (0, true, 4, FinishReason::Length)];
+    let cases = [
+        (0, false, 1, FinishReason::Stop),
+        (2, false, 2, FinishReason::Stop),
+        (0, true, 4, FinishReason::Length),
+    ];
     for (min_tokens, ignore_eos, len, reason) in cases {
         let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
         let mut r = req(1, prompt.clone(), 4);
@@ -224,7 +236,11 @@ fn stop_tokens_respect_min_tokens_and_ignore_eos() {
             got.push(first);
             finish = res.finished.first().map(|f| f.1);
         }
-        assert_eq!((got.len(), finish.unwrap()), (len, reason), "min_tokens={min_tokens} ignore_eos={ignore_eos}");
+        assert_eq!(
+            (got.len(), finish.unwrap()),
+            (len, reason),
+            "min_tokens={min_tokens} ignore_eos={ignore_eos}"
+        );
     }
 }
 
@@ -268,8 +284,17 @@ fn update_rejects_mismatched_results_and_keeps_the_step() {
     assert!(matches!(s.update(&[], &[]), Err(CoreError::InvalidStepResult { field: "step", .. })));
     s.schedule().unwrap();
     assert!(matches!(s.schedule(), Err(CoreError::InvalidStepResult { field: "step", .. })));
-    assert!(matches!(s.update(&[1, 2], &[2]), Err(CoreError::InvalidStepResult { field: "num_sampled", .. })));
-    assert!(matches!(s.update(&[1], &[1, 1]), Err(CoreError::InvalidStepResult { field: "num_sampled", .. })));
-    assert!(matches!(s.update(&[1, 1], &[1]), Err(CoreError::InvalidStepResult { field: "sampled_token_ids", .. })));
+    assert!(matches!(
+        s.update(&[1, 2], &[2]),
+        Err(CoreError::InvalidStepResult { field: "num_sampled", .. })
+    ));
+    assert!(matches!(
+        s.update(&[1], &[1, 1]),
+        Err(CoreError::InvalidStepResult { field: "num_sampled", .. })
+    ));
+    assert!(matches!(
+        s.update(&[1, 1], &[1]),
+        Err(CoreError::InvalidStepResult { field: "sampled_token_ids", .. })
+    ));
     assert_eq!(s.update(&[7], &[1]).unwrap().num_appended, vec![1]);
 }

@@ -14,7 +14,15 @@ use pyserve_core::{CoreError, Namespace, NewRequest, Scheduler, SchedulerConfig}
 
 #[derive(Debug, Clone)]
 enum Op {
-    Add { prefix: usize, prefix_len: usize, tail: Vec<u32>, max_tokens: usize, priority: i32, adapter: u32, eos: bool },
+    Add {
+        prefix: usize,
+        prefix_len: usize,
+        tail: Vec<u32>,
+        max_tokens: usize,
+        priority: i32,
+        adapter: u32,
+        eos: bool,
+    },
     Step,
     Abort(usize),
     Fork(usize),
@@ -79,9 +87,14 @@ fn run(config: SchedulerConfig, ops: &[Op], good_drafts: usize) -> Result<Driver
                 req.eos_token_id = eos.then_some(3);
                 match d.add(req) {
                     Ok(()) => {
-                        expect.insert(next_id, Expect { prompt, max_tokens: *max_tokens, eos: eos.then_some(3) });
+                        expect.insert(
+                            next_id,
+                            Expect { prompt, max_tokens: *max_tokens, eos: eos.then_some(3) },
+                        );
                     }
-                    Err(CoreError::InvalidRequest { field, .. }) => prop_assert!(field == "max_tokens" || field == "prompt_token_ids"),
+                    Err(CoreError::InvalidRequest { field, .. }) => {
+                        prop_assert!(field == "max_tokens" || field == "prompt_token_ids")
+                    }
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected error {e}"))),
                 }
                 next_id += 1;

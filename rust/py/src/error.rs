@@ -8,7 +8,12 @@ use pyserve_core::CoreError;
 create_exception!(_core, ConfigError, PyValueError, "A scheduler config field is out of range.");
 create_exception!(_core, InvalidRequestError, PyValueError, "A request can never be served as given.");
 create_exception!(_core, UnknownRequestError, PyKeyError, "No live request has this id.");
-create_exception!(_core, StepError, PyRuntimeError, "schedule/update called out of order or with mismatched results.");
+create_exception!(
+    _core,
+    StepError,
+    PyRuntimeError,
+    "schedule/update called out of order or with mismatched results."
+);
 
 pub fn to_py(err: CoreError) -> PyErr {
     let msg = err.to_string();

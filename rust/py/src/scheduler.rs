@@ -21,7 +21,9 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
         Err(_) => match obj.extract::<PyReadonlyArray1<i32>>() {
             Ok(arr) => arr.as_slice()?.iter().map(|&v| v as i64).collect(),
             Err(_) => obj.extract::<Vec<i64>>().map_err(|_| {
-                InvalidRequestError::new_err(format!("invalid request field `{field}`: must be a sequence of ints"))
+                InvalidRequestError::new_err(format!(
+                    "invalid request field `{field}`: must be a sequence of ints"
+                ))
             })?,
         },
     };
@@ -29,7 +31,9 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
         .into_iter()
         .map(|v| {
             u32::try_from(v).map_err(|_| {
-                InvalidRequestError::new_err(format!("invalid request field `{field}`: token id {v} is out of range"))
+                InvalidRequestError::new_err(format!(
+                    "invalid request field `{field}`: token id {v} is out of range"
+                ))
             })
         })
         .collect()
@@ -38,8 +42,9 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
 /// A step-result array: int64 numpy (no copy) or any int sequence.
 fn step_values(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let convert = |v: i64| {
-        u32::try_from(v)
-            .map_err(|_| StepError::new_err(format!("invalid step result `{field}`: value {v} is out of range")))
+        u32::try_from(v).map_err(|_| {
+            StepError::new_err(format!("invalid step result `{field}`: value {v} is out of range"))
+        })
     };
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<i64>>() {
         return arr.as_slice()?.iter().map(|&v| convert(v)).collect();
@@ -47,9 +52,9 @@ fn step_values(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<i32>>() {
         return arr.as_slice()?.iter().map(|&v| convert(v as i64)).collect();
     }
-    let values: Vec<i64> = obj
-        .extract()
-        .map_err(|_| StepError::new_err(format!("invalid step result `{field}`: must be a sequence of ints")))?;
+    let values: Vec<i64> = obj.extract().map_err(|_| {
+        StepError::new_err(format!("invalid step result `{field}`: must be a sequence of ints"))
+    })?;
     values.into_iter().map(convert).collect()
 }
 

@@ -68,7 +68,8 @@ impl FakeKv {
                 let ctx = (0..=p)
                     .map(|q| {
                         let slot = row[q / bs] as usize * bs + q % bs;
-                        let (tok, pos) = self.slots[slot].unwrap_or_else(|| panic!("slot {slot} never written"));
+                        let (tok, pos) =
+                            self.slots[slot].unwrap_or_else(|| panic!("slot {slot} never written"));
                         assert_eq!(pos as usize, q, "slot {slot} holds position {pos}, read as {q}");
                         tok as u32
                     })
@@ -146,7 +147,8 @@ impl Driver {
         let scheduled: usize = out.num_scheduled_tokens.iter().map(|&n| n as usize).sum();
         assert!(scheduled <= cfg.max_num_batched_tokens, "budget exceeded: {scheduled}");
         assert!(out.num_reqs() <= cfg.max_num_seqs);
-        let mut adapters: Vec<u32> = out.req_ids.iter().map(|id| self.live[id].adapter).filter(|&a| a != 0).collect();
+        let mut adapters: Vec<u32> =
+            out.req_ids.iter().map(|id| self.live[id].adapter).filter(|&a| a != 0).collect();
         adapters.sort_unstable();
         adapters.dedup();
         assert!(adapters.len() <= cfg.max_loras, "{} adapters in one step", adapters.len());
@@ -186,7 +188,9 @@ impl Driver {
         }
         for (&id, live) in self.live.iter_mut() {
             let state = self.sched.request(id).unwrap();
-            if state.status != pyserve_core::RequestStatus::Running || state.num_computed_tokens + 1 != live.tokens.len() {
+            if state.status != pyserve_core::RequestStatus::Running
+                || state.num_computed_tokens + 1 != live.tokens.len()
+            {
                 live.drafts.clear();
                 continue;
             }
