@@ -124,8 +124,12 @@ fn main() {
 
     let stats = sched.stats();
     let count = |r| reasons.get(&r).copied().unwrap_or(0);
-    println!("requests:            {NUM_REQUESTS} ({} length, {} stop, {} aborted)",
-        count(FinishReason::Length), count(FinishReason::Stop), count(FinishReason::Abort));
+    println!(
+        "requests:            {NUM_REQUESTS} ({} length, {} stop, {} aborted)",
+        count(FinishReason::Length),
+        count(FinishReason::Stop),
+        count(FinishReason::Abort)
+    );
     println!("steps:               {step}");
     println!("tokens scheduled:    {total_tokens}");
     println!("preemptions:         {}", stats.num_preemptions);

@@ -30,7 +30,7 @@ pub struct PySchedulerOutput {
 }
 
 fn matrix(py: Python<'_>, data: Vec<i32>, cols: usize) -> PyResult<Py<PyArray2<i32>>> {
-    let rows = if cols == 0 { 0 } else { data.len() / cols };
+    let rows = data.len().checked_div(cols).unwrap_or(0);
     Ok(data.into_pyarray(py).reshape([rows, cols])?.unbind())
 }
 
