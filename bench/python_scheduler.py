@@ -1,16 +1,10 @@
-"""The pyserve scheduling policy written plainly in Python: the benchmark baseline.
+"""The pyserve scheduling policy in plain Python: a benchmark baseline, not the product.
 
-This is a baseline to measure the Rust scheduler (pyserve._core.Scheduler) against, not the
-product. It is written the way a classic Python engine does it: request objects in a dict, a
-deque free list with a refcount list, lists for the queues, and numpy arrays built from Python
-lists at the end of each step. The policy is the same as the Rust one: running requests first in
-queue order within the token budget, a new block when a request's slots cross a block boundary,
-preemption by recompute of the last running request when blocks run out, then waiting requests
-admitted FIFO with chunked prefill (only when nothing was preempted). Not supported: priorities,
-LoRA, speculative tokens, forks, stop tokens other than one EOS id. The prefix cache is a dict
-keyed by the tuple of all tokens up to and including each full block, evicted LRU among
-unreferenced cached blocks (blocks are released tail first, so a prefix outlives its extensions,
-as in the Rust radix tree).
+Written like a classic Python engine (request objects in a dict, a deque free list and refcount
+list, numpy arrays built from lists at the end of the step), with the same policy and the same
+flat outputs as pyserve._core.Scheduler. Not supported: priorities, LoRA, drafts, forks, stop
+tokens other than one EOS id. Prefix cache: a dict keyed by the tuple of all tokens up to the end
+of each full block; unreferenced cached blocks are evicted LRU (blocks are released tail first).
 """
 
 from bisect import insort

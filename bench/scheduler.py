@@ -148,6 +148,7 @@ def main():
     # whole multiples of block_size steps to weigh those steps fairly.
     repeats, rust_steps, py_steps = (3, 96, 16) if args.quick else (7, 192, 48)
     start = time.perf_counter()
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
 
     checks = run_checks()
     print(f"equivalence check passed (identical outputs at every step): {checks}")
@@ -186,7 +187,8 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit, "git_dirty": dirty,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "numpy": np.__version__},
+                    "cpu_count": os.cpu_count(), "numpy": np.__version__,
+                    "load_average_at_start": load_at_start},
         "config": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": MAX_BATCHED, "prompt_len": PROMPT_LEN,
                    "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True, "repeats": repeats,
                    "quick": args.quick, "statistic": "median us per step"},
