@@ -82,6 +82,7 @@ impl KvCacheManager {
     /// blocks for `num_slots` token slots in all. A shared block about to be written is copied
     /// first (copy-on-write); the `[src, dst]` pair goes to `copies`. Returns false, changing
     /// nothing, when the pool cannot supply the blocks: the caller preempts.
+    #[inline]
     pub fn allocate_slots(
         &mut self,
         req: &mut Request,
@@ -89,23 +90,41 @@ impl KvCacheManager {
         num_slots: usize,
         copies: &mut Vec<[BlockId; 2]>,
     ) -> bool {
+        // The common decode step: the next slots are in blocks the request owns alone.
+        if hits.is_empty() && !req.forked && self.blocks_for(num_slots) <= req.block_table.len() {
+            return true;
+        }
+        self.allocate_slots_slow(req, hits, num_slots, copies)
+    }
+
+    fn allocate_slots_slow(
+        &mut self,
+        req: &mut Request,
+        hits: &[BlockId],
+        num_slots: usize,
+        copies: &mut Vec<[BlockId; 2]>,
+    ) -> bool {
         debug_assert!(hits.is_empty() || req.block_table.is_empty());
-        if !self.can_allocate(req, hits, num_slots) {
+        let cow = self.shared_write_block(req);
+        let new_blocks = self.blocks_for(num_slots).saturating_sub(req.block_table.len() + hits.len());
+        if new_blocks == 0 && cow.is_none() && hits.is_empty() {
+            return true;
+        }
+        if self.allocation_cost(req, hits, num_slots) > self.num_allocatable() {
             return false;
         }
         for &block in hits {
             self.take_ref(block);
             req.block_table.push(block);
         }
-        if let Some(idx) = self.shared_write_block(req) {
+        if let Some(idx) = cow {
             let old = req.block_table[idx];
             let new = self.alloc_block();
             copies.push([old, new]);
             self.release(old);
             req.block_table[idx] = new;
         }
-        let needed = self.blocks_for(num_slots).saturating_sub(req.block_table.len());
-        for _ in 0..needed {
+        for _ in 0..new_blocks {
             let block = self.alloc_block();
             req.block_table.push(block);
         }
@@ -120,35 +139,39 @@ impl KvCacheManager {
         }
         req.block_table.clear();
         req.num_inserted_blocks = 0;
+        req.cache_node = None;
+        req.forked = false;
     }
 
-    /// Inserts the request's full, computed blocks into the prefix cache. Where an identical
-    /// block is already cached the request switches to it and its own copy is released.
+    /// Inserts the request's full, computed blocks into the prefix cache, resuming from the
+    /// last block it inserted. Where an identical block is already cached the request switches
+    /// to it and its own copy is released.
+    #[inline]
     pub fn cache_full_blocks(&mut self, req: &mut Request) {
-        if !self.enable_caching {
-            return;
-        }
         let computed = req.num_computed_tokens.min(req.num_tokens());
         let full = (computed / self.block_size).min(req.block_table.len());
-        let start = req.num_inserted_blocks;
-        if full <= start {
-            return;
+        if self.enable_caching && full > req.num_inserted_blocks {
+            self.insert_blocks(req, full);
         }
-        let held = self.radix.insert(
-            &req.namespace,
-            &req.token_ids[..full * self.block_size],
-            &req.block_table[..full],
-            start,
-        );
-        for (offset, block) in held.into_iter().enumerate() {
-            let idx = start + offset;
+    }
+
+    fn insert_blocks(&mut self, req: &mut Request, full: usize) {
+        let mut node = match req.cache_node {
+            Some(node) => node,
+            None => self.radix.root(&req.namespace),
+        };
+        for idx in req.num_inserted_blocks..full {
+            let key = &req.token_ids[idx * self.block_size..(idx + 1) * self.block_size];
             let own = req.block_table[idx];
+            let (child, block) = self.radix.insert_child(node, key, own);
             if block != own {
                 self.take_ref(block);
                 self.release(own);
                 req.block_table[idx] = block;
             }
+            node = child;
         }
+        req.cache_node = Some(node);
         req.num_inserted_blocks = full;
     }
 
@@ -208,8 +231,11 @@ impl KvCacheManager {
     }
 
     /// Index of the partly filled block the next token will be written to, if other requests
-    /// share it.
+    /// share it. Only a fork shares a partly filled block (cached blocks are full).
     fn shared_write_block(&self, req: &Request) -> Option<usize> {
+        if !req.forked {
+            return None;
+        }
         let idx = req.num_computed_tokens / self.block_size;
         let partial = req.num_computed_tokens % self.block_size != 0;
         (partial && idx < req.block_table.len() && self.pool.ref_count(req.block_table[idx]) > 1)

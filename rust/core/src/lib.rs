@@ -41,6 +41,7 @@ pub mod kv_manager;
 pub mod output;
 pub mod radix;
 pub mod request;
+pub mod request_table;
 pub mod scheduler;
 
 pub use block_pool::{BlockId, BlockPool, NULL_BLOCK};
@@ -48,6 +49,6 @@ pub use config::SchedulerConfig;
 pub use error::{CoreError, Result};
 pub use kv_manager::KvCacheManager;
 pub use output::{ScheduledRequest, SchedulerOutput, UpdateResult};
-pub use radix::{Namespace, RadixCache};
+pub use radix::{Namespace, NodeId, RadixCache};
 pub use request::{FinishReason, NewRequest, Request, RequestId, RequestStatus};
 pub use scheduler::{Scheduler, SchedulerStats};

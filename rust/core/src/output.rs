@@ -1,6 +1,5 @@
 //! What one step hands to the model worker: plain data and flat arrays, no tensors.
 
-use crate::block_pool::BlockId;
 use crate::request::{FinishReason, Request, RequestId};
 
 /// One request's share of a step.
@@ -58,43 +57,56 @@ impl SchedulerOutput {
         self.req_ids.is_empty()
     }
 
-    /// Appends one request's tokens. `start` is its `num_computed_tokens` before this step.
-    pub(crate) fn push_request(&mut self, req: &Request, s: &ScheduledRequest, start: usize, bs: usize) {
-        if self.query_start_loc.is_empty() {
-            self.query_start_loc.push(0);
+    /// Reserves room for `num_reqs` requests, `num_tokens` tokens and block tables `width` wide.
+    pub(crate) fn reserve(&mut self, num_reqs: usize, num_tokens: usize, width: usize) {
+        self.block_table_width = width;
+        self.block_tables.reserve(num_reqs * width);
+        for v in [
+            &mut self.num_scheduled_tokens,
+            &mut self.num_spec_tokens,
+            &mut self.num_logits,
+            &mut self.seq_lens,
+        ] {
+            v.reserve(num_reqs);
         }
+        self.req_ids.reserve(num_reqs);
+        self.query_start_loc.reserve(num_reqs + 1);
+        self.query_start_loc.push(0);
+        self.input_ids.reserve(num_tokens);
+        self.positions.reserve(num_tokens);
+        self.slot_mapping.reserve(num_tokens);
+        self.logits_indices.reserve(num_reqs);
+    }
+
+    /// Appends one request: its tokens (`start` is its `num_computed_tokens` before this step)
+    /// and its block-table row padded to `width` with the null block.
+    pub(crate) fn push_request(
+        &mut self,
+        req: &Request,
+        s: &ScheduledRequest,
+        start: usize,
+        bs: usize,
+        width: usize,
+    ) {
         let first_token = self.input_ids.len();
+        let known = req.token_ids.len();
         for pos in start..start + s.num_tokens {
-            let token = match req.token_ids.get(pos) {
-                Some(&t) => t,
-                None => req.spec_token_ids[pos - req.token_ids.len()],
-            };
+            let token = if pos < known { req.token_ids[pos] } else { req.spec_token_ids[pos - known] };
             self.input_ids.push(token as i32);
             self.positions.push(pos as i64);
             let block = req.block_table[pos / bs] as i64;
             self.slot_mapping.push(block * bs as i64 + (pos % bs) as i64);
         }
         let end = first_token + s.num_tokens;
-        for idx in end - s.num_logits..end {
-            self.logits_indices.push(idx as i32);
-        }
+        self.logits_indices.extend((end - s.num_logits..end).map(|idx| idx as i32));
         self.req_ids.push(s.id);
         self.num_scheduled_tokens.push(s.num_tokens as i32);
         self.num_spec_tokens.push(s.num_spec_tokens as i32);
         self.num_logits.push(s.num_logits as i32);
         self.query_start_loc.push(end as i32);
         self.seq_lens.push((start + s.num_tokens) as i32);
-    }
-
-    /// Lays out the block tables of the scheduled requests, in `req_ids` order.
-    pub(crate) fn set_block_tables<'a>(&mut self, tables: impl Iterator<Item = &'a [BlockId]> + Clone) {
-        let width = tables.clone().map(<[BlockId]>::len).max().unwrap_or(0);
-        self.block_table_width = width;
-        self.block_tables = Vec::with_capacity(width * self.req_ids.len());
-        for table in tables {
-            self.block_tables.extend(table.iter().map(|&b| b as i32));
-            self.block_tables.extend(std::iter::repeat_n(0, width - table.len()));
-        }
+        self.block_tables.extend(req.block_table.iter().map(|&b| b as i32));
+        self.block_tables.extend(std::iter::repeat_n(0, width - req.block_table.len()));
     }
 }
 

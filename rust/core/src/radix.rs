@@ -35,7 +35,9 @@ impl Namespace {
     }
 }
 
-type NodeId = u32;
+/// Handle of a tree node. Valid while the node's block is referenced (such a node is never
+/// evicted); roots stay valid while their namespace has cached blocks.
+pub type NodeId = u32;
 const NO_NODE: NodeId = u32::MAX;
 
 #[derive(Debug)]
@@ -125,19 +127,43 @@ impl RadixCache {
         let mut node = self.root(ns);
         let mut out = Vec::with_capacity(blocks.len().saturating_sub(start));
         for (i, key) in tokens.chunks_exact(self.block_size).take(blocks.len()).enumerate() {
-            let found = self.nodes[node as usize].children.get(key).copied();
-            node = match found {
-                Some(child) => child,
-                None => {
-                    debug_assert!(i >= start, "prefix of an insert is not cached");
-                    self.add_child(node, key, blocks[i])
-                }
-            };
+            let (child, block) = self.insert_child(node, key, blocks[i]);
+            debug_assert!(i >= start || block == blocks[i], "prefix of an insert is not cached");
             if i >= start {
-                out.push(self.nodes[node as usize].block);
+                out.push(block);
             }
+            node = child;
         }
         out
+    }
+
+    /// The root of a namespace's tree, created on first use.
+    pub fn root(&mut self, ns: &Namespace) -> NodeId {
+        if let Some(&root) = self.roots.get(ns) {
+            return root;
+        }
+        let root = self.new_node(Node {
+            parent: NO_NODE,
+            block: 0,
+            key: Box::new([]),
+            children: FxHashMap::default(),
+            referenced: true,
+            last_access: 0,
+            namespace: Some(ns.clone()),
+        });
+        self.roots.insert(ns.clone(), root);
+        root
+    }
+
+    /// The child of `parent` for one block of tokens `key`: the existing one, or a new node
+    /// holding `block` (which must be referenced and not cached). Returns the child and the
+    /// block it holds.
+    pub fn insert_child(&mut self, parent: NodeId, key: &[u32], block: BlockId) -> (NodeId, BlockId) {
+        debug_assert_eq!(key.len(), self.block_size);
+        if let Some(&child) = self.nodes[parent as usize].children.get(key) {
+            return (child, self.nodes[child as usize].block);
+        }
+        (self.add_child(parent, key, block), block)
     }
 
     /// A cached block gained its first reference: it is no longer evictable.
@@ -234,23 +260,6 @@ impl RadixCache {
             return Err("evictable set differs from unreferenced leaves".into());
         }
         Ok(())
-    }
-
-    fn root(&mut self, ns: &Namespace) -> NodeId {
-        if let Some(&root) = self.roots.get(ns) {
-            return root;
-        }
-        let root = self.new_node(Node {
-            parent: NO_NODE,
-            block: 0,
-            key: Box::new([]),
-            children: FxHashMap::default(),
-            referenced: true,
-            last_access: 0,
-            namespace: Some(ns.clone()),
-        });
-        self.roots.insert(ns.clone(), root);
-        root
     }
 
     fn add_child(&mut self, parent: NodeId, key: &[u32], block: BlockId) -> NodeId {

@@ -1,7 +1,7 @@
 //! Per-request state as the scheduler sees it: tokens, progress, blocks, limits.
 
 use crate::block_pool::BlockId;
-use crate::radix::Namespace;
+use crate::radix::{Namespace, NodeId};
 
 /// Caller-chosen request id, unique among live requests.
 pub type RequestId = u64;
@@ -87,6 +87,11 @@ pub struct Request {
     pub block_table: Vec<BlockId>,
     /// Leading blocks of `block_table` already inserted in the prefix cache.
     pub(crate) num_inserted_blocks: usize,
+    /// Tree node of the last inserted block, where the next insert resumes.
+    pub(crate) cache_node: Option<NodeId>,
+    /// Set on both sides of a fork until the request's blocks are freed: only then may its
+    /// partly filled block be shared, so only then is copy-on-write checked.
+    pub(crate) forked: bool,
     pub num_preemptions: u32,
     pub(crate) admitted_once: bool,
     pub max_tokens: usize,
@@ -111,6 +116,8 @@ impl Request {
             spec_token_ids: Vec::new(),
             block_table: Vec::new(),
             num_inserted_blocks: 0,
+            cache_node: None,
+            forked: false,
             num_preemptions: 0,
             admitted_once: false,
             max_tokens,

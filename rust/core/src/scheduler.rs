@@ -8,17 +8,19 @@
 
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap;
-
 use crate::config::SchedulerConfig;
 use crate::error::{request_err, step_err, CoreError, Result};
 use crate::kv_manager::KvCacheManager;
 use crate::output::ScheduledRequest;
 use crate::request::{NewRequest, Request, RequestId, RequestStatus};
+use crate::request_table::{RequestTable, Slot};
 
 mod step;
 
 pub(crate) type QueueKey = (i32, i64);
+
+/// One request's share of the step in flight, with its `num_computed_tokens` before the step.
+type Planned = (Slot, ScheduledRequest, usize);
 
 /// Counters since construction, plus gauges of now.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -39,13 +41,16 @@ pub struct SchedulerStats {
 pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
-    requests: FxHashMap<RequestId, Request>,
-    waiting: BTreeMap<QueueKey, RequestId>,
+    requests: RequestTable,
+    waiting: BTreeMap<QueueKey, Slot>,
     /// Sorted by queue key.
-    running: Vec<(QueueKey, RequestId)>,
+    running: Vec<(QueueKey, Slot)>,
     next_order: i64,
     next_head_order: i64,
-    in_flight: Option<(u64, Vec<ScheduledRequest>)>,
+    /// The step in flight (between `schedule` and `update`): slot, share, tokens computed
+    /// before. The buffer is reused from step to step.
+    plan: Vec<Planned>,
+    in_flight: bool,
     finished_since_step: Vec<RequestId>,
     stats: SchedulerStats,
 }
@@ -57,12 +62,13 @@ impl Scheduler {
         Ok(Self {
             config,
             kv,
-            requests: FxHashMap::default(),
+            requests: RequestTable::default(),
             waiting: BTreeMap::new(),
             running: Vec::new(),
             next_order: 0,
             next_head_order: -1,
-            in_flight: None,
+            plan: Vec::new(),
+            in_flight: false,
             finished_since_step: Vec::new(),
             stats: SchedulerStats::default(),
         })
@@ -77,7 +83,7 @@ impl Scheduler {
     pub fn add_request(&mut self, new: NewRequest) -> Result<()> {
         let cfg = &self.config;
         let prompt_len = new.prompt_token_ids.len();
-        if self.requests.contains_key(&new.id) {
+        if self.requests.contains(new.id) {
             return Err(request_err("request_id", format!("{} is already in use", new.id)));
         }
         if prompt_len == 0 {
@@ -127,21 +133,22 @@ impl Scheduler {
         }
         let req = Request::from_new(new, max_tokens, self.next_order);
         self.next_order += 1;
-        self.waiting.insert(req.key(), req.id);
-        self.requests.insert(req.id, req);
+        let key = req.key();
+        let slot = self.requests.insert(req);
+        self.waiting.insert(key, slot);
         Ok(())
     }
 
     /// Starts `child_id` as a copy of `parent_id` that shares its computed KV blocks
     /// (copy-on-write), for `n > 1` sampling. The child inherits the stop limits.
     pub fn fork_request(&mut self, parent_id: RequestId, child_id: RequestId) -> Result<()> {
-        if self.in_flight.is_some() {
+        if self.in_flight {
             return Err(step_err("step", "cannot fork while a step is in flight"));
         }
-        if self.requests.contains_key(&child_id) {
+        if self.requests.contains(child_id) {
             return Err(request_err("request_id", format!("{child_id} is already in use")));
         }
-        let parent = self.requests.get(&parent_id).ok_or(CoreError::UnknownRequest(parent_id))?;
+        let parent = self.requests.by_id(parent_id).ok_or(CoreError::UnknownRequest(parent_id))?;
         let mut child = parent.clone();
         child.id = child_id;
         child.order = self.next_order;
@@ -151,26 +158,37 @@ impl Scheduler {
         let can_run =
             parent.status == RequestStatus::Running && self.running.len() < self.config.max_num_seqs;
         if can_run {
+            child.forked = true;
             child.block_table = self.kv.fork(parent);
             child.num_inserted_blocks = child.num_inserted_blocks.min(child.block_table.len());
-            insert_sorted(&mut self.running, (child.key(), child_id));
         } else {
             child.status = RequestStatus::Waiting;
             child.block_table.clear();
             child.num_inserted_blocks = 0;
+            child.cache_node = None;
             child.num_computed_tokens = 0;
-            self.waiting.insert(child.key(), child_id);
         }
-        self.requests.insert(child_id, child);
+        let key = child.key();
+        if can_run {
+            let parent_slot = self.requests.slot_of(parent_id).expect("parent is live");
+            self.requests[parent_slot].forked = true;
+        }
+        let slot = self.requests.insert(child);
+        if can_run {
+            insert_sorted(&mut self.running, (key, slot));
+        } else {
+            self.waiting.insert(key, slot);
+        }
         Ok(())
     }
 
     /// Drops a request wherever it is; its blocks are freed (cached ones stay cached).
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        let mut req = self.requests.remove(&id).ok_or(CoreError::UnknownRequest(id))?;
+        let slot = self.requests.slot_of(id).ok_or(CoreError::UnknownRequest(id))?;
+        let mut req = self.requests.remove(slot);
         match req.status {
             RequestStatus::Running => {
-                if let Some(pos) = self.running.iter().position(|&(_, r)| r == id) {
+                if let Some(pos) = self.running.iter().position(|&(_, s)| s == slot) {
                     self.running.remove(pos);
                 }
             }
@@ -187,7 +205,8 @@ impl Scheduler {
     /// Drafts past the request's token limit are dropped.
     pub fn set_spec_tokens(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let req = self.requests.get_mut(&id).ok_or(CoreError::UnknownRequest(id))?;
+        let slot = self.requests.slot_of(id).ok_or(CoreError::UnknownRequest(id))?;
+        let req = &mut self.requests[slot];
         let limit = (req.num_prompt_tokens + req.max_tokens).min(max_model_len);
         let room = limit.saturating_sub(req.num_tokens());
         req.spec_token_ids.clear();
@@ -202,7 +221,7 @@ impl Scheduler {
     }
 
     pub fn request(&self, id: RequestId) -> Option<&Request> {
-        self.requests.get(&id)
+        self.requests.by_id(id)
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -228,8 +247,9 @@ impl Scheduler {
     /// blocks). Meant for tests; cost is linear in requests and blocks.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut queued = 0;
-        for (key, id) in &self.waiting {
-            let req = self.requests.get(id).ok_or(format!("waiting {id} is not live"))?;
+        for (key, &slot) in &self.waiting {
+            let req = self.requests.get(slot).ok_or(format!("waiting slot {slot} is not live"))?;
+            let id = req.id;
             if req.key() != *key || !matches!(req.status, RequestStatus::Waiting | RequestStatus::Preempted) {
                 return Err(format!("waiting {id} has key {:?} status {:?}", req.key(), req.status));
             }
@@ -243,9 +263,10 @@ impl Scheduler {
                 return Err("running queue is not sorted".into());
             }
         }
-        for (key, id) in &self.running {
-            let req = self.requests.get(id).ok_or(format!("running {id} is not live"))?;
-            if req.key() != *key || req.status != RequestStatus::Running {
+        for &(key, slot) in &self.running {
+            let req = self.requests.get(slot).ok_or(format!("running slot {slot} is not live"))?;
+            let id = req.id;
+            if req.key() != key || req.status != RequestStatus::Running {
                 return Err(format!("running {id} has key {:?} status {:?}", req.key(), req.status));
             }
             let needed = self.kv.blocks_for(req.num_computed_tokens);
@@ -261,7 +282,7 @@ impl Scheduler {
     }
 }
 
-fn insert_sorted(running: &mut Vec<(QueueKey, RequestId)>, entry: (QueueKey, RequestId)) {
+fn insert_sorted(running: &mut Vec<(QueueKey, Slot)>, entry: (QueueKey, Slot)) {
     let pos = running.partition_point(|e| e.0 < entry.0);
     running.insert(pos, entry);
 }
