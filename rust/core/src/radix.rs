@@ -112,8 +112,10 @@ impl RadixCache {
     }
 
     /// Inserts the chain of full blocks `blocks` for `tokens` (`blocks[i]` holds
-    /// `tokens[i*bs..(i+1)*bs]`), starting at block index `start`: the first `start` blocks must
-    /// already be on the tree. Every block must be referenced by the caller.
+    /// `tokens[i*bs..(i+1)*bs]`), walking from the namespace's root; keys already on the tree
+    /// keep their block. Every given block must be referenced by the caller, and so must be the
+    /// blocks the tree already holds for the chain (a referenced node never hangs under an
+    /// unreferenced one).
     ///
     /// Returns, for each index from `start`, the block the tree holds for that key: the given one
     /// when it was inserted, or an earlier identical block the caller should switch to.
@@ -124,11 +126,13 @@ impl RadixCache {
         blocks: &[BlockId],
         start: usize,
     ) -> Vec<BlockId> {
-        let mut node = self.root(ns);
         let mut out = Vec::with_capacity(blocks.len().saturating_sub(start));
+        if blocks.is_empty() {
+            return out;
+        }
+        let mut node = self.root(ns);
         for (i, key) in tokens.chunks_exact(self.block_size).take(blocks.len()).enumerate() {
             let (child, block) = self.insert_child(node, key, blocks[i]);
-            debug_assert!(i >= start || block == blocks[i], "prefix of an insert is not cached");
             if i >= start {
                 out.push(block);
             }
@@ -314,6 +318,13 @@ mod tests {
         assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 9], 10), vec![7]);
         assert_eq!(t.match_prefix(&ns(0), &[1, 3], 10), Vec::<u32>::new());
         assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 1), vec![7]);
+    }
+
+    #[test]
+    fn empty_insert_creates_no_root() {
+        let mut t = RadixCache::new(16, 2);
+        assert!(t.insert(&ns(0), &[1], &[], 0).is_empty());
+        assert!(t.roots.is_empty());
     }
 
     #[test]

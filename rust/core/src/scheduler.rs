@@ -31,7 +31,8 @@ pub struct SchedulerStats {
     pub num_free_blocks: usize,
     pub num_cached_blocks: usize,
     pub num_preemptions: u64,
-    /// Prompt tokens looked up in the prefix cache at first admission, and how many were hits.
+    /// Prompt tokens looked up in the prefix cache at first admission, and how many were hits
+    /// (the last prompt token is always computed, so a full hit is `n - 1` of `n`).
     pub prefix_query_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub num_steps: u64,

@@ -10,7 +10,11 @@ use crate::request::RequestStatus;
 use crate::request_table::Slot;
 
 impl Scheduler {
-    /// Decides one step. Call [`Self::update`] with its results before the next `schedule`.
+    /// Decides one step. Call [`Self::update`] with its results before the next `schedule`
+    /// (with empty arrays when nothing was scheduled).
+    ///
+    /// NOTE: drop the state of `finished_req_ids` before setting up the scheduled requests: an
+    /// aborted id may be reused by a new request in the same step.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
         if self.in_flight {
             return Err(step_err("step", "the previous step has not been updated"));
