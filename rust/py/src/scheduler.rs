@@ -186,6 +186,14 @@ impl PyScheduler {
         Ok(d)
     }
 
+    /// Prompt tokens the request got from the prefix cache at its first admission.
+    fn num_cached_tokens(&self, request_id: u64) -> PyResult<usize> {
+        self.inner
+            .request(request_id)
+            .map(|r| r.num_cached_tokens)
+            .ok_or_else(|| to_py(pyserve_core::CoreError::UnknownRequest(request_id)))
+    }
+
     /// One live request's state as a dict (tokens, progress, blocks, status).
     fn request_state<'py>(&self, py: Python<'py>, request_id: u64) -> PyResult<Bound<'py, PyDict>> {
         let req = self

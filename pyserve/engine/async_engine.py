@@ -1,0 +1,119 @@
+"""AsyncEngine: builds the actors (EngineCore, OutputProcessor) around one ModelWorker and gives
+callers an async API. The offline `LLM` and the HTTP server both sit on it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from pyserve import _core
+from pyserve.actors import ActorSystem
+from pyserve.engine.config import EngineConfig
+from pyserve.engine.core import EngineCore
+from pyserve.engine.output_processor import OutputProcessor, RequestStream
+from pyserve.engine.outputs import CompletionOutput, RequestOutput
+from pyserve.engine.request import Abort, Add, EngineRequest
+from pyserve.engine.sampling_params import SamplingParams
+from pyserve.model.config import ModelConfig
+from pyserve.model.tokenizer import Tokenizer
+from pyserve.model.worker import ModelWorker
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        cfg = self.model_config
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        cfg.check_context(self.max_model_len)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.worker = ModelWorker(
+            config.model,
+            cfg,
+            device=config.device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+            gpu_memory_fraction=config.gpu_memory_fraction,
+            attention_backend=config.attention_backend,
+        )
+        self.scheduler = _core.Scheduler(
+            num_blocks=self.worker.num_kv_blocks,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_loras=config.max_loras,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        eos = self.tokenizer.eos_token_id
+        eos_ids = list(cfg.eos_token_ids) or ([eos] if eos is not None else [])
+        if eos is not None and eos in eos_ids:
+            eos_ids.remove(eos)
+            eos_ids.insert(0, eos)
+        self.eos_token_ids = eos_ids
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor)
+        self.output_processor.engine_core = self.engine_core
+        self.system = ActorSystem()
+        self.system.on_failure(self.output_processor.fail_all)
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        self.system.start(self.engine_core, self.output_processor)
+
+    async def stop(self) -> None:
+        await self.system.stop()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queues a request (one sequence per sample) and returns its stream. Raises ValueError
+        naming the field when it can never be served."""
+        self.system.check_alive()
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        extra_eos = [] if params.ignore_eos else self.eos_token_ids[1:]
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        stop_ids = list(params.stop_token_ids) + extra_eos
+        ban = stop_ids + ([] if params.ignore_eos or eos is None else [eos])
+        requests = []
+        for index in range(params.n):
+            req = EngineRequest(next(self._ids), request_id, index, params, list(prompt_token_ids), ban)
+            requests.append(req)
+        output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
+        stream = RequestStream(output, [r.internal_id for r in requests])
+        self.output_processor.register(stream, requests)
+        loop = asyncio.get_running_loop()
+        adds = []
+        for req in requests:
+            msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority)
+            await self.engine_core.send(msg)
+            adds.append(msg.accepted)
+        try:
+            await asyncio.gather(*adds)
+        except ValueError:
+            await self.abort(request_id)
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        for internal_id in self.output_processor.forget(request_id):
+            await self.engine_core.send(Abort(internal_id))
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine_core.stats()
+

@@ -1,0 +1,136 @@
+"""EngineCore: the step loop, the one owner of the Rust scheduler.
+
+Each turn: drain the inbox (adds, aborts), `schedule`, run the model worker in a thread, `update`
+the scheduler with the sampled tokens, and send the step's per-sequence deltas to the
+OutputProcessor. It never touches tensors.
+"""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import structlog
+
+from pyserve import _core
+from pyserve.actors import Actor
+from pyserve.engine.request import Abort, Add, EngineRequest, SampleDelta, StepOutput
+
+log = structlog.get_logger("pyserve.engine")
+
+NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+class EngineCore(Actor):
+    def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor):
+        super().__init__("engine_core")
+        self.scheduler = scheduler
+        self.worker = worker
+        self.output_processor = output_processor
+        self.requests: dict[int, EngineRequest] = {}
+        self.new_ids: set[int] = set()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    async def run(self) -> None:
+        while True:
+            await self._drain_inbox(block=not self.scheduler.has_unfinished_requests())
+            await self.step()
+
+    async def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.num_reqs == 0:
+            self.scheduler.update(NO_TOKENS, NO_TOKENS)
+            if out.finished_req_ids.size:
+                await anyio.to_thread.run_sync(self.worker.execute, out, [])
+            if self.scheduler.has_unfinished_requests():
+                await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
+            return
+        req_ids = out.req_ids.tolist()
+        num_logits = out.num_logits
+        rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
+        result = await anyio.to_thread.run_sync(self.worker.execute, out, rows)
+        update = self.scheduler.update(result.token_ids, num_logits)
+        finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
+        deltas = []
+        row = 0
+        for rid, n, appended in zip(req_ids, num_logits.tolist(), update.num_appended.tolist()):
+            if not n:
+                continue
+            req = self.requests.get(rid)
+            tokens = result.token_ids[row : row + appended].tolist()
+            delta = SampleDelta(rid, tokens, finished.get(rid))
+            if result.logprobs is not None:
+                delta.logprobs = result.logprobs[row : row + appended]
+                delta.logprob_token_ids = result.logprob_token_ids[row : row + appended]
+                delta.sampled_logprobs = result.sampled_logprobs[row : row + appended]
+                delta.sampled_ranks = result.sampled_ranks[row : row + appended]
+            row += n
+            if req is None:
+                continue
+            req.output_token_ids.extend(tokens)
+            self.num_generation_tokens += len(tokens)
+            if rid in self.new_ids:
+                self.new_ids.discard(rid)
+                delta.num_cached_tokens = self.scheduler.num_cached_tokens(rid)
+            if delta.finish_reason is not None:
+                del self.requests[rid]
+            deltas.append(delta)
+        if deltas:
+            await self.output_processor.send(StepOutput(deltas))
+
+    async def _drain_inbox(self, block: bool) -> None:
+        if block:
+            self._handle(await self.receive())
+        while (msg := self.receive_nowait()) is not None:
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Add):
+            req = msg.request
+            try:
+                self._add(msg)
+            except _core.InvalidRequestError as e:
+                if not msg.accepted.done():
+                    msg.accepted.set_exception(ValueError(str(e)))
+                return
+            if not msg.accepted.done():
+                msg.accepted.set_result(None)
+            self.requests[req.internal_id] = req
+            self.new_ids.add(req.internal_id)
+            self.num_prompt_tokens += len(req.prompt_token_ids)
+        elif isinstance(msg, Abort):
+            if self.requests.pop(msg.internal_id, None) is not None:
+                self.new_ids.discard(msg.internal_id)
+                self.scheduler.abort(msg.internal_id)
+        else:
+            raise TypeError(f"EngineCore got an unknown message {msg!r}")
+
+    def _add(self, msg: Add) -> None:
+        req = msg.request
+        self.scheduler.add_request(
+            req.internal_id,
+            req.prompt_token_ids,
+            max_tokens=msg.max_tokens,
+            min_tokens=req.params.min_tokens,
+            priority=msg.priority,
+            adapter_id=msg.adapter_id,
+            cache_salt=msg.cache_salt,
+            stop_token_ids=msg.stop_token_ids,
+            eos_token_id=msg.eos_token_id,
+            ignore_eos=req.params.ignore_eos,
+        )
+
+    def stats(self) -> dict[str, float | int]:
+        s = self.scheduler.stats()
+        return {
+            "num_requests_running": s["num_running"],
+            "num_requests_waiting": s["num_waiting"],
+            "kv_cache_usage_perc": s["kv_usage"],
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "prefix_cache_queries": s["prefix_query_tokens"],
+            "prefix_cache_hits": s["prefix_hit_tokens"],
+            "num_preemptions": s["num_preemptions"],
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+        }

@@ -1,0 +1,168 @@
+"""The offline API (vLLM-style): `LLM(model=...).generate(prompts, sampling_params)`.
+
+LLM owns a private event loop; the same actors as the server run on it while a call is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.config import EngineConfig
+from pyserve.engine.outputs import RequestOutput
+from pyserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        speculative_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        seed: int = 0,
+        max_model_len: int | None = None,
+    ):
+        if model is None:
+            raise ValueError("model: pass the path of a Hugging Face model directory")
+        if speculative_config is not None:
+            raise ValueError("speculative_config: speculative decoding is not available in this version")
+        if enable_lora:
+            raise ValueError("enable_lora: LoRA adapters are not available in this version")
+        config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            seed=seed,
+        )
+        self._loop = asyncio.new_event_loop()
+        self.engine = AsyncEngine(config)
+        self._loop.run_until_complete(self.engine.start())
+        self._next_request = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: Any = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt (text or token ids) to completion; outputs come back in input order."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not available in this version")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} for {len(prompts)} prompts (pass one, or one per prompt)"
+                )
+        return self._loop.run_until_complete(self._generate(prompts, params, use_tqdm))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.stop())
+            self._loop.close()
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            self.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
+        streams = []
+        for prompt, p in zip(prompts, params):
+            if isinstance(prompt, str):
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, ids = None, [int(t) for t in prompt]
+            request_id = str(self._next_request)
+            self._next_request += 1
+            streams.append(await self.engine.add_request(request_id, ids, p, prompt=text))
+        progress = _Progress(len(streams), enabled=use_tqdm)
+        for stream in streams:
+            await stream.done.wait()
+            if stream.error is not None:
+                raise stream.error
+            progress.advance()
+        progress.close()
+        return [s.output for s in streams]
+
+
+class _Progress:
+    """A one-line progress bar on stderr for long runs."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.enabled = enabled and total > 1
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.enabled:
+            rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+            width = 30
+            filled = width * self.done // self.total
+            bar = "#" * filled + "-" * (width - filled)
+            print(f"\rProcessed prompts [{bar}] {self.done}/{self.total} ({rate:.2f} it/s)",
+                  end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)

@@ -1,0 +1,145 @@
+"""OutputProcessor: turns the engine's per-step token deltas into per-request outputs.
+
+It detokenizes incrementally, applies stop strings (aborting the sequence in the EngineCore),
+assembles logprobs, and publishes to each request's stream: one cumulative RequestOutput plus a
+queue of deltas for streaming consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pyserve.actors import Actor, EngineDeadError
+from pyserve.engine.detokenizer import IncrementalDetokenizer
+from pyserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pyserve.engine.request import Abort, EngineRequest, SampleDelta, StepOutput
+from pyserve.model.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What changed for one sample: new text and tokens, and the finish reason when it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """A request's outputs as they arrive. `output` is cumulative; `deltas` feeds streaming."""
+
+    output: RequestOutput
+    internal_ids: list[int]
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+        self.deltas.put_nowait(None)
+
+
+@dataclass(slots=True)
+class _Sample:
+    stream: RequestStream
+    completion: CompletionOutput
+    detok: IncrementalDetokenizer
+    num_logprobs: int | None
+
+
+class OutputProcessor(Actor):
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__("output_processor")
+        self.tokenizer = tokenizer
+        self.engine_core: Actor | None = None
+        self._samples: dict[int, _Sample] = {}
+        self._streams: dict[str, RequestStream] = {}
+
+    def register(self, stream: RequestStream, requests: list[EngineRequest]) -> None:
+        self._streams[stream.output.request_id] = stream
+        for req, completion in zip(requests, stream.output.outputs, strict=True):
+            p = req.params
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop)
+            if p.logprobs is not None:
+                completion.logprobs = []
+                completion.cumulative_logprob = 0.0
+            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs)
+
+    def forget(self, request_id: str) -> list[int]:
+        """Drops a request (client gone); returns the ids of its still-running sequences."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return []
+        live = [i for i in stream.internal_ids if self._samples.pop(i, None) is not None]
+        return live
+
+    def fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.fail(EngineDeadError(f"engine is dead: {error!r}"))
+        self._streams.clear()
+        self._samples.clear()
+
+    async def run(self) -> None:
+        while True:
+            msg: StepOutput = await self.receive()
+            touched: dict[str, RequestStream] = {}
+            for delta in msg.deltas:
+                sample = self._samples.get(delta.internal_id)
+                if sample is not None:
+                    self._apply(sample, delta)
+                    touched[sample.stream.output.request_id] = sample.stream
+            for stream in touched.values():
+                if all(c.finished for c in stream.output.outputs):
+                    stream.output.finished = True
+                    self._streams.pop(stream.output.request_id, None)
+                    stream.done.set()
+                    stream.deltas.put_nowait(None)
+
+    def _apply(self, sample: _Sample, delta: SampleDelta) -> None:
+        c = sample.completion
+        out = sample.stream.output
+        if delta.num_cached_tokens is not None and c.index == 0:
+            out.num_cached_tokens = delta.num_cached_tokens
+        finish = delta.finish_reason
+        sample.detok.push(delta.token_ids)
+        tokens = delta.token_ids
+        stop_reason: str | int | None = None
+        if sample.detok.stop_hit is not None:
+            finish, stop_reason = "stop", sample.detok.stop_hit
+            if delta.finish_reason is None:
+                self._abort(delta.internal_id)
+        elif finish == "stop" and tokens:
+            stop_reason = tokens[-1]
+        c.token_ids.extend(tokens)
+        new_logprobs = None if sample.num_logprobs is None else self._logprobs(delta, sample.num_logprobs)
+        if new_logprobs is not None:
+            c.logprobs.extend(new_logprobs)
+            c.cumulative_logprob += float(delta.sampled_logprobs.sum())
+        text = sample.detok.take_delta(final=finish is not None)
+        c.text += text
+        if finish is not None:
+            c.finish_reason, c.stop_reason = finish, stop_reason
+            del self._samples[delta.internal_id]
+        sample.stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
+
+    def _abort(self, internal_id: int) -> None:
+        if self.engine_core is not None:
+            self.engine_core.send_nowait(Abort(internal_id))
+
+    def _logprobs(self, delta: SampleDelta, k: int) -> list[dict[int, Logprob]]:
+        """Per token: the sampled token's logprob and rank, then the top-k alternatives."""
+        decode = self.tokenizer.decode
+        out = []
+        for i, token in enumerate(delta.token_ids):
+            entry = {token: Logprob(float(delta.sampled_logprobs[i]), int(delta.sampled_ranks[i]),
+                                    decode([token], skip_special_tokens=False))}
+            top = zip(delta.logprobs[i, :k].tolist(), delta.logprob_token_ids[i, :k].tolist())
+            for rank, (lp, tid) in enumerate(top, start=1):
+                entry.setdefault(tid, Logprob(lp, rank, decode([tid], skip_special_tokens=False)))
+            out.append(entry)
+        return out

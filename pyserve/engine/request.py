@@ -1,0 +1,68 @@
+"""The engine's view of one sample of one request, and the messages actors exchange about it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One sequence the scheduler runs. A request with `n > 1` has n of them, one per sample."""
+
+    internal_id: int  # the Rust scheduler's id
+    request_id: str  # the user's id, shared by the samples of one request
+    index: int  # sample index within the request
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos (for min_tokens)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that must not be sampled yet: stop tokens before `min_tokens` outputs."""
+        if len(self.output_token_ids) < self.params.min_tokens:
+            return self.stop_token_ids
+        return []
+
+
+@dataclass(slots=True)
+class Add:
+    """Queue a sequence. `accepted` resolves once the scheduler took it (or refused it: a
+    ValueError naming the field)."""
+
+    request: EngineRequest
+    accepted: asyncio.Future[None]
+    max_tokens: int | None
+    stop_token_ids: list[int]  # the user's plus the model's extra EOS ids
+    eos_token_id: int | None
+    priority: int = 0
+    adapter_id: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class Abort:
+    internal_id: int
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """New tokens of one sequence from one step."""
+
+    internal_id: int
+    token_ids: list[int]
+    finish_reason: str | None  # set when the scheduler finished it this step
+    num_cached_tokens: int | None = None  # set on the first delta
+    logprobs: np.ndarray | None = None  # [len(token_ids), K] top-k logprobs
+    logprob_token_ids: np.ndarray | None = None
+    sampled_logprobs: np.ndarray | None = None  # [len(token_ids)]
+    sampled_ranks: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    deltas: list[SampleDelta]

@@ -1,0 +1,84 @@
+"""Per-request sampling parameters (vLLM / OpenAI semantics), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request. Out-of-range values raise ValueError naming the field.
+
+    temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable those.
+    Penalties follow OpenAI (presence, frequency in [-2, 2]) and HF (repetition > 0, 1 = off).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _int_in("n", self.n, 1, MAX_N)
+        _float_in("temperature", self.temperature, 0.0, 100.0)
+        _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int_in("top_k", self.top_k, -1, 2**31 - 1)
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int_in("seed", self.seed, -(2**63), 2**63 - 1)
+        if self.max_tokens is not None:
+            _int_in("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        _int_in("min_tokens", self.min_tokens, 0, 2**31 - 1)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop[{i}] must be a non-empty string")
+        for i, t in enumerate(self.stop_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids[{i}] must be a non-negative int, got {t!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _float_in(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be in {bound}, got {value}")

@@ -1,0 +1,1 @@
+"""Model execution: HF loading, the decoder family, KV tensors, attention backends, sampler."""

@@ -1,0 +1,150 @@
+"""Attention over the paged KV cache, behind one interface with two backends.
+
+`torch` runs the kernels' torch references (the CPU path); `triton` runs the Triton kernels (the
+CUDA path). Both take the same paged arguments, so the model never branches on the device.
+Each forward first writes the step's new K/V through the slot mapping, then attends through the
+block tables; a batch where every sequence has one query token takes the decode kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pyserve.kernels import extend_attention as extend
+from pyserve.kernels import kv_cache_write as kv_write
+from pyserve.kernels import paged_decode_attention as decode
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The step's paged layout, on the model's device. Built once per step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, width]
+    seq_lens: torch.Tensor  # int32 [num_seqs], context length after this step
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    all_decode: bool
+    # For the torch backend's mixed batches: the one-token sequences and the rest, split apart.
+    decode_seqs: torch.Tensor | None = None  # int64 indices of one-token sequences
+    decode_tokens: torch.Tensor | None = None  # int64 token rows of those sequences
+    extend_seqs: torch.Tensor | None = None
+    extend_tokens: torch.Tensor | None = None
+    extend_query_start_loc: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+        device: torch.device,
+        split_decode: bool,
+    ) -> AttentionMetadata:
+        query_lens = np.diff(query_start_loc)
+        all_decode = bool((query_lens == 1).all())
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        meta = cls(
+            slot_mapping=dev(slot_mapping),
+            block_tables=dev(block_tables),
+            seq_lens=dev(seq_lens),
+            query_start_loc=dev(query_start_loc),
+            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            all_decode=all_decode,
+        )
+        if split_decode and not all_decode:
+            is_decode = query_lens == 1
+            dec = np.flatnonzero(is_decode)
+            ext = np.flatnonzero(~is_decode)
+            ext_tokens = np.concatenate(
+                [np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in ext]
+            )
+            meta.decode_seqs = dev(dec.astype(np.int64))
+            meta.decode_tokens = dev(query_start_loc[dec].astype(np.int64))
+            meta.extend_seqs = dev(ext.astype(np.int64))
+            meta.extend_tokens = dev(ext_tokens.astype(np.int64))
+            qsl = np.zeros(len(ext) + 1, dtype=np.int32)
+            np.cumsum(query_lens[ext], out=qsl[1:])
+            meta.extend_query_start_loc = dev(qsl)
+        return meta
+
+
+class AttentionBackend:
+    """Writes new K/V into the cache and attends through the block tables."""
+
+    name = "base"
+    split_decode = False
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """The reference path (CPU). Mixed batches run decode rows vectorized and the rest per
+    sequence."""
+
+    name = "torch"
+    split_decode = True
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        kv_write.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.all_decode:
+            return decode.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        out = torch.empty_like(q)
+        if meta.decode_seqs.numel():
+            out[meta.decode_tokens] = decode.paged_decode_attention_ref(
+                q[meta.decode_tokens],
+                k_cache,
+                v_cache,
+                meta.block_tables[meta.decode_seqs],
+                meta.seq_lens[meta.decode_seqs],
+                scale,
+            )
+        out[meta.extend_tokens] = extend.extend_attention_ref(
+            q[meta.extend_tokens],
+            k_cache,
+            v_cache,
+            meta.block_tables[meta.extend_seqs],
+            meta.extend_query_start_loc,
+            meta.seq_lens[meta.extend_seqs],
+            scale,
+        )
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    """The CUDA path: one launch per layer for the cache write and one for attention."""
+
+    name = "triton"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        kv_write.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.all_decode:
+            return decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return extend.extend_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            max_query_len=meta.max_query_len,
+        )
+
+
+def make_backend(name: str) -> AttentionBackend:
+    backends = {"torch": TorchBackend, "triton": TritonBackend}
+    if name not in backends:
+        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
+    return backends[name]()

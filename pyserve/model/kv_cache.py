@@ -1,0 +1,50 @@
+"""The paged KV tensors: allocated once at start, one (K, V) pair per layer, each
+[num_blocks, block_size, num_kv_heads, head_dim]. Block 0 is the scheduler's null block."""
+
+from __future__ import annotations
+
+import torch
+
+from pyserve.model.config import ModelConfig
+
+CPU_KV_CACHE_BYTES = 1 << 30
+MAX_AUTO_BLOCKS = 1 << 16
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def auto_num_blocks(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory_fraction: float
+) -> int:
+    """Blocks that fit: on CUDA, `memory_fraction` of the memory free after loading the weights;
+    on CPU, a fixed 1 GiB budget."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * memory_fraction)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    return max(2, min(MAX_AUTO_BLOCKS, budget // per_block))
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
+    """Copy-on-write: copies block `src` to block `dst` for each row of `pairs` ([m, 2])."""
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]

@@ -1,0 +1,92 @@
+"""The model's tokenizer (`tokenizer.json` through the `tokenizers` library) and its chat template,
+rendered in a sandboxed Jinja environment."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, broken, or tried something the sandbox forbids."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    inner: HFTokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir}")
+        inner = HFTokenizer.from_file(str(path))
+        cfg: dict[str, Any] = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template_file = model_dir / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        eos_id = inner.token_to_id(eos) if eos else None
+        return cls(inner=inner, chat_template=template, bos_token=bos, eos_token=eos, eos_token_id=eos_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.inner.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Renders `messages` with the model's template in a sandbox (no attribute escapes, no
+        mutation, bounded ranges)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except SecurityError as e:
+            raise ChatTemplateError(f"chat template refused by the sandbox: {e}") from e
+        except (TemplateError, TypeError, ValueError, OverflowError) as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # AddedToken serialized as a dict
+        return tok.get("content")
+    return tok

@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny Hugging Face models (random weights, built here) and their tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+if not os.environ.get("TRITON_INTERPRET"):
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run on the CPU interpreter
+    except ImportError:
+        pass
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 日本語 text.\n",
+]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+ARCH_CONFIGS = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama",
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+    ),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
+}
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
+    }))
+
+
+def build_model(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Saves a tiny random model of `arch` with the test tokenizer to `out`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    fields = dict(ARCH_CONFIGS[arch])
+    model_type = fields.pop("model_type")
+    params = dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
+        initializer_range=0.3, tie_word_embeddings=False,
+    )
+    params.update(fields)
+    params.update(overrides)
+    config = AutoConfig.for_model(model_type, **params)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(root / arch, arch) for arch in ARCH_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> Path:
+    return model_dirs["llama"]
