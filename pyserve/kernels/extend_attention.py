@@ -1,0 +1,178 @@
+"""Causal attention for variable-length query chunks over a paged KV cache, in one launch.
+
+Prefill of a new prompt, chunked prefill after a cached prefix, and decode are all the same case:
+sequence i brings qlen_i = query_start_loc[i+1] - query_start_loc[i] new tokens (rows
+query_start_loc[i] : query_start_loc[i+1] of q) at absolute positions
+seq_lens[i] - qlen_i .. seq_lens[i] - 1, and the query at position p attends keys 0 .. p.
+
+Layouts:
+  q:                  [num_tokens, num_q_heads, head_dim]    (last dim contiguous)
+  k_cache, v_cache:   [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; block 0 = null
+  block_tables:       int32 [num_seqs, max_blocks], padded with 0
+  query_start_loc:    int32 [num_seqs + 1], cumulative query lengths, query_start_loc[0] == 0
+  seq_lens:           int32 [num_seqs], context length including the new tokens
+  out:                [num_tokens, num_q_heads, head_dim], q's dtype; rows past
+                      query_start_loc[-1] (batch padding) are left unwritten
+Invariants: the new tokens' K/V are already in the cache (write_kv_cache ran first), so every key
+is read through block_tables; qlen_i <= seq_lens[i] <= max_blocks * block_size. GQA: q head h
+reads kv head h // (num_q_heads // num_kv_heads).
+
+One program per (sequence, tile of BLOCK_M queries, q head); tiles past a sequence's qlen exit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
+
+BLOCK_M = 16  # queries per program
+BLOCK_N = 32  # keys per inner iteration (independent of the cache's block_size)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_attention_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    # sizes
+    head_dim, block_size, max_blocks, scale_log2,
+    # strides
+    stride_q_tok, stride_q_head,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt_seq,
+    stride_out_tok, stride_out_head,
+    # meta-parameters
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    q_pos = prefix_len + rows                         # absolute position of each query
+    d = tl.arange(0, BLOCK_D)
+    m_mask = rows < q_len
+    d_mask = d < head_dim
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: no query of this tile sees a key past its last query's position.
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    for tile in range(0, kv_end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        page = pos // block_size
+        n_mask = (pos < kv_end) & (page < max_blocks)
+        block = tl.load(block_tables_ptr + seq * stride_bt_seq + page, mask=n_mask, other=0)
+        block = block.to(tl.int64)
+        off = pos % block_size
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + off[:, None] * stride_kc_off
+                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + off[:, None] * stride_vc_off
+                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Key 0 is visible to every row (q_pos >= 0), so after the first tile m_i is finite and
+        # a fully masked row in a later tile only adds exp2(-inf) = 0.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_out_tok + head * stride_out_head + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len):
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_kv_cache("q", q, k_cache, v_cache)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), q.device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), q.device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has "
+                         f"{num_seqs} sequences")
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), q.device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
+        raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
+
+
+def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                     max_query_len=None):
+    """Causal softmax(q K^T * scale) V for every new token of every sequence, in one launch.
+
+    NOTE: pass max_query_len (the scheduler knows it) to size the grid; None reads it from
+    query_start_loc, which syncs with the device.
+    """
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max()) if num_seqs else 0
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    grid = (num_seqs, triton.cdiv(max_query_len, BLOCK_M), num_q_heads)
+    _extend_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        head_dim, block_size, block_tables.shape[1], float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                         max_query_len=None):
+    """Torch reference and CPU backend: per sequence, gather its keys through the block table and
+    run scaled_dot_product_attention (fp32) with a causal mask offset by the cached prefix.
+    `max_query_len` is accepted and ignored."""
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        if not q_len <= seq_len <= block_tables.shape[1] * block_size:
+            raise ValueError(f"sequence {i}: query length {q_len}, seq_lens {seq_len} and "
+                             f"{block_tables.shape[1]} blocks of {block_size} are inconsistent")
+        pages = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
+        k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [H_kv, seq_len, D]
+        v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        qi = q[q_lo:q_hi].transpose(0, 1).float()                            # [H_q, q_len, D]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
+    return out

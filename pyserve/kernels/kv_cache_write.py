@@ -1,0 +1,94 @@
+"""Write one step's new keys and values into a layer's paged KV cache.
+
+Layouts:
+  k, v:               [num_tokens, num_kv_heads, head_dim]  (last dim contiguous; views are fine)
+  k_cache, v_cache:   [num_blocks, block_size, num_kv_heads, head_dim], the dtype of k and v
+  slot_mapping:       int64 [num_tokens]; token t goes to slot s = slot_mapping[t], i.e. block
+                      s // block_size, offset s % block_size. A negative slot means "padding, skip".
+Invariants: valid slots are < num_blocks * block_size (the kernel masks out-of-range slots rather
+than write out of bounds; the reference raises IndexError), and no two tokens share a slot.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    # pointers
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    # sizes
+    num_kv_heads, head_dim, block_size, num_slots,
+    # strides
+    stride_k_tok, stride_k_head,
+    stride_v_tok, stride_v_head,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    # meta-parameters
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per token: copies its [num_kv_heads, head_dim] K and V rows into its slot."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + tok)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    block = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+
+    k = tl.load(k_ptr + tok * stride_k_tok + h * stride_k_head + d, mask=mask)
+    v = tl.load(v_ptr + tok * stride_v_tok + h * stride_v_head + d, mask=mask)
+    kc = k_cache_ptr + block * stride_kc_block + off * stride_kc_off + h * stride_kc_head + d
+    vc = v_cache_ptr + block * stride_vc_block + off * stride_vc_off + h * stride_vc_head + d
+    tl.store(kc, k, mask=mask)
+    tl.store(vc, v, mask=mask)
+
+
+def _check(k, v, k_cache, v_cache, slot_mapping):
+    check_tensor("k", k, 3, FLOAT_DTYPES)
+    check_tensor("v", v, 3, (k.dtype,), k.device)
+    check_shape("v", v, k.shape)
+    check_tensor("k_cache", k_cache, 4, (k.dtype,), k.device)
+    check_tensor("v_cache", v_cache, 4, (k.dtype,), k.device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(
+            f"k [num_tokens, num_kv_heads, head_dim] has heads/dim {tuple(k.shape[1:])} but "
+            f"k_cache has {tuple(k_cache.shape[2:])}")
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), k.device)
+    check_shape("slot_mapping", slot_mapping, (k.shape[0],))
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter k/v rows into k_cache/v_cache in place at `slot_mapping` (negative slots skipped)."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        num_kv_heads, head_dim, block_size, num_blocks * block_size,
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
+    """Torch reference (and CPU backend) of write_kv_cache: one indexed assignment per cache."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
