@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+GREEDY_BELOW = 1e-5  # temperatures this small are treated as greedy (as vLLM does)
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _int_in("n", self.n, 1, MAX_N)
         _float_in("temperature", self.temperature, 0.0, 100.0)
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int_in("top_k", self.top_k, -1, 2**31 - 1)
         _float_in("min_p", self.min_p, 0.0, 1.0)
