@@ -7,7 +7,7 @@ import asyncio
 import itertools
 
 from pyserve import _core
-from pyserve.actors import ActorSystem
+from pyserve.actors import ActorSystem, EngineDeadError
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
@@ -56,12 +56,14 @@ class AsyncEngine:
             eos_ids.remove(eos)
             eos_ids.insert(0, eos)
         self.eos_token_ids = eos_ids
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_ids[0] if eos_ids else None)
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor)
         self.output_processor.engine_core = self.engine_core
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
+        self.system.on_failure(self._fail_pending_adds)
         self._ids = itertools.count()
+        self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
 
     async def start(self) -> None:
         self.system.start(self.engine_core, self.output_processor)
@@ -99,16 +101,36 @@ class AsyncEngine:
         self.output_processor.register(stream, requests)
         loop = asyncio.get_running_loop()
         adds = []
-        for req in requests:
-            msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority)
-            await self.engine_core.send(msg)
-            adds.append(msg.accepted)
         try:
-            await asyncio.gather(*adds)
+            for req in requests:
+                msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority)
+                self._pending_adds.add(msg.accepted)
+                adds.append(msg.accepted)
+                await self.engine_core.send(msg)
+            self.system.check_alive()  # NOTE: a dead EngineCore would never answer the adds
+            answers = await asyncio.gather(*adds, return_exceptions=True)  # retrieve every error
+            error = next((a for a in answers if isinstance(a, BaseException)), None)
+            if error is not None:
+                raise error
         except ValueError:
             await self.abort(request_id)
             raise
+        finally:
+            self._pending_adds.difference_update(adds)
         return stream
+
+    def _fail_pending_adds(self, error: BaseException) -> None:
+        for accepted in self._pending_adds:
+            if not accepted.done():
+                accepted.set_exception(EngineDeadError(f"engine is dead: {error!r}"))
+
+    async def wait_idle(self) -> None:
+        """Returns once the engine has no unfinished sequence (the offline LLM, whose requests are
+        all done). NOTE: a stop string aborts its sequence by a message, so the EngineCore may
+        still hold the sequence, and its KV blocks, after the output is complete."""
+        while self.scheduler.has_unfinished_requests():
+            self.system.check_alive()
+            await asyncio.sleep(0.001)
 
     async def abort(self, request_id: str) -> None:
         for internal_id in self.output_processor.forget(request_id):

@@ -49,6 +49,8 @@ class EngineCore(Actor):
         num_logits = out.num_logits
         rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
         result = await anyio.to_thread.run_sync(self.worker.execute, out, rows)
+        # Read before `update`, which frees requests that finish on their first token.
+        cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
         update = self.scheduler.update(result.token_ids, num_logits)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
         deltas = []
@@ -69,9 +71,9 @@ class EngineCore(Actor):
                 continue
             req.output_token_ids.extend(tokens)
             self.num_generation_tokens += len(tokens)
-            if rid in self.new_ids:
+            if rid in cached:
                 self.new_ids.discard(rid)
-                delta.num_cached_tokens = self.scheduler.num_cached_tokens(rid)
+                delta.num_cached_tokens = cached[rid]
             if delta.finish_reason is not None:
                 del self.requests[rid]
             deltas.append(delta)

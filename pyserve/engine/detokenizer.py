@@ -12,7 +12,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str]):
+                 stop: list[str], min_tokens: int = 0):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -23,37 +23,46 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (stop string excluded once found)
         self._emitted = 0  # characters of `text` already handed out
         self.stop_hit: str | None = None
+        self._min_tokens = min_tokens  # a stop string must end after this many output tokens
+        self._num_tokens = 0
 
     def push(self, token_ids: list[int]) -> None:
-        """Decodes newly sampled tokens; stops decoding at the first stop string."""
+        """Decodes newly sampled tokens; stops decoding at the first stop string that ends after
+        the first `min_tokens` tokens (as vLLM)."""
         for token in token_ids:
             if self.stop_hit is not None:
                 return
             self._ids.append(token)
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-            full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
-            if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
-                continue  # an incomplete UTF-8 sequence: wait for the next token
-            start = len(self.text)
-            self.text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._check_stop(start)
+            self._num_tokens += 1
+            self._decode(flush=False)
 
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out. Unless `final`, the tail that could still begin a stop
-        string is held back."""
+        string is held back. When `final`, tokens held for an incomplete UTF-8 sequence are
+        decoded as they are (U+FFFD), so the text equals a full decode of the tokens."""
+        if final and self.stop_hit is None:
+            self._decode(flush=True)
         end = len(self.text) if final or self.stop_hit is not None else max(self._emitted, len(self.text) - self._hold)
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
 
+    def _decode(self, flush: bool) -> None:
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not flush):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        start = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._num_tokens > self._min_tokens:
+            self._check_stop(start)
+
     def _check_stop(self, new_from: int) -> None:
-        if not self._stop:
-            return
-        search_from = max(0, new_from - self._hold)
+        """Cuts the text before the earliest stop string that ends in the text from `new_from`."""
         best = None
         for s in self._stop:
-            i = self.text.find(s, search_from)
+            i = self.text.find(s, max(0, new_from - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:

@@ -58,8 +58,8 @@ class LLM:
             max_lora_rank=max_lora_rank,
             seed=seed,
         )
+        self.engine = AsyncEngine(config)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
-        self.engine = AsyncEngine(config)
         self._loop.run_until_complete(self.engine.start())
         self._next_request = 0
 
@@ -74,7 +74,9 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt (text or token ids) to completion; outputs come back in input order."""
+        """Runs every prompt (text or token ids) to completion; outputs come back in input order.
+        A prompt that can never be served raises ValueError naming the field; the prompts queued
+        before it are aborted."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not available in this version")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -128,14 +130,20 @@ class LLM:
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
         streams = []
-        for prompt, p in zip(prompts, params):
-            if isinstance(prompt, str):
-                text, ids = prompt, self.tokenizer.encode(prompt)
-            else:
-                text, ids = None, [int(t) for t in prompt]
-            request_id = str(self._next_request)
-            self._next_request += 1
-            streams.append(await self.engine.add_request(request_id, ids, p, prompt=text))
+        try:
+            for prompt, p in zip(prompts, params):
+                if isinstance(prompt, str):
+                    text, ids = prompt, self.tokenizer.encode(prompt)
+                else:
+                    text, ids = None, [int(t) for t in prompt]
+                request_id = str(self._next_request)
+                self._next_request += 1
+                streams.append(await self.engine.add_request(request_id, ids, p, prompt=text))
+        except Exception:
+            for stream in streams:  # nobody would collect them
+                await self.engine.abort(stream.output.request_id)
+            await self.engine.wait_idle()
+            raise
         progress = _Progress(len(streams), enabled=use_tqdm)
         for stream in streams:
             await stream.done.wait()
@@ -143,6 +151,7 @@ class LLM:
                 raise stream.error
             progress.advance()
         progress.close()
+        await self.engine.wait_idle()  # so that stats() after the call counts no leftover sequence
         return [s.output for s in streams]
 
 

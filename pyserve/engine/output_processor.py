@@ -53,9 +53,10 @@ class _Sample:
 
 
 class OutputProcessor(Actor):
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None = None):
         super().__init__("output_processor")
         self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id  # ends a sequence with finish_reason "stop", stop_reason None
         self.engine_core: Actor | None = None
         self._samples: dict[int, _Sample] = {}
         self._streams: dict[str, RequestStream] = {}
@@ -64,7 +65,9 @@ class OutputProcessor(Actor):
         self._streams[stream.output.request_id] = stream
         for req, completion in zip(requests, stream.output.outputs, strict=True):
             p = req.params
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.min_tokens
+            )
             if p.logprobs is not None:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
@@ -106,14 +109,16 @@ class OutputProcessor(Actor):
         if delta.num_cached_tokens is not None and c.index == 0:
             out.num_cached_tokens = delta.num_cached_tokens
         finish = delta.finish_reason
-        sample.detok.push(delta.token_ids)
         tokens = delta.token_ids
+        # NOTE: a stop token (EOS or a stop_token_ids entry) ends the sequence: it is in token_ids
+        # but, as in vLLM, its text is not part of the output.
+        sample.detok.push(tokens[:-1] if finish == "stop" else tokens)
         stop_reason: str | int | None = None
         if sample.detok.stop_hit is not None:
             finish, stop_reason = "stop", sample.detok.stop_hit
             if delta.finish_reason is None:
                 self._abort(delta.internal_id)
-        elif finish == "stop" and tokens:
+        elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:
             stop_reason = tokens[-1]
         c.token_ids.extend(tokens)
         new_logprobs = None if sample.num_logprobs is None else self._logprobs(delta, sample.num_logprobs)

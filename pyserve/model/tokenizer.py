@@ -12,6 +12,9 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+MAX_REPEAT = 100_000  # items a `*` repetition may make (the sandbox's own cap on `range`)
+MAX_POWER_BITS = 4096  # size of an integer `**` result
+
 
 class ChatTemplateError(ValueError):
     """The chat template is missing, broken, or tried something the sandbox forbids."""
@@ -19,6 +22,24 @@ class ChatTemplateError(ValueError):
 
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with `*` and `**` bounded too. NOTE: the sandbox caps `range`, but
+    `{{ 9 ** (9**9) }}` would run for minutes (Jinja folds it while compiling, uninterruptibly) and
+    `'x' * 10**10` would exhaust memory."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if right > 0 and abs(left).bit_length() * right > MAX_POWER_BITS:
+                raise SecurityError(f"{left} ** {right} is too large for a chat template")
+        if operator == "*":
+            seq, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_REPEAT:
+                raise SecurityError(f"repeating {len(seq)} items {count} times exceeds {MAX_REPEAT}")
+        return super().call_binop(context, operator, left, right)
 
 
 @dataclass(slots=True)
@@ -65,10 +86,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Renders `messages` with the model's template in a sandbox (no attribute escapes, no
-        mutation, bounded ranges)."""
+        mutation, bounded ranges and repetitions); a template that fails is a ChatTemplateError."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         try:
             template = env.from_string(self.chat_template)
@@ -82,7 +103,9 @@ class Tokenizer:
             raise
         except SecurityError as e:
             raise ChatTemplateError(f"chat template refused by the sandbox: {e}") from e
-        except (TemplateError, TypeError, ValueError, OverflowError) as e:
+        # ArithmeticError: 1/0, a range past MAX_RANGE (OverflowError); LookupError: a missing key
+        # in a `%` format; RecursionError: a macro calling itself.
+        except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
