@@ -136,6 +136,11 @@ class AsyncEngine:
         for internal_id in self.output_processor.forget(request_id):
             await self.engine_core.send(Abort(internal_id))
 
+    def abort_nowait(self, request_id: str) -> None:
+        """Aborts from code that must not await (a cancelled streaming response)."""
+        for internal_id in self.output_processor.forget(request_id):
+            self.engine_core.send_nowait(Abort(internal_id))
+
     def stats(self) -> dict[str, float | int]:
         return self.engine_core.stats()
 

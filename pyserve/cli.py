@@ -1,0 +1,98 @@
+"""`pyserve serve [MODEL] ...` (the OpenAI-compatible server) and `pyserve batch ...` (OpenAI
+Batch files, offline)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="Hugging Face model directory")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine(args: argparse.Namespace):
+    from pyserve.engine.async_engine import AsyncEngine
+    from pyserve.engine.config import EngineConfig
+
+    if args.model is None:
+        sys.exit("pyserve: no MODEL given (this version has no embedded default model)")
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+    return AsyncEngine(config)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pyserve.logs import configure_logging
+    from pyserve.server.app import build_app
+    from pyserve.server.state import ServerSettings
+
+    configure_logging()
+    engine = _engine(args)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or Path(args.model).name,
+        api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        public_metrics=args.public_metrics,
+    )
+    app = build_app(engine, settings)
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
+    # one a no-op so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+
+
+def batch(args: argparse.Namespace) -> None:
+    from pyserve.logs import configure_logging
+    from pyserve.server.batch import run_batch
+
+    configure_logging()
+    engine = _engine(args)
+    name = args.served_model_name or Path(args.model).name
+    asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pyserve", description="LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-waiting", type=int, default=None, help="429 once this many sequences wait")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    s.set_defaults(func=serve)
+    b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
+    _engine_args(b)
+    b.add_argument("--input", required=True)
+    b.add_argument("--output", required=True)
+    b.add_argument("--served-model-name", default=None)
+    b.set_defaults(func=batch)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end (Starlette): schemas, SSE, auth, metrics, errors."""

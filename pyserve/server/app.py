@@ -1,0 +1,105 @@
+"""The Starlette application: routes, middleware, error mapping and the engine's lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+from importlib.metadata import PackageNotFoundError, version
+
+import orjson
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.server.errors import APIError, error_body, error_response
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pyserve.server.openai_api import chat_completions, completions
+from pyserve.server.state import ServerMetrics, ServerSettings, ServerState
+
+log = structlog.get_logger("pyserve.server")
+
+
+def _json(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status, media_type="application/json")
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    card = {"id": state.settings.served_model_name, "object": "model", "created": 0, "owned_by": "pyserve",
+            "root": state.engine.config.model, "parent": None, "max_model_len": state.engine.max_model_len}
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    if not state.engine.system.alive:
+        return _json({"status": "dead", "error": repr(state.engine.system.error)}, 503)
+    return _json({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    return PlainTextResponse(state.metrics.registry.render(), media_type="text/plain; version=0.0.4")
+
+
+async def version_info(request: Request) -> Response:
+    try:
+        v = version("pyserve")
+    except PackageNotFoundError:
+        v = "unknown"
+    return _json({"version": v})
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return Response(error_body(exc.status_code, type_, str(exc.detail)), exc.status_code,
+                    media_type="application/json")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal_error", path=request.url.path, error=repr(exc))
+    return Response(error_body(500, "internal_error", "internal server error"), 500, media_type="application/json")
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
+    state = ServerState(engine, settings, ServerMetrics.create(engine))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await engine.start()
+        log.info("server_started", model=settings.served_model_name, max_model_len=engine.max_model_len,
+                 kv_blocks=engine.worker.num_kv_blocks)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await engine.stop()
+            log.info("server_stopped")
+
+    public = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
+    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/version", version_info, methods=["GET"]),
+        ],
+        middleware=middleware,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.pyserve = state
+    return app

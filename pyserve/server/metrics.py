@@ -1,0 +1,96 @@
+"""Prometheus metrics in the text exposition format, without a client library.
+
+Counters and histograms are updated by the server as requests complete; gauges read the engine's
+state when scraped. Names are part of the interface (`pyserve:...`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value)) if value != int(value) else str(int(value))
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Counter:
+    def __init__(self, name: str, help_text: str):
+        self.name, self.help = name, help_text
+        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        if not self.values:
+            lines.append(f"{self.name} 0")
+        for key, value in self.values.items():
+            lines.append(f"{self.name}{_labels(dict(key))} {_fmt(value)}")
+        return lines
+
+
+class Gauge:
+    """A value read from a callback at scrape time (a gauge, or a counter the engine keeps)."""
+
+    def __init__(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge"):
+        self.name, self.help, self.read, self.kind = name, help_text, read, kind
+
+    @classmethod
+    def counter(cls, name: str, help_text: str, read: Callable[[], float]) -> Gauge:
+        return cls(name, help_text, read, kind="counter")
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", f"{self.name} {_fmt(self.read())}"]
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.metrics: list[Counter | Gauge | Histogram] = []
+
+    def add(self, metric):
+        self.metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"

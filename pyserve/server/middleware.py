@@ -1,0 +1,86 @@
+"""Pure ASGI middleware: API-key auth and the request body size limit.
+
+Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
+compare keys in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from pyserve.server.errors import error_body
+
+
+async def _send_error(send, status: int, type_: str, message: str, extra_headers=()) -> None:
+    body = error_body(status, type_, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_key: str, public_paths: frozenset[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.public_paths = public_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            return await _send_error(send, 401, "authentication_error", "invalid or missing API key",
+                                     [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over `max_bytes` with 413, from Content-Length or while streaming."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    return await _send_error(send, 400, "invalid_request_error", "invalid Content-Length")
+                if too_big:
+                    return await _send_error(send, 413, "invalid_request_error",
+                                             f"request body exceeds {self.max_bytes} bytes")
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, "invalid_request_error", f"request body exceeds {self.max_bytes} bytes")

@@ -1,0 +1,61 @@
+"""What the handlers share: the engine, the settings, the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None
+    max_body_bytes: int = 1 << 20
+    public_metrics: bool = False
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    registry: Registry
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    outcomes: Counter
+
+    @classmethod
+    def create(cls, engine: AsyncEngine) -> ServerMetrics:
+        reg = Registry()
+
+        def stat(key: str):
+            return lambda: engine.stats()[key]
+
+        reg.add(Gauge("pyserve:num_requests_running", "Sequences in the running queue.", stat("num_requests_running")))
+        reg.add(Gauge("pyserve:num_requests_waiting", "Sequences waiting to be scheduled.", stat("num_requests_waiting")))
+        reg.add(Gauge("pyserve:kv_cache_usage_perc", "Fraction of KV blocks referenced (0-1).", stat("kv_cache_usage_perc")))
+        for key, help_text in [
+            ("prompt_tokens", "Prompt tokens received."),
+            ("generation_tokens", "Tokens generated."),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+            ("num_preemptions", "Sequences preempted (recomputed later)."),
+        ]:
+            reg.add(Gauge.counter(f"pyserve:{key}_total", help_text, stat(key)))
+        return cls(
+            registry=reg,
+            ttft=reg.add(Histogram("pyserve:time_to_first_token_seconds", "Time to first token.")),
+            itl=reg.add(Histogram("pyserve:inter_token_latency_seconds", "Time between streamed tokens.")),
+            e2e=reg.add(Histogram("pyserve:e2e_request_latency_seconds", "Request latency, arrival to finish.")),
+            outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
+        )
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    draining: bool = False
+    in_flight: set[str] = field(default_factory=set)
