@@ -43,10 +43,11 @@ def build_llama(out: Path) -> Path:
     return out
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int = 0, max_output: int = 128) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, output length) pairs: prompts of 16-200 tokens, outputs of 16-max_output."""
     rng = random.Random(seed)
-    return [([rng.randrange(2, MODEL["vocab_size"]) for _ in range(rng.randint(16, 200))], rng.randint(16, 128))
-            for _ in range(n)]
+    return [([rng.randrange(2, MODEL["vocab_size"]) for _ in range(rng.randint(16, 200))],
+             rng.randint(16, max_output)) for _ in range(n)]
 
 
 def run_transformers(model_dir: Path, reqs, batch_size: int) -> float:

@@ -65,9 +65,14 @@ def batch(args: argparse.Namespace) -> None:
     from pyserve.server.batch import run_batch
 
     configure_logging()
+    if not Path(args.input).is_file():  # before the model loads
+        sys.exit(f"pyserve batch: no input file {args.input}")
     engine = _engine(args)
     name = args.served_model_name or Path(args.model).name
-    asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
+    num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
+    print(f"batch: wrote {args.output} ({num_errors} lines with errors)", file=sys.stderr, flush=True)
+    if engine.system.error is not None:  # the records say 503, but the batch did not run
+        sys.exit(f"pyserve batch: the engine died: {engine.system.error!r}")
 
 
 def main(argv: list[str] | None = None) -> None:

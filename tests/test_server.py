@@ -29,7 +29,8 @@ def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", MODEL, "--block-size", "4", "--num-kv-blocks", "512", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Run outside the repository, so the installed package (with its native module) is imported.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=model_dir.parent)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -2,8 +2,10 @@
 
 Each line goes through the same application as the HTTP server (in process, no sockets), so
 validation and responses are identical. Requests run concurrently, submitted sorted by length so
-that similar lengths batch together. A bad line becomes
-an error record; it never stops the batch. Output lines keep the input order.
+that similar lengths batch together. A bad line becomes an error record; it never stops the batch.
+There is one output line per non-blank input line, in input order: `response` is null for a line
+that never reached the server (bad JSON, wrong url), else the status code and OpenAI body; `error`
+is set ({code, message}) for every line that did not get a 200.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,45 +54,76 @@ def _length(item: dict) -> int:
     return len(json.dumps(body.get("messages") or body.get("prompt") or ""))
 
 
-async def run_batch(engine: AsyncEngine, model_name: str, input_path: Path, output_path: Path) -> None:
+async def run_batch(engine: AsyncEngine, model_name: str, input_path: Path, output_path: Path) -> int:
+    """Runs every line and writes one output record per input line, in input order. Returns the
+    number of lines that got an error record."""
     lines = [ln for ln in input_path.read_text().splitlines() if ln.strip()]
     parsed = [_parse(ln) for ln in lines]
     results: list[dict | None] = [None] * len(parsed)
     for i, (custom_id, item, error) in enumerate(parsed):
         if error is not None:
             results[i] = _record(custom_id, None, error)
+    todo = sorted((i for i, (_, item, err) in enumerate(parsed) if err is None), key=lambda i: _length(parsed[i][1]))
     app = build_app(engine, ServerSettings(served_model_name=model_name))
-    await engine.start()
     limit = asyncio.Semaphore(MAX_CONCURRENT)
-    done = 0
+    progress = _Progress(len(todo))
 
     async def run_one(client: httpx.AsyncClient, i: int) -> None:
-        nonlocal done
         custom_id, item, _ = parsed[i]
         body = dict(item["body"])
         body.setdefault("model", model_name)
         body["stream"] = False
-        async with limit:
-            resp = await client.post(item["url"], json=body)
-        payload = resp.json()
-        if resp.status_code == 200:
-            results[i] = _record(custom_id, {"status_code": 200, "request_id": payload.get("id"), "body": payload},
-                                 None)
+        try:
+            async with limit:
+                resp = await client.post(item["url"], json=body)
+            payload = resp.json()
+        except Exception as e:  # noqa: BLE001 - one line's failure must not stop the batch
+            results[i] = _record(custom_id, None, {"code": "internal_error", "message": repr(e)})
         else:
-            err = payload.get("error", {})
-            results[i] = _record(custom_id, {"status_code": resp.status_code, "request_id": None, "body": payload},
-                                 {"code": err.get("type"), "message": err.get("message")})
-        done += 1
-        print(f"\rbatch: {done}/{len(todo)} requests", end="", file=sys.stderr, flush=True)
+            if resp.status_code == 200:
+                response = {"status_code": 200, "request_id": payload.get("id"), "body": payload}
+                results[i] = _record(custom_id, response, None)
+            else:
+                err = payload.get("error") or {}
+                response = {"status_code": resp.status_code, "request_id": None, "body": payload}
+                results[i] = _record(custom_id, response, {"code": err.get("code") or err.get("type"),
+                                                           "message": err.get("message")})
+        progress.advance()
 
-    todo = sorted((i for i, (_, item, err) in enumerate(parsed) if err is None), key=lambda i: _length(parsed[i][1]))
+    await engine.start()
     try:
-        transport = httpx.ASGITransport(app=app)
+        # NOTE: raise_app_exceptions=False turns an app exception into its 500 response; by default
+        # httpx re-raises it here, which would end the whole batch.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://pyserve.batch", timeout=None) as client:
             await asyncio.gather(*(run_one(client, i) for i in todo))
     finally:
         await engine.stop()
-    print(file=sys.stderr)
+    progress.close()
     with output_path.open("w") as f:
         for rec in results:
             f.write(json.dumps(rec) + "\n")
+    return sum(rec["error"] is not None for rec in results)
+
+
+class _Progress:
+    """Whole progress lines on stderr (at most one a second, and the last one), so that they never
+    split the JSON log lines that share stderr."""
+
+    def __init__(self, total: int, every_s: float = 1.0):
+        self.total, self.done, self.every_s = total, 0, every_s
+        self.start = self.last = time.perf_counter()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every_s and self.done < self.total:
+            self.last = now
+            self._print(now)
+
+    def close(self) -> None:
+        self._print(time.perf_counter())
+
+    def _print(self, now: float) -> None:
+        rate = self.done / max(now - self.start, 1e-9)
+        print(f"batch: {self.done}/{self.total} requests done ({rate:.2f} req/s)", file=sys.stderr, flush=True)

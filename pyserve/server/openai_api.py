@@ -135,6 +135,12 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
         raise BadRequest(str(e)) from e
     except EngineDeadError as e:
         raise Unavailable(str(e)) from e
+    except asyncio.CancelledError:
+        # NOTE: AsyncEngine.add_request only cleans up after a ValueError; a cancel while it waits
+        # for the engine's answer would leave the prompt being added registered (and running).
+        for i in range(len(streams) + 1):
+            engine.abort_nowait(f"{base_id}-{i}")
+        raise
     ctx.streams = streams
     if req.stream:
         return StreamingResponse(ctx.sse(), media_type="text/event-stream",
@@ -207,6 +213,12 @@ class _Context:
         gone_task = asyncio.create_task(_wait_disconnect(request))
         try:
             await asyncio.wait({body_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server gave up on this request (shutdown timeout)
+            body_task.cancel()
+            self.abort(self.streams)
+            self.outcome = "cancelled"
+            self._finish_log()
+            raise
         finally:
             gone_task.cancel()
         if not body_task.done():
@@ -217,8 +229,8 @@ class _Context:
             return Response(status_code=499)
         try:
             body_task.result()
-        except Unavailable:
-            self.outcome = "engine_dead"
+        except Exception as e:
+            self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
             self._finish_log()
             raise
         self._finish_log()
