@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -30,12 +29,15 @@ def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", MODEL, "--block-size", "4", "--num-kv-blocks", "512", *extra]
     # Run outside the repository, so the installed package (with its native module) is imported.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=model_dir.parent)
+    # Logs go to a file: an unread pipe would fill up and block the server.
+    log_path = model_dir.parent / f"server-{port}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=model_dir.parent)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()}")
+            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base
