@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
+from pyserve.kernels._paged import load_kv_tile
 
 BLOCK_M = 16  # queries per program
 BLOCK_N = 32  # keys per inner iteration (independent of the cache's block_size)
@@ -75,16 +76,11 @@ def _extend_attention_kernel(
     kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
     for tile in range(0, kv_end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
-        page = pos // block_size
-        n_mask = (pos < kv_end) & (page < max_blocks)
-        block = tl.load(block_tables_ptr + seq * stride_bt_seq + page, mask=n_mask, other=0)
-        block = block.to(tl.int64)
-        off = pos % block_size
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + off[:, None] * stride_kc_off
-                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + off[:, None] * stride_vc_off
-                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
+        k, v, n_mask = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, pos, pos < kv_end, kv_head, d, d_mask,
+            max_blocks, block_size, stride_bt_seq, stride_kc_block, stride_kc_off, stride_kc_head,
+            stride_vc_block, stride_vc_off, stride_vc_head,
+        )
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
