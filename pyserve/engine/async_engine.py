@@ -112,8 +112,8 @@ class AsyncEngine:
             error = next((a for a in answers if isinstance(a, BaseException)), None)
             if error is not None:
                 raise error
-        except ValueError:
-            await self.abort(request_id)
+        except BaseException:  # refused, cancelled or dead: drop whatever was queued
+            self.abort_nowait(request_id)
             raise
         finally:
             self._pending_adds.difference_update(adds)

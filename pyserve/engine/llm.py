@@ -129,21 +129,24 @@ class LLM:
         self.close()
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
-        streams = []
-        try:
-            for prompt, p in zip(prompts, params):
-                if isinstance(prompt, str):
-                    text, ids = prompt, self.tokenizer.encode(prompt)
-                else:
-                    text, ids = None, [int(t) for t in prompt]
-                request_id = str(self._next_request)
-                self._next_request += 1
-                streams.append(await self.engine.add_request(request_id, ids, p, prompt=text))
-        except Exception:
+        adds = []
+        for prompt, p in zip(prompts, params):
+            if isinstance(prompt, str):
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, ids = None, [int(t) for t in prompt]
+            request_id = str(self._next_request)
+            self._next_request += 1
+            adds.append(self.engine.add_request(request_id, ids, p, prompt=text))
+        # All adds reach the EngineCore's inbox together, so they are admitted in one step.
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        streams = [r for r in results if not isinstance(r, BaseException)]
+        if error is not None:
             for stream in streams:  # nobody would collect them
                 await self.engine.abort(stream.output.request_id)
             await self.engine.wait_idle()
-            raise
+            raise error
         progress = _Progress(len(streams), enabled=use_tqdm)
         for stream in streams:
             await stream.done.wait()

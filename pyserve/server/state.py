@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
@@ -58,4 +58,3 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     draining: bool = False
-    in_flight: set[str] = field(default_factory=set)
