@@ -198,7 +198,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                num_splits=None):
     """Torch reference and CPU backend: gather every sequence's keys, padded to the longest, with
-    one index op, mask the padding, softmax in fp32. `num_splits` is accepted and ignored."""
+    one index op, and run scaled_dot_product_attention (fp32) with the padding masked.
+    `num_splits` is accepted and ignored."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -211,10 +212,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     # [num_seqs, num_pages, block_size, H_kv, D] -> [num_seqs, H_kv, max_len, D]
     k = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     v = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    qg = q.float().reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * scale
     valid = torch.arange(max_len, device=q.device) < seq_lens[:, None]       # [num_seqs, max_len]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                   # seq_len 0 -> zeros
-    out = torch.einsum("bhgl,bhld->bhgd", probs, v)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    out = out.nan_to_num(0.0)                                                # seq_len 0 -> zeros
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
