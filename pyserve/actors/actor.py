@@ -17,6 +17,9 @@ import structlog
 
 log = structlog.get_logger("pyserve.actors")
 
+# Posted sends waiting on a full inbox; kept referenced until they finish.
+_background: set[asyncio.Task[None]] = set()
+
 
 class EngineDeadError(RuntimeError):
     """An actor crashed; the engine cannot serve any more requests."""
@@ -30,11 +33,34 @@ class Actor:
         self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Any](inbox_size)
 
     async def send(self, message: Any) -> None:
-        await self._inbox_send.send(message)
+        """Queues a message, waiting while the inbox is full; EngineDeadError once the actor is
+        closed (a sender blocked on a full inbox is woken up by that too)."""
+        try:
+            await self._inbox_send.send(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
 
     def send_nowait(self, message: Any) -> None:
-        """Queues a message from synchronous code; raises anyio.WouldBlock when the inbox is full."""
-        self._inbox_send.send_nowait(message)
+        """Queues a message from synchronous code; raises anyio.WouldBlock when the inbox is full
+        and EngineDeadError once the actor is closed."""
+        try:
+            self._inbox_send.send_nowait(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
+
+    def post(self, message: Any) -> None:
+        """Queues a message from synchronous code without ever failing on a full inbox: the send
+        then waits in a task of its own. Raises EngineDeadError once the actor is closed."""
+        try:
+            self.send_nowait(message)
+        except anyio.WouldBlock:
+            task = asyncio.get_running_loop().create_task(self.send(message))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    def close(self) -> None:
+        """Stops accepting messages: pending and future sends fail with EngineDeadError."""
+        self._inbox_recv.close()
 
     async def receive(self) -> Any:
         return await self._inbox_recv.receive()
@@ -106,6 +132,8 @@ class ActorSystem:
         log.error("actor_crashed", actor=actor.name, error=repr(exc))
         for listener in self._failure_listeners:
             listener(exc)
+        for other in self._actors:
+            other.close()
         for task in self._tasks.values():
             if not task.done():
                 task.cancel()

@@ -134,12 +134,17 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         for internal_id in self.output_processor.forget(request_id):
+            if self.system.error is not None:
+                return  # a dead engine has nothing left to abort
             await self.engine_core.send(Abort(internal_id))
 
     def abort_nowait(self, request_id: str) -> None:
-        """Aborts from code that must not await (a cancelled streaming response)."""
+        """Aborts from code that must not await (a cancelled streaming response). A dead engine
+        has nothing left to abort."""
         for internal_id in self.output_processor.forget(request_id):
-            self.engine_core.send_nowait(Abort(internal_id))
+            if self.system.error is not None:
+                return
+            self.engine_core.post(Abort(internal_id))
 
     def stats(self) -> dict[str, float | int]:
         return self.engine_core.stats()

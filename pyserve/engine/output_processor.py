@@ -134,7 +134,7 @@ class OutputProcessor(Actor):
 
     def _abort(self, internal_id: int) -> None:
         if self.engine_core is not None:
-            self.engine_core.send_nowait(Abort(internal_id))
+            self.engine_core.post(Abort(internal_id))
 
     def _logprobs(self, delta: SampleDelta, k: int) -> list[dict[int, Logprob]]:
         """Per token: the sampled token's logprob and rank, then the top-k alternatives."""
