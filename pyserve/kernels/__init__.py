@@ -8,5 +8,5 @@ This folder ships inside the wheel as `pyserve.kernels`, so the wheel claims no 
   paged_decode_attention  paged_decode_attention: one query per sequence, split-K flash-decoding
   extend_attention        extend_attention: causal varlen chunks (prefill, chunked prefill, decode)
   _checks                 the launchers' shared argument checks (ValueError naming the argument)
-  _paged                  load_kv_tile: the K/V tile read through a block table, shared by both attentions
+  _paged                  load_kv_tile, online_softmax_update: shared by both attention kernels
 """

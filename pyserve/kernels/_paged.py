@@ -1,5 +1,5 @@
-"""The Triton helper both attention kernels share: one tile of keys and values read through a
-sequence's block table."""
+"""Triton helpers both attention kernels share: one tile of keys and values read through a
+sequence's block table, and the streaming-softmax update."""
 
 import triton
 import triton.language as tl
@@ -25,3 +25,15 @@ def load_kv_tile(
     v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + off[:, None] * stride_vc_off
                 + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)
     return k, v, n_mask
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
+    """Folds one tile of scores `s` (log2 domain, [rows, BLOCK_N]) and values `v` into the running
+    row max `m_i`, exp-sum `l_i` and output accumulator `acc` of a streaming softmax."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
-from pyserve.kernels._paged import load_kv_tile
+from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_M = 16  # queries per program
 BLOCK_N = 32  # keys per inner iteration (independent of the cache's block_size)
@@ -86,12 +86,7 @@ def _extend_attention_kernel(
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         # Key 0 is visible to every row (q_pos >= 0), so after the first tile m_i is finite and
         # a fully masked row in a later tile only adds exp2(-inf) = 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_out_tok + head * stride_out_head + d[None, :],

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
-from pyserve.kernels._paged import load_kv_tile
+from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_N = 32            # keys per inner iteration (independent of the cache's block_size)
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: a GQA group is padded up to this
@@ -79,13 +79,8 @@ def _decode_stage1_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key (tile < end), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every tile holds at least one valid key (tile < end), so the running max stays finite.
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     # Empty split: l_i == 0 -> lse == -inf, o == 0; stage 2 gives it weight 0.
     empty = l_i == 0.0
