@@ -4,7 +4,7 @@ rendered in a sandboxed Jinja environment."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class Tokenizer:
     bos_token: str | None
     eos_token: str | None
     eos_token_id: int | None
+    _compiled_template: tuple[str, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -89,10 +90,13 @@ class Tokenizer:
         mutation, bounded ranges and repetitions); a template that fails is a ChatTemplateError."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
-        env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
         try:
-            template = env.from_string(self.chat_template)
+            source, template = self._compiled_template or (None, None)
+            if source != self.chat_template:  # compiled once per template text
+                env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                template = env.from_string(self.chat_template)
+                self._compiled_template = (self.chat_template, template)
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
