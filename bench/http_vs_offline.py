@@ -20,10 +20,7 @@ import argparse
 import asyncio
 import json
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from offline import build_llama, workload  # noqa: E402  (the same model and request generator)
+from conftest import start_server, stop_server  # noqa: E402  (the tests' server launcher; offline put tests/ on the path)
 
 from pyserve import LLM, SamplingParams  # noqa: E402
 
@@ -58,43 +56,6 @@ def run_offline(model_dir: Path, reqs, max_num_seqs: int) -> float:
         llm.close()
     assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in reqs]
     return elapsed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
-           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"])]
-    log_path = model_dir / "server.log"  # a file: an unread pipe would fill up and block the server
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=model_dir)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    stop_server(proc)
-    raise RuntimeError("server did not start within 120 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def stream_one(client: httpx.AsyncClient, prompt: list[int], n: int) -> dict:
@@ -167,7 +128,9 @@ def main() -> None:
     prompt_tokens = sum(len(p) for p, _ in reqs)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_llama(Path(tmp))
-        proc, base = start_server(model_dir)  # idle (blocked on its inbox) during the offline runs
+        flags = ["--served-model-name", SERVED_NAME, "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+                 "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"])]
+        proc, base = start_server(model_dir, *flags, workdir=model_dir)  # idle (blocked on its inbox) during the offline runs
         runs: dict[str, list[float]] = {"offline_all": [], "offline_matched": [], "http": []}
         results: list[dict] = []
         try:

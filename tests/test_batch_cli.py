@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from tests.conftest import start_server, stop_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -129,30 +129,9 @@ def test_batch_reports_progress_on_stderr(batch_run):
             json.loads(ln)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_batch_greedy_results_equal_the_http_server(batch_run, model_dirs, tmp_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dirs["llama"]), "--port", str(port),
-           *engine_flags()]
-    log_path = tmp_path / "server.log"  # a file: an unread pipe would fill up and block the server
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server(model_dirs["llama"], *engine_flags(), workdir=tmp_path)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.time() < deadline, "server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         recs = by_id(batch_run["records"])
         for cid, (url, body) in batch_run["greedy"].items():
             http = httpx.post(base + url, json={"model": batch_run["name"], **body}, timeout=60).json()
@@ -160,8 +139,7 @@ def test_batch_greedy_results_equal_the_http_server(batch_run, model_dirs, tmp_p
             assert batched["choices"] == http["choices"], cid
             assert batched["usage"]["completion_tokens"] == http["usage"]["completion_tokens"], cid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop_server(proc)
 
 
 @pytest.mark.asyncio

@@ -5,54 +5,29 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.conftest import start_server, stop_server
+
 KEY = "test-key-123"
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
-           "--served-model-name", MODEL, "--block-size", "4", "--num-kv-blocks", "512", *extra]
-    # Run outside the repository, so the installed package (with its native module) is imported.
-    # Logs go to a file: an unread pipe would fill up and block the server.
-    log_path = model_dir.parent / f"server-{port}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=model_dir.parent)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
+def start(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    flags = ["--served-model-name", MODEL, "--block-size", "4", "--num-kv-blocks", "512", *extra]
+    return start_server(model_dir, *flags, workdir=model_dir.parent)
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    proc, base = start_server(model_dirs["llama"], "--api-key", KEY, "--max-waiting", "64")
+    proc, base = start(model_dirs["llama"], "--api-key", KEY, "--max-waiting", "64")
     yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    stop_server(proc)
 
 
 @pytest.fixture()
@@ -230,7 +205,7 @@ def test_disconnect_mid_stream_frees_everything(server):
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_zero(model_dirs):
-    proc, base = start_server(model_dirs["qwen2"])
+    proc, base = start(model_dirs["qwen2"])
     body = {"model": MODEL, "prompt": "def", "max_tokens": 60, "stream": True, "ignore_eos": True}
     lines = []
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
