@@ -9,6 +9,12 @@ use crate::error::Result;
 use crate::radix::RadixCache;
 use crate::request::Request;
 
+struct AllocationPlan {
+    new_blocks: usize,
+    cow: Option<usize>,
+    cost: usize,
+}
+
 #[derive(Debug)]
 pub struct KvCacheManager {
     pool: BlockPool,
@@ -75,7 +81,7 @@ impl KvCacheManager {
 
     /// Whether [`Self::allocate_slots`] with the same arguments would succeed.
     pub fn can_allocate(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> bool {
-        self.allocation_cost(req, hits, num_slots) <= self.num_allocatable()
+        self.plan_allocation(req, hits, num_slots).cost <= self.num_allocatable()
     }
 
     /// Makes the request hold `hits` (prefix-cache blocks appended to its empty table) and enough
@@ -105,26 +111,22 @@ impl KvCacheManager {
         copies: &mut Vec<[BlockId; 2]>,
     ) -> bool {
         debug_assert!(hits.is_empty() || req.block_table.is_empty());
-        let cow = self.shared_write_block(req);
-        let new_blocks = self.blocks_for(num_slots).saturating_sub(req.block_table.len() + hits.len());
-        if new_blocks == 0 && cow.is_none() && hits.is_empty() {
-            return true;
-        }
-        if self.allocation_cost(req, hits, num_slots) > self.num_allocatable() {
+        let plan = self.plan_allocation(req, hits, num_slots);
+        if plan.cost > self.num_allocatable() {
             return false;
         }
         for &block in hits {
             self.take_ref(block);
             req.block_table.push(block);
         }
-        if let Some(idx) = cow {
+        if let Some(idx) = plan.cow {
             let old = req.block_table[idx];
             let new = self.alloc_block();
             copies.push([old, new]);
             self.release(old);
             req.block_table[idx] = new;
         }
-        for _ in 0..new_blocks {
+        for _ in 0..plan.new_blocks {
             let block = self.alloc_block();
             req.block_table.push(block);
         }
@@ -222,12 +224,14 @@ impl KvCacheManager {
         self.radix.check()
     }
 
-    fn allocation_cost(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> usize {
+    /// What an allocation needs: fresh blocks, the block to copy on write, and the total it takes
+    /// from the allocatable supply (cached hits with no reference count too).
+    fn plan_allocation(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> AllocationPlan {
         let held = req.block_table.len() + hits.len();
         let new_blocks = self.blocks_for(num_slots).saturating_sub(held);
         let revived = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
-        let cow = usize::from(self.shared_write_block(req).is_some());
-        new_blocks + revived + cow
+        let cow = self.shared_write_block(req);
+        AllocationPlan { new_blocks, cow, cost: new_blocks + revived + usize::from(cow.is_some()) }
     }
 
     /// Index of the partly filled block the next token will be written to, if other requests
@@ -246,7 +250,7 @@ impl KvCacheManager {
         if let Some(block) = self.pool.pop_free() {
             return block;
         }
-        let block = self.radix.evict_lru().expect("allocation_cost was checked");
+        let block = self.radix.evict_lru().expect("the allocation plan was checked");
         self.pool.incref(block);
         block
     }
