@@ -9,9 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
+from pyserve.default_model import resolve_model, served_name
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="Hugging Face model directory")
+    p.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -21,19 +23,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}')
 
 
 def _engine(args: argparse.Namespace):
     from pyserve.engine.async_engine import AsyncEngine
     from pyserve.engine.config import EngineConfig
 
-    if args.model is None:
-        sys.exit("pyserve: no MODEL given (this version has no embedded default model)")
     config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=resolve_model(args.model), device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        speculative_config=args.speculative_config,
     )
     return AsyncEngine(config)
 
@@ -48,7 +51,7 @@ def serve(args: argparse.Namespace) -> None:
     configure_logging()
     engine = _engine(args)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or Path(args.model).name,
+        served_model_name=args.served_model_name or served_name(args.model),
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         public_metrics=args.public_metrics,
     )
@@ -68,7 +71,7 @@ def batch(args: argparse.Namespace) -> None:
     if not Path(args.input).is_file():  # before the model loads
         sys.exit(f"pyserve batch: no input file {args.input}")
     engine = _engine(args)
-    name = args.served_model_name or Path(args.model).name
+    name = args.served_model_name or served_name(args.model)
     num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
     print(f"batch: wrote {args.output} ({num_errors} lines with errors)", file=sys.stderr, flush=True)
     if engine.system.error is not None:  # the records say 503, but the batch did not run

@@ -22,8 +22,9 @@ if not os.environ.get("TRITON_INTERPRET"):
     except ImportError:
         pass
 
-def start_server(model_dir: Path, *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    """Starts `pyserve serve MODEL FLAGS` on a free loopback port and returns once /health answers.
+def start_server(model_dir: Path | None, *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Starts `pyserve serve MODEL FLAGS` (no MODEL when `model_dir` is None: the embedded default)
+    on a free loopback port and returns once /health answers.
 
     It runs from `workdir`, outside the repository, so the installed package (with its native
     module) is imported, and logs to a file there: an unread pipe would fill up and block it.
@@ -33,7 +34,8 @@ def start_server(model_dir: Path, *flags: str, workdir: Path) -> tuple[subproces
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port), *flags]
+    model = [] if model_dir is None else [str(model_dir)]
+    cmd = [sys.executable, "-m", "pyserve.cli", "serve", *model, "--port", str(port), *flags]
     log_path = Path(workdir) / f"server-{port}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
@@ -17,8 +18,18 @@ from pyserve.engine.sampling_params import SamplingParams
 from pyserve.model.config import ModelConfig
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.model.worker import ModelWorker
+from pyserve.spec.config import SpeculativeConfig
+from pyserve.spec.proposer import NgramProposer, WorkerProposer
+from pyserve.spec.speculator import Speculator
 
 DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def default_draft(model: str) -> str | None:
+    """The embedded draft when `model` is the embedded target, else None."""
+    from pyserve.default_model import DRAFT_DIR, TARGET_DIR
+
+    return str(DRAFT_DIR) if Path(model).resolve() == TARGET_DIR else None
 
 
 class AsyncEngine:
@@ -29,6 +40,11 @@ class AsyncEngine:
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         cfg.check_context(self.max_model_len)
         self.tokenizer = Tokenizer.from_dir(config.model)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(config.model))
+        spec = self.spec_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = (spec.model, self._check_draft(spec.model))
         self.worker = ModelWorker(
             config.model,
             cfg,
@@ -40,6 +56,7 @@ class AsyncEngine:
             seed=config.seed,
             gpu_memory_fraction=config.gpu_memory_fraction,
             attention_backend=config.attention_backend,
+            draft_model=draft,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
@@ -49,6 +66,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len,
             max_loras=config.max_loras,
             enable_prefix_caching=config.enable_prefix_caching,
+            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         eos = self.tokenizer.eos_token_id
         eos_ids = list(cfg.eos_token_ids) or ([eos] if eos is not None else [])
@@ -57,13 +75,27 @@ class AsyncEngine:
             eos_ids.insert(0, eos)
         self.eos_token_ids = eos_ids
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids[0] if eos_ids else None)
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor)
+        speculator = None
+        if spec is not None:
+            proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if spec.method == "ngram" else WorkerProposer(self.worker))
+            speculator = Speculator(spec, self.scheduler, proposer)
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator)
         self.output_processor.engine_core = self.engine_core
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
         self.system.on_failure(self._fail_pending_adds)
         self._ids = itertools.count()
         self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
+
+    def _check_draft(self, draft_dir: str) -> ModelConfig:
+        """The draft's config, once its tokenizer is known to be the target's."""
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+        same_vocab = Tokenizer.from_dir(draft_dir).inner.get_vocab() == self.tokenizer.inner.get_vocab()
+        if not same_vocab or draft_cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft at {draft_dir} does not use the target's tokenizer")
+        draft_cfg.check_context(self.max_model_len)
+        return draft_cfg
 
     async def start(self) -> None:
         self.system.start(self.engine_core, self.output_processor)

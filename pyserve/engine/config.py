@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None
+    speculative_config: dict[str, Any] | str | None = None  # parsed by SpeculativeConfig.parse
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 1024:

@@ -7,6 +7,8 @@ OutputProcessor. It never touches tensors.
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import numpy as np
 import structlog
@@ -21,8 +23,9 @@ NO_TOKENS = np.empty(0, dtype=np.int64)
 
 
 class EngineCore(Actor):
-    def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor):
+    def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None):
         super().__init__("engine_core")
+        self.speculator = speculator
         self.scheduler = scheduler
         self.worker = worker
         self.output_processor = output_processor
@@ -48,14 +51,18 @@ class EngineCore(Actor):
         req_ids = out.req_ids.tolist()
         num_logits = out.num_logits
         rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
+        start = time.perf_counter()
         result = await anyio.to_thread.run_sync(self.worker.execute, out, rows)
+        seconds = time.perf_counter() - start
         # Read before `update`, which frees requests that finish on their first token.
         cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
-        update = self.scheduler.update(result.token_ids, num_logits)
+        num_sampled = np.zeros(out.num_reqs, dtype=np.int64)
+        num_sampled[num_logits > 0] = result.num_sampled
+        update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
         deltas = []
         row = 0
-        for rid, n, appended in zip(req_ids, num_logits.tolist(), update.num_appended.tolist()):
+        for rid, n, appended in zip(req_ids, num_sampled.tolist(), update.num_appended.tolist()):
             if not n:
                 continue
             req = self.requests.get(rid)
@@ -77,6 +84,8 @@ class EngineCore(Actor):
             if delta.finish_reason is not None:
                 del self.requests[rid]
             deltas.append(delta)
+        if self.speculator is not None:
+            await self.speculator.after_step(out, num_sampled, seconds, set(finished), self.requests)
         if deltas:
             await self.output_processor.send(StepOutput(deltas))
 
@@ -133,6 +142,9 @@ class EngineCore(Actor):
             "prefix_cache_queries": s["prefix_query_tokens"],
             "prefix_cache_hits": s["prefix_hit_tokens"],
             "num_preemptions": s["num_preemptions"],
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
+            **(self.speculator.stats() if self.speculator is not None else {
+                "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                "spec_decode_num_accepted_tokens": 0, "spec_decode_mean_acceptance_length": 0.0,
+                "spec_decode_depth": 0,
+            }),
         }

@@ -26,15 +26,17 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens  # a stop string must end after this many output tokens
         self._num_tokens = 0
 
-    def push(self, token_ids: list[int]) -> None:
+    def push(self, token_ids: list[int]) -> int:
         """Decodes newly sampled tokens; stops decoding at the first stop string that ends after
-        the first `min_tokens` tokens (as vLLM)."""
-        for token in token_ids:
+        the first `min_tokens` tokens (as vLLM). Returns how many tokens it took: all of them,
+        or those up to the one that completed a stop string."""
+        for taken, token in enumerate(token_ids):
             if self.stop_hit is not None:
-                return
+                return taken
             self._ids.append(token)
             self._num_tokens += 1
             self._decode(flush=False)
+        return len(token_ids)
 
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out. Unless `final`, the tail that could still begin a stop

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pyserve.default_model import resolve_model
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.outputs import RequestOutput
@@ -38,14 +39,10 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
     ):
-        if model is None:
-            raise ValueError("model: pass the path of a Hugging Face model directory")
-        if speculative_config is not None:
-            raise ValueError("speculative_config: speculative decoding is not available in this version")
         if enable_lora:
             raise ValueError("enable_lora: LoRA adapters are not available in this version")
         config = EngineConfig(
-            model=str(model),
+            model=resolve_model(model),
             device=device,
             dtype=dtype,
             block_size=block_size,
@@ -57,6 +54,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             seed=seed,
+            speculative_config=speculative_config,
         )
         self.engine = AsyncEngine(config)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()

@@ -112,10 +112,17 @@ class OutputProcessor(Actor):
         tokens = delta.token_ids
         # NOTE: a stop token (EOS or a stop_token_ids entry) ends the sequence: it is in token_ids
         # but, as in vLLM, its text is not part of the output.
-        sample.detok.push(tokens[:-1] if finish == "stop" else tokens)
+        text_tokens = tokens[:-1] if finish == "stop" else tokens
+        taken = sample.detok.push(text_tokens)
         stop_reason: str | int | None = None
         if sample.detok.stop_hit is not None:
             finish, stop_reason = "stop", sample.detok.stop_hit
+            if taken < len(text_tokens) or delta.finish_reason == "stop":
+                # Tokens after the stop string's last one (speculation appends several per step)
+                # are not part of the output.
+                tokens = delta.token_ids = tokens[:taken]
+                if delta.sampled_logprobs is not None:
+                    delta.sampled_logprobs = delta.sampled_logprobs[:taken]
             if delta.finish_reason is None:
                 self._abort(delta.internal_id)
         elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:

@@ -167,8 +167,28 @@ class Sampler:
         top = raw.topk(min(rows.max_num_logprobs, raw.shape[1]), dim=-1)
         return SampleResult(tokens, top.values, top.indices, sampled.squeeze(1), ranks)
 
+    def probs(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """The distribution `sample` draws each row from, as f32 probabilities [N, V]: one-hot at
+        the argmax for greedy rows. Speculative verification compares drafts against it."""
+        x = apply_penalties(logits.to(torch.float32, copy=True), rows)
+        if rows.banned is not None:
+            x[rows.banned[0], rows.banned[1]] = _NEG_INF
+        if rows.all_greedy:
+            return torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+        greedy = x.argmax(dim=-1, keepdim=True) if rows.any_greedy else None
+        probs = self._filter(x, rows).softmax(dim=-1)
+        if greedy is not None:
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy, 1.0)
+            probs = torch.where((rows.temperature == 0.0).unsqueeze(1), one_hot, probs)
+        return probs
+
     def _sample_random(self, x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """Temperature, min_p, top-k, top-p, then the exponential race; overwrites x."""
+        probs = self._filter(x, rows).softmax(dim=-1)
+        return probs.div_(self.exponential(probs, rows)).argmax(dim=-1)
+
+    def _filter(self, x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """Temperature, min_p, top-k and top-p on float logits x [N, V], in place."""
         t = rows.temperature
         x.div_(t.masked_fill(t == 0.0, 1.0).unsqueeze(1))
         if rows.any_min_p:  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
@@ -181,10 +201,9 @@ class Sampler:
             else:
                 p = rows.top_p[idx] if rows.any_top_p else None
                 x[idx] = _top_k_top_p(x[idx], rows.top_k[idx], p, rows.max_top_k)
-        probs = x.softmax(dim=-1)
-        return probs.div_(self._exponential(probs, rows)).argmax(dim=-1)
+        return x
 
-    def _exponential(self, like: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    def exponential(self, like: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """Exp(1) noise shaped like `like`; seeded rows use their own generator (the seed invariant)."""
         q = torch.empty_like(like)
         if rows.shared_rows is None:

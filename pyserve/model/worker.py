@@ -14,11 +14,14 @@ import numpy as np
 import torch
 
 from pyserve.engine.request import EngineRequest
+from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.spec.draft_model import DraftModelProposer
+from pyserve.spec.proposer import ProposalBatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,9 +49,10 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled tokens, one per logits row, plus logprobs when any row asked for them."""
+    """Sampled tokens per request row, plus logprobs (one row per token) when any row asked."""
 
-    token_ids: np.ndarray  # int64 [rows]
+    token_ids: np.ndarray  # int64, end to end: num_sampled[i] tokens for request row i
+    num_sampled: np.ndarray  # int64 [rows]: 1, or accepted drafts + 1 for a verifying row
     logprobs: np.ndarray | None = None  # f32 [rows, K]
     logprob_token_ids: np.ndarray | None = None  # int64 [rows, K]
     sampled_logprobs: np.ndarray | None = None  # f32 [rows]
@@ -69,6 +73,7 @@ class ModelWorker:
         seed: int = 0,
         gpu_memory_fraction: float = 0.85,
         attention_backend: str | None = None,
+        draft_model: tuple[str, ModelConfig] | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -83,17 +88,27 @@ class ModelWorker:
         self.backend = make_backend(backend)
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self._generators: dict[int, torch.Generator] = {}
+        self.proposer = None
+        if draft_model is not None:
+            self.proposer = DraftModelProposer(
+                draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
+                block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
+            )
 
     @torch.inference_mode()
     def execute(self, out, rows: list[EngineRequest]) -> StepResult:
-        """Runs the forward for one SchedulerOutput and samples one token per logits row; `rows`
-        are the requests of those rows, in order."""
+        """Runs the forward for one SchedulerOutput and samples: one token per request with
+        logits, or for a request verifying drafts its accepted drafts and one more. `rows` are the
+        requests with logits, in order."""
         for rid in out.finished_req_ids.tolist():
             self._generators.pop(rid, None)
         if out.num_reqs == 0:
-            return StepResult(token_ids=np.empty(0, dtype=np.int64))
+            return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device
-        copy_blocks(self.kv_caches, torch.from_numpy(out.block_copies).to(dev))
+        pairs = torch.from_numpy(out.block_copies).to(dev)
+        copy_blocks(self.kv_caches, pairs)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(pairs)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev, self.backend.split_decode
         )
@@ -101,25 +116,96 @@ class ModelWorker:
         positions = torch.from_numpy(out.positions).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not rows:
-            return StepResult(token_ids=np.empty(0, dtype=np.int64))
+            return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         logits_indices = torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()
         logits = self.model.compute_logits(hidden[logits_indices])
+        counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
+        if (counts == 1).all():
+            return self._sample(logits, rows)
+        return self._sample_and_verify(out, logits, rows, counts)
+
+    def _sample(self, logits: torch.Tensor, rows: list[EngineRequest]) -> StepResult:
+        """One token per row of `logits`, row i for request rows[i]."""
         sampling = SamplingRows.build(
             [r.params for r in rows],
             [self._generator(r) for r in rows],
             [r.prompt_token_ids for r in rows],
             [r.output_token_ids for r in rows],
             [r.banned_token_ids() for r in rows],
-            dev,
+            self.device,
         )
         res = self.sampler.sample(logits, sampling)
         return StepResult(
             token_ids=res.token_ids.cpu().numpy(),
+            num_sampled=np.ones(len(rows), dtype=np.int64),
             logprobs=None if res.logprobs is None else res.logprobs.cpu().numpy(),
             logprob_token_ids=None if res.logprob_token_ids is None else res.logprob_token_ids.cpu().numpy(),
             sampled_logprobs=None if res.sampled_logprobs is None else res.sampled_logprobs.cpu().numpy(),
             sampled_ranks=None if res.sampled_ranks is None else res.sampled_ranks.cpu().numpy(),
         )
+
+    def _sample_and_verify(self, out, logits: torch.Tensor, rows: list[EngineRequest], counts: np.ndarray):
+        """Rows with drafts (count > 1) go through rejection sampling, the others through the
+        plain sampler. Tokens come back end to end, `num_sampled[i]` for rows[i]."""
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        plain = np.flatnonzero(counts == 1)
+        spec = np.flatnonzero(counts > 1)
+        per_row: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(rows)
+        plain_result = None
+        if len(plain):
+            idx = torch.from_numpy(offsets[plain]).to(self.device)
+            plain_result = self._sample(logits[idx], [rows[i] for i in plain])
+            for j, i in enumerate(plain):
+                per_row[i] = plain_result.token_ids[j : j + 1]
+        spec_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
+        accepted = self._verify(out, logits, rows, counts, spec, spec_rows)
+        for i, tokens in zip(spec, accepted):
+            per_row[i] = tokens
+        num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
+        result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled)
+        if plain_result is not None and plain_result.logprobs is not None:
+            flat = np.concatenate([[0], np.cumsum(num_sampled)])[plain]  # where each plain row's token sits
+            n = int(num_sampled.sum())
+            for name in ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks"):
+                src = getattr(plain_result, name)
+                full = np.zeros((n, *src.shape[1:]), dtype=src.dtype)  # spec rows never ask for logprobs
+                full[flat] = src
+                setattr(result, name, full)
+        return result
+
+    def _verify(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
+        """Accepted drafts plus one token, per request of `spec` (rejection sampling)."""
+        dev = self.device
+        params = [rows[i].params for i in spec for _ in range(counts[i])]
+        sampling = SamplingRows.build(params, [None] * len(params), [[]] * len(params), [[]] * len(params), None, dev)
+        target = self.sampler.probs(logits[torch.from_numpy(spec_rows).to(dev)], sampling)
+        # Row r verifies the input token after its own position: the next draft of its request.
+        drafts = np.full(len(spec_rows), -1, dtype=np.int64)
+        uniform, noise, draft_probs = [], [], []
+        cu = np.concatenate([[0], np.cumsum(counts[spec])]).astype(np.int32)
+        vocab = target.shape[1]
+        for j, i in enumerate(spec):
+            m = int(counts[i])
+            positions = out.logits_indices[spec_rows[cu[j] : cu[j + 1]]]
+            drafts[cu[j] : cu[j + 1] - 1] = out.input_ids[positions[1:]]
+            gen = self._generator(rows[i]) or self.sampler.generator
+            uniform.append(torch.rand(m, generator=gen, device=dev))
+            noise.append(torch.empty((m, vocab), device=dev).exponential_(generator=gen))
+            if self.proposer is not None:
+                q = self.proposer.take_draft_probs(rows[i].internal_id, m - 1)
+                draft_probs.append(torch.cat([q, torch.zeros((1, vocab), device=dev)]))
+        verify = rejection_sample if dev.type == "cuda" else rejection_sample_ref
+        tokens, num = verify(
+            target, torch.cat(draft_probs) if draft_probs else None, torch.from_numpy(drafts).to(dev),
+            torch.cat(uniform), torch.cat(noise).clamp_min_(torch.finfo(torch.float32).tiny),
+            torch.from_numpy(cu).to(dev),
+        )
+        tokens, num = tokens.cpu().numpy(), num.cpu().numpy()
+        return [tokens[cu[j] : cu[j] + num[j]] for j in range(len(spec))]
+
+    def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        """Draft tokens from the worker's proposer (a draft model), in the worker thread."""
+        return self.proposer.propose(batch, [self._generator(r) for r in batch.requests])
 
     def _generator(self, req: EngineRequest) -> torch.Generator | None:
         if req.params.seed is None or req.params.greedy:

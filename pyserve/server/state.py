@@ -41,8 +41,16 @@ class ServerMetrics:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
             ("num_preemptions", "Sequences preempted (recomputed later)."),
+            ("spec_decode_num_drafts", "Sequence steps that verified speculative draft tokens."),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
         ]:
             reg.add(Gauge.counter(f"pyserve:{key}_total", help_text, stat(key)))
+        reg.add(Gauge("pyserve:spec_decode_mean_acceptance_length",
+                      "Tokens per verifying sequence step (accepted drafts + 1), averaged since start.",
+                      stat("spec_decode_mean_acceptance_length")))
+        reg.add(Gauge("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
+                      stat("spec_decode_depth")))
         return cls(
             registry=reg,
             ttft=reg.add(Histogram("pyserve:time_to_first_token_seconds", "Time to first token.")),

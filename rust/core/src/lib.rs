@@ -38,6 +38,7 @@ pub mod block_pool;
 pub mod config;
 pub mod error;
 pub mod kv_manager;
+pub mod ngram;
 pub mod output;
 pub mod radix;
 pub mod request;

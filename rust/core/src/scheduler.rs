@@ -217,6 +217,13 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Draft tokens for a request by n-gram lookup in its own prompt and output (see
+    /// [`crate::ngram::propose`]); they are not set: pass them to [`Self::set_spec_tokens`].
+    pub fn propose_ngram(&self, id: RequestId, k: usize, min_n: usize, max_n: usize) -> Result<&[u32]> {
+        let req = self.requests.by_id(id).ok_or(CoreError::UnknownRequest(id))?;
+        Ok(crate::ngram::propose(&req.token_ids, min_n, max_n, k))
+    }
+
     pub fn has_unfinished_requests(&self) -> bool {
         !self.requests.is_empty()
     }

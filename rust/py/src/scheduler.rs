@@ -137,6 +137,12 @@ impl PyScheduler {
         self.inner.set_spec_tokens(request_id, &tokens).map_err(to_py)
     }
 
+    /// Up to `k` draft tokens for the request from n-gram lookup in its own tokens (not set).
+    #[pyo3(signature = (request_id, k, min_n=1, max_n=4))]
+    fn propose_ngram(&self, request_id: u64, k: usize, min_n: usize, max_n: usize) -> PyResult<Vec<u32>> {
+        Ok(self.inner.propose_ngram(request_id, k, min_n, max_n).map_err(to_py)?.to_vec())
+    }
+
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
         let out = self.inner.schedule().map_err(to_py)?;
         PySchedulerOutput::new(py, out)

@@ -1,0 +1,99 @@
+"""Speculative decoding vs plain decoding, same requests, same process, on the embedded model family
+(the Python-code target, its draft), greedy, fp32 on CPU unless --device says otherwise.
+
+Workloads (prompts from the held-out standard-library modules the family never trained on):
+  reuse   batch 1: a function, then the request to repeat it: "# the same function again:\n" and its
+          first line; the output quotes the prompt (n-gram lookup's case; goal >= 2x)
+  code    batch 1: the first lines of a function, continue it (the draft model's case; goal >= 1.5x)
+  batch64 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain)
+Each figure is output tokens per second; ratios are the median over --runs interleaved runs. Also
+checks that every speculative output equals the plain one token for token. Writes
+bench/results/spec_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from pyserve import LLM, SamplingParams
+from pyserve.default_model.training import corpus
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "draft": {"method": "draft_model", "num_speculative_tokens": 4},
+}
+
+
+def held_out_functions(limit: int) -> list[str]:
+    _, held = corpus.source_files()
+    fns = [fn.source for _, text in held for fn in corpus.functions(text) if 300 <= len(fn.source) <= 1200]
+    return fns[:limit]
+
+
+def workloads(max_tokens: int) -> dict[str, tuple[list[str], list[str]]]:
+    fns = held_out_functions(64)
+    reuse = [f"{fns[0]}\n\n# the same function again:\n{fns[0].splitlines()[0]}\n"]
+    code = ["\n".join(fns[1].splitlines()[:3]) + "\n"]
+    batch = ["\n".join(f.splitlines()[:3]) + "\n" for f in fns]
+    return {"reuse": (reuse, ["ngram"]), "code": (code, ["draft", "ngram"]), "batch64": (batch, ["ngram", "draft"])}
+
+
+def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return sum(map(len, tokens)) / seconds, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "spec_decode.json")
+    args = ap.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engines = {name: LLM(device=args.device, speculative_config=cfg) for name, cfg in CONFIGS.items()}
+    results = {}
+    for name, (prompts, methods) in workloads(args.max_tokens).items():
+        rates: dict[str, list[float]] = {m: [] for m in ["plain", *methods]}
+        reference = None
+        run(engines["plain"], prompts[:1], params)  # warm-up
+        for _ in range(args.runs):
+            for m in rates:
+                rate, tokens = run(engines[m], prompts, params)
+                rates[m].append(rate)
+                reference = reference or (tokens if m == "plain" else None)
+                assert tokens == reference, f"{name}/{m}: speculative output differs from plain decoding"
+        row = {"requests": len(prompts), "plain_tokens_per_s": round(statistics.median(rates["plain"]), 1)}
+        for m in methods:
+            ratios = [s / p for s, p in zip(rates[m], rates["plain"])]
+            row[f"{m}_tokens_per_s"] = round(statistics.median(rates[m]), 1)
+            row[f"{m}_ratio"] = round(statistics.median(ratios), 3)
+            stats = engines[m].stats()
+            row[f"{m}_mean_acceptance_length"] = round(stats["spec_decode_mean_acceptance_length"], 2)
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    for llm in engines.values():
+        llm.close()
+    report = {"machine": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+              "runs": args.runs, "max_tokens": args.max_tokens, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'workload':<9} {'plain tok/s':>11}  speculative (ratio, mean acceptance length)")
+    for name, row in results.items():
+        specs = "  ".join(f"{k[:-6]} {row[k]:.2f}x ({row[k[:-6] + '_mean_acceptance_length']})"
+                          for k in row if k.endswith("_ratio"))
+        print(f"{name:<9} {row['plain_tokens_per_s']:>11.1f}  {specs}")
+
+
+if __name__ == "__main__":
+    main()

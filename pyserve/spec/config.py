@@ -1,0 +1,65 @@
+"""`speculative_config` (the `LLM(...)` argument and `pyserve serve --speculative-config`),
+validated once; every error names the key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: the draft's Hugging Face directory
+    adaptive: bool = True  # choose the depth per step (0 = plain decoding) from measurements
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any] | str | None, default_draft: str | None = None) -> SpeculativeConfig | None:
+        """`raw` as given by a user (a dict, or its JSON text); `default_draft` is the draft used
+        when a draft_model config names no model (the embedded family's draft)."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be an object with a 'method' key")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        method = raw.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        fields = {**defaults, **raw}
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = fields[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{key} must be a positive integer, got {value!r}")
+        if fields["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}")
+        if fields["prompt_lookup_max"] < fields["prompt_lookup_min"]:
+            raise ValueError("speculative_config.prompt_lookup_max must be >= prompt_lookup_min")
+        if not isinstance(fields["adaptive"], bool):
+            raise ValueError("speculative_config.adaptive must be true or false")
+        if method == "draft_model":
+            model = fields["model"] or default_draft
+            if model is None:
+                raise ValueError("speculative_config.model: a draft_model needs the draft's model directory")
+            if not (Path(model) / "config.json").is_file():
+                raise ValueError(f"speculative_config.model: no config.json in {model}")
+            fields["model"] = str(model)
+        elif fields["model"] is not None:
+            raise ValueError("speculative_config.model is only for method 'draft_model'")
+        return cls(**fields)

@@ -1,0 +1,101 @@
+"""The draft-model proposer: a smaller model with the target's tokenizer runs k tokens ahead.
+
+It keeps its own paged KV tensors, laid out like the target's and addressed through the same
+block tables and slots (a draft block is the draft's KV of the target's block). It does not run
+every step: each request remembers how many of its tokens the draft has computed, and a proposal
+first feeds the draft every token since then (the whole prompt the first time; a prefix-cache hit
+of the target is recomputed by the draft, writing identical values into the shared block), then
+k - 1 of its own guesses. Steps where the engine chose depth 0 therefore cost the draft nothing.
+The distribution each guess was drawn from is kept for the verification of the next step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyserve.model.attention import AttentionMetadata
+from pyserve.model.config import ModelConfig
+from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
+from pyserve.model.loader import load_model
+from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.spec.proposer import ProposalBatch
+
+
+class DraftModelProposer:
+    def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
+                 max_model_len: int, backend, sampler: Sampler):
+        self.config = cfg
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
+        self.backend = backend
+        self.sampler = sampler
+        self.num_computed: dict[int, int] = {}  # request id -> its tokens in the draft's KV
+        self.draft_probs: dict[int, torch.Tensor] = {}  # request id -> [k, V] f32 of its drafts
+
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        copy_blocks(self.kv_caches, pairs)
+
+    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+        for rid in request_ids:
+            self.num_computed.pop(rid, None)
+            self.draft_probs.pop(rid, None)
+
+    def take_draft_probs(self, request_id: int, num_drafts: int) -> torch.Tensor:
+        """The distributions of the request's first `num_drafts` pending drafts ([n, V])."""
+        return self.draft_probs.pop(request_id)[:num_drafts]
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposalBatch, generators: list[torch.Generator | None]) -> list[list[int]]:
+        reqs, bs = batch.requests, self.block_size
+        capacity = (batch.block_tables > 0).sum(axis=1) * bs  # slots each request owns
+        seqs = [r.prompt_token_ids + r.output_token_ids for r in reqs]
+        lens = np.array([len(s) for s in seqs], dtype=np.int64)
+        # Depth per request: the j-th forward writes position len - 1 + j, which must own a slot
+        # and lie inside the model length.
+        depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
+        starts = np.array([min(self.num_computed.get(r.internal_id, 0), len(s) - 1) for r, s in zip(reqs, seqs)])
+        ids = np.concatenate([np.asarray(s[b:], dtype=np.int32) for s, b in zip(seqs, starts)])
+        positions = np.concatenate([np.arange(b, n, dtype=np.int64) for b, n in zip(starts, lens)])
+        row = np.repeat(np.arange(len(reqs)), lens - starts)
+        qsl = np.concatenate([[0], np.cumsum(lens - starts)]).astype(np.int32)
+        rows = SamplingRows.build([r.params for r in reqs], generators, [[]] * len(reqs), [[]] * len(reqs), None,
+                                  self.device)
+        logits = self._forward(ids, positions, row, batch.block_tables, lens.astype(np.int32), qsl,
+                               last=qsl[1:] - 1)
+        for r, n in zip(reqs, lens):
+            self.num_computed[r.internal_id] = int(n)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        pos = lens - 1  # position of the token fed last
+        for j in range(int(depth.max(initial=0))):
+            q = self.sampler.probs(logits, rows)
+            tokens = (q / self.sampler.exponential(q, rows)).argmax(dim=-1).cpu().numpy()  # one-hot q: argmax
+            for i in np.flatnonzero(depth > j):
+                drafts[i].append(int(tokens[i]))
+                probs[i].append(q[i])
+            feed = np.flatnonzero(depth > j + 1)
+            if not len(feed):
+                break
+            pos = pos + 1
+            step = self._forward(tokens[feed].astype(np.int32), pos[feed], np.arange(len(feed)),
+                                 batch.block_tables[feed], (pos[feed] + 1).astype(np.int32),
+                                 np.arange(len(feed) + 1, dtype=np.int32), last=np.arange(len(feed)))
+            logits = torch.zeros_like(logits)  # rows stay aligned with `rows`; unfed rows are unused
+            logits[torch.from_numpy(feed).to(self.device)] = step
+        for r, p in zip(reqs, probs):
+            if p:
+                self.draft_probs[r.internal_id] = torch.stack(p)
+        return drafts
+
+    def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
+        bs = self.block_size
+        slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), seq_lens, qsl, self.device,
+                                       self.backend.split_decode)
+        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                            self.kv_caches, meta, self.backend)
+        return self.model.compute_logits(hidden[torch.from_numpy(np.asarray(last, dtype=np.int64)).to(self.device)])

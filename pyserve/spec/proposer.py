@@ -1,0 +1,66 @@
+"""The proposer interface: after a step, make draft tokens for chosen decoding requests; the
+engine hands them to the scheduler, which verifies them in the next step.
+
+A proposer sees the requests (their token history) and each one's block table as of the step
+just run, which includes the lookahead blocks the scheduler reserved for speculation. Methods
+that need the target's tensors (a draft model; later self-speculation heads such as Medusa or
+EAGLE, which read the target's hidden states) run inside the ModelWorker; n-gram lookup runs in
+the Rust scheduler. The scheduler never knows which method made a draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import numpy as np
+
+from pyserve.engine.request import EngineRequest
+
+
+@dataclass(slots=True)
+class ProposalBatch:
+    requests: list[EngineRequest]  # the requests to propose for; their token lists are current
+    block_tables: np.ndarray  # int32 [len(requests), width]: each request's blocks (0 = none)
+    k: int  # draft tokens wanted per request (a proposer may return fewer)
+
+
+class Proposer(Protocol):
+    async def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        """Up to `batch.k` draft tokens per request, in order."""
+        ...
+
+    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+        """Drop per-request state of finished requests, or (`recomputed`) of preempted ones whose
+        KV is gone."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the continuation of the longest recent n-gram match in the request's own
+    tokens. Runs in the Rust scheduler, on the tokens it already holds."""
+
+    def __init__(self, scheduler, min_n: int, max_n: int):
+        self.scheduler = scheduler
+        self.min_n, self.max_n = min_n, max_n
+
+    async def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        k, lo, hi = batch.k, self.min_n, self.max_n
+        return [self.scheduler.propose_ngram(r.internal_id, k, lo, hi) for r in batch.requests]
+
+    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+        pass
+
+
+class WorkerProposer:
+    """A proposer that lives in the ModelWorker (it owns tensors): runs it in the worker thread."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    async def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        return await anyio.to_thread.run_sync(self.worker.propose, batch)
+
+    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+        self.worker.proposer.forget(request_ids, recomputed)

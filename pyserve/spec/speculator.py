@@ -1,0 +1,79 @@
+"""The engine side of speculative decoding: after each step, account for the verified drafts,
+choose the depth for the next step and ask the proposer for drafts. No tensors here."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pyserve.engine.request import EngineRequest
+from pyserve.spec.config import SpeculativeConfig
+from pyserve.spec.depth import DepthController
+from pyserve.spec.proposer import ProposalBatch, Proposer
+
+
+def can_speculate(req: EngineRequest) -> bool:
+    """Verification samples every position from the same distribution, so requests whose
+    distribution depends on their own output so far (penalties, a min_tokens ban) or that want
+    logprobs decode plainly."""
+    p = req.params
+    return (p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0 and len(req.output_token_ids) >= p.min_tokens)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer):
+        self.config = config
+        self.scheduler = scheduler
+        self.proposer = proposer
+        self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
+                                     has_draft_cost=config.method == "draft_model")
+        self.num_drafts = 0  # request-steps that verified at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.last_depth = 0
+
+    async def after_step(self, out, num_sampled: np.ndarray, seconds: float, finished: set[int],
+                         requests: dict[int, EngineRequest]) -> None:
+        """`num_sampled`: tokens sampled per scheduled request (0 without logits); `finished`:
+        requests that ended this step."""
+        self.depth.observe_step(out.total_num_tokens, seconds)
+        for s, n in zip(out.num_spec_tokens.tolist(), num_sampled.tolist()):
+            if s and n:
+                self.num_drafts += 1
+                self.num_draft_tokens += s
+                self.num_accepted_tokens += n - 1
+                self.depth.observe_verification(s, n - 1)
+        gone = set(out.finished_req_ids.tolist()) | finished
+        if gone:
+            self.proposer.forget(sorted(gone), recomputed=False)
+        if out.preempted_req_ids.size:
+            self.proposer.forget(out.preempted_req_ids.tolist(), recomputed=True)
+        rows, candidates = [], []
+        for i, (rid, n) in enumerate(zip(out.req_ids.tolist(), num_sampled.tolist())):
+            req = requests.get(rid)
+            if n and req is not None and rid not in finished and can_speculate(req):
+                rows.append(i)
+                candidates.append(req)
+        prefill_tokens = int(out.num_scheduled_tokens[out.num_logits == 0].sum())
+        k = self.depth.choose(len(candidates), prefill_tokens)
+        self.last_depth = k
+        if not k or not candidates:
+            return
+        start = time.perf_counter()
+        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k))
+        self.depth.observe_draft_forward(len(candidates), (time.perf_counter() - start) / k)
+        for req, tokens in zip(candidates, drafts):
+            if tokens:
+                self.scheduler.set_spec_tokens(req.internal_id, tokens)
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_mean_acceptance_length": (
+                1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0),
+            "spec_decode_depth": self.last_depth,
+        }
