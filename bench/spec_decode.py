@@ -6,7 +6,8 @@ Workloads (prompts from the held-out standard-library modules the family never t
           first line; the output quotes the prompt (n-gram lookup's case; goal >= 2x)
   code    batch 1: the first lines of a function, continue it (the draft model's case; goal >= 1.5x)
   batch64 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain)
-Each figure is output tokens per second; ratios are the median over --runs interleaved runs. Also
+Each figure is output tokens per second after one warm-up run per engine (a server that has been
+up for a while has measured its costs); ratios are the median over --runs interleaved runs. Also
 checks that every speculative output equals the plain one token for token. Writes
 bench/results/spec_decode.json.
 """
@@ -66,7 +67,8 @@ def main() -> None:
     for name, (prompts, methods) in workloads(args.max_tokens).items():
         rates: dict[str, list[float]] = {m: [] for m in ["plain", *methods]}
         reference = None
-        run(engines["plain"], prompts[:1], params)  # warm-up
+        for m in rates:  # warm-up: a long-running server has explored its depth choices already
+            run(engines[m], prompts, params)
         for _ in range(args.runs):
             for m in rates:
                 rate, tokens = run(engines[m], prompts, params)

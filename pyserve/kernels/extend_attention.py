@@ -140,15 +140,20 @@ def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_len
     return out
 
 
+SHORT_QUERY = 16  # the reference batches sequences with at most this many query tokens
+
+
 def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                          max_query_len=None):
-    """Torch reference and CPU backend: per sequence, gather its keys through the block table and
-    run scaled_dot_product_attention (fp32) with a causal mask offset by the cached prefix.
-    `max_query_len` is accepted and ignored."""
+    """Torch reference and CPU backend: scaled_dot_product_attention (fp32) over each sequence's
+    keys gathered through its block table, with a causal mask offset by the cached prefix.
+    Sequences with short queries (speculative verification, small chunks) go through one
+    padded batch; longer ones one by one. `max_query_len` is accepted and ignored."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    short = []
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
         q_len = q_hi - q_lo
@@ -157,6 +162,9 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
         if not q_len <= seq_len <= block_tables.shape[1] * block_size:
             raise ValueError(f"sequence {i}: query length {q_len}, seq_lens {seq_len} and "
                              f"{block_tables.shape[1]} blocks of {block_size} are inconsistent")
+        if q_len <= SHORT_QUERY:
+            short.append(i)
+            continue
         pages = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
         k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [H_kv, seq_len, D]
         v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()
@@ -166,4 +174,29 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
         o = torch.nn.functional.scaled_dot_product_attention(
             qi, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
         out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
+    if short:
+        _short_queries(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, short, out)
     return out
+
+
+def _short_queries(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, seqs, out):
+    """The sequences `seqs` at once: queries padded to the longest, keys to the longest sequence."""
+    dev = q.device
+    idx = torch.tensor(seqs, dtype=torch.int64, device=dev)
+    first = query_start_loc[idx].long()
+    q_lens = query_start_loc[idx + 1].long() - first
+    lens = seq_lens[idx].long()
+    block_size = k_cache.shape[1]
+    max_q, max_len = int(q_lens.max()), int(lens.max())
+    pages = block_tables[idx, : (max_len + block_size - 1) // block_size].long()
+    k = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()    # [S, H_kv, max_len, D]
+    v = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    j = torch.arange(max_q, device=dev)
+    real = j[None, :] < q_lens[:, None]                                      # [S, max_q]
+    tokens = torch.where(real, first[:, None] + j[None, :], 0)
+    q_pos = lens[:, None] - q_lens[:, None] + j[None, :]
+    key_pos = torch.arange(max_len, device=dev)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[tokens].float().transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    out[tokens[real]] = o.transpose(1, 2)[real].to(q.dtype)

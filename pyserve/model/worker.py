@@ -181,25 +181,38 @@ class ModelWorker:
         target = self.sampler.probs(logits[torch.from_numpy(spec_rows).to(dev)], sampling)
         # Row r verifies the input token after its own position: the next draft of its request.
         drafts = np.full(len(spec_rows), -1, dtype=np.int64)
-        uniform, noise, draft_probs = [], [], []
         cu = np.concatenate([[0], np.cumsum(counts[spec])]).astype(np.int32)
-        vocab = target.shape[1]
-        for j, i in enumerate(spec):
-            m = int(counts[i])
+        for j in range(len(spec)):
             positions = out.logits_indices[spec_rows[cu[j] : cu[j + 1]]]
             drafts[cu[j] : cu[j + 1] - 1] = out.input_ids[positions[1:]]
-            gen = self._generator(rows[i]) or self.sampler.generator
-            uniform.append(torch.rand(m, generator=gen, device=dev))
-            noise.append(torch.empty((m, vocab), device=dev).exponential_(generator=gen))
-            if self.proposer is not None:
-                q = self.proposer.take_draft_probs(rows[i].internal_id, m - 1)
-                draft_probs.append(torch.cat([q, torch.zeros((1, vocab), device=dev)]))
+        # Greedy rows need no randomness: with a one-hot target, u = 0 and unit noise make the
+        # rule "keep drafts equal to the argmax, then the argmax".
+        uniform = torch.zeros(len(spec_rows), device=dev)
+        noise = torch.ones_like(target)
+        shared = []
+        for j, i in enumerate(spec):
+            if rows[i].params.greedy:
+                continue
+            gen = self._generator(rows[i])
+            if gen is None:
+                shared.append(j)
+                continue
+            r0, r1 = int(cu[j]), int(cu[j + 1])
+            uniform[r0:r1] = torch.rand(r1 - r0, generator=gen, device=dev)
+            noise[r0:r1].exponential_(generator=gen)
+        if shared:
+            idx = torch.from_numpy(np.concatenate([np.arange(cu[j], cu[j + 1]) for j in shared])).to(dev)
+            uniform[idx] = torch.rand(len(idx), generator=self.sampler.generator, device=dev)
+            noise[idx] = torch.empty((len(idx), target.shape[1]), device=dev).exponential_(
+                generator=self.sampler.generator)
+        draft_probs = None
+        if self.proposer is not None:
+            zero = torch.zeros((1, target.shape[1]), device=dev)
+            draft_probs = torch.cat([t for i in spec for t in (
+                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1), zero)])
         verify = rejection_sample if dev.type == "cuda" else rejection_sample_ref
-        tokens, num = verify(
-            target, torch.cat(draft_probs) if draft_probs else None, torch.from_numpy(drafts).to(dev),
-            torch.cat(uniform), torch.cat(noise).clamp_min_(torch.finfo(torch.float32).tiny),
-            torch.from_numpy(cu).to(dev),
-        )
+        tokens, num = verify(target, draft_probs, torch.from_numpy(drafts).to(dev), uniform,
+                             noise.clamp_min_(torch.finfo(torch.float32).tiny), torch.from_numpy(cu).to(dev))
         tokens, num = tokens.cpu().numpy(), num.cpu().numpy()
         return [tokens[cu[j] : cu[j] + num[j]] for j in range(len(spec))]
 

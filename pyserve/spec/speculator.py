@@ -38,7 +38,8 @@ class Speculator:
                          requests: dict[int, EngineRequest]) -> None:
         """`num_sampled`: tokens sampled per scheduled request (0 without logits); `finished`:
         requests that ended this step."""
-        self.depth.observe_step(out.total_num_tokens, seconds)
+        if (out.num_scheduled_tokens == 1 + out.num_spec_tokens).all():  # decode-only steps feed the cost model
+            self.depth.observe_step(out.num_reqs, int(out.num_spec_tokens.sum()), seconds)
         for s, n in zip(out.num_spec_tokens.tolist(), num_sampled.tolist()):
             if s and n:
                 self.num_drafts += 1
@@ -56,14 +57,14 @@ class Speculator:
             if n and req is not None and rid not in finished and can_speculate(req):
                 rows.append(i)
                 candidates.append(req)
-        prefill_tokens = int(out.num_scheduled_tokens[out.num_logits == 0].sum())
-        k = self.depth.choose(len(candidates), prefill_tokens)
+        k = self.depth.choose(out.num_reqs, len(candidates))
         self.last_depth = k
         if not k or not candidates:
             return
         start = time.perf_counter()
         drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k))
-        self.depth.observe_draft_forward(len(candidates), (time.perf_counter() - start) / k)
+        seconds = time.perf_counter() - start
+        self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
         for req, tokens in zip(candidates, drafts):
             if tokens:
                 self.scheduler.set_spec_tokens(req.internal_id, tokens)
