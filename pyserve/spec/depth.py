@@ -24,6 +24,7 @@ DECAY = 0.97  # weight of the past per observation: about the last 30 count
 EXPLORE_STEPS = 4  # per new bucket: steps at full depth, then as many at depth 0
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0  # pseudo-counts: two early rejections must not end it
 PROBE_EVERY = 16  # steps at depth 0 before one step at depth 1
+SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
 
 
 class LinearFit:
@@ -150,6 +151,8 @@ class DepthController:
             tokens = batch_size + num_candidates * fill * extra
             seconds = a + b * num_candidates * k * fill + k * draft
             rate = tokens / seconds if seconds > 0 else float("inf")
-            if k == 0 or rate > best_rate * 1.03:  # a longer guess must be clearly better
+            # Speculating at all must promise a clear gain (the fit is noisy: a busy server must
+            # not pay for a guess), and each longer guess a further one.
+            if k == 0 or rate > best_rate * (SPECULATE_MARGIN if best_k == 0 else 1.03):
                 best_k, best_rate = k, rate
         return best_k
