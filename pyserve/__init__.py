@@ -13,6 +13,7 @@ _EXPORTS = {
     "SamplingParams": "pyserve.engine.sampling_params",
     "RequestOutput": "pyserve.engine.outputs",
     "CompletionOutput": "pyserve.engine.outputs",
+    "LoRARequest": "pyserve.lora.request",
 }
 
 __all__ = list(_EXPORTS)

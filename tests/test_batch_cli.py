@@ -150,7 +150,7 @@ async def test_batch_engine_death_writes_503_records_for_every_request(llama_dir
 
     engine = AsyncEngine(EngineConfig(model=str(llama_dir), block_size=4, num_kv_blocks=512))
 
-    def device_lost(out, rows):
+    def device_lost(out, rows, *rest):
         raise RuntimeError("device lost")
 
     engine.worker.execute = device_lost

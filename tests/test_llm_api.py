@@ -362,7 +362,7 @@ def _error_within(seconds: float, call) -> BaseException | None:
 
 def test_engine_death_fails_every_waiting_request_instead_of_hanging(model_dirs, monkeypatch):
     with LLM(str(model_dirs["llama"]), **POOL) as llm:
-        def crash(out, rows):
+        def crash(out, rows, *rest):
             time.sleep(0.05)  # the next prompt's Add is in flight when the EngineCore dies
             raise RuntimeError("device lost")
 

@@ -34,7 +34,7 @@ async def running_app(model_dir):
         await engine.stop()
 
 
-def device_lost(out, rows):
+def device_lost(out, rows, *rest):
     raise RuntimeError("device lost")
 
 
@@ -87,10 +87,10 @@ async def test_in_flight_requests_fail_when_the_worker_dies(llama_dir):
         real_execute = engine.worker.execute
         broken = False
 
-        def execute(out, rows):
+        def execute(out, rows, *rest):
             if broken:
                 raise RuntimeError("device lost")
-            return real_execute(out, rows)
+            return real_execute(out, rows, *rest)
 
         engine.worker.execute = execute
         plain = asyncio.create_task(client.post("/v1/completions", json=completion(max_tokens=400)))

@@ -15,6 +15,7 @@ from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.request import Abort, Add, EngineRequest
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.lora.request import LoRARequest
 from pyserve.model.config import ModelConfig
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.model.worker import ModelWorker
@@ -57,6 +58,8 @@ class AsyncEngine:
             gpu_memory_fraction=config.gpu_memory_fraction,
             attention_backend=config.attention_backend,
             draft_model=draft,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
@@ -86,6 +89,7 @@ class AsyncEngine:
         self.system.on_failure(self.output_processor.fail_all)
         self.system.on_failure(self._fail_pending_adds)
         self._ids = itertools.count()
+        self.loras: dict[int, str] = {}  # adapter id -> path, loaded in the worker
         self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
 
     def _check_draft(self, draft_dir: str) -> ModelConfig:
@@ -110,6 +114,7 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queues a request (one sequence per sample) and returns its stream. Raises ValueError
         naming the field when it can never be served."""
@@ -120,13 +125,18 @@ class AsyncEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        adapter_id = 0
+        if lora_request is not None:
+            await self.load_lora(lora_request)
+            adapter_id = lora_request.lora_int_id
         extra_eos = [] if params.ignore_eos else self.eos_token_ids[1:]
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         stop_ids = list(params.stop_token_ids) + extra_eos
         ban = stop_ids + ([] if params.ignore_eos or eos is None else [eos])
         requests = []
         for index in range(params.n):
-            req = EngineRequest(next(self._ids), request_id, index, params, list(prompt_token_ids), ban)
+            req = EngineRequest(next(self._ids), request_id, index, params, list(prompt_token_ids), ban,
+                                adapter_id=adapter_id)
             requests.append(req)
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
         stream = RequestStream(output, [r.internal_id for r in requests])
@@ -135,7 +145,7 @@ class AsyncEngine:
         adds = []
         try:
             for req in requests:
-                msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority)
+                msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority, adapter_id)
                 self._pending_adds.add(msg.accepted)
                 adds.append(msg.accepted)
                 await self.engine_core.send(msg)
@@ -150,6 +160,16 @@ class AsyncEngine:
         finally:
             self._pending_adds.difference_update(adds)
         return stream
+
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Loads (once per id and path) and validates the adapter, off the event loop; raises a
+        ValueError saying why an adapter is refused. The running engine is not affected."""
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: the engine was started without enable_lora")
+        if self.loras.get(lora.lora_int_id) == lora.lora_path:
+            return
+        await asyncio.to_thread(self.worker.add_lora, lora.lora_int_id, lora.lora_path)
+        self.loras[lora.lora_int_id] = lora.lora_path
 
     def _fail_pending_adds(self, error: BaseException) -> None:
         for accepted in self._pending_adds:

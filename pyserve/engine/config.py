@@ -17,6 +17,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 64
     seed: int = 0

@@ -52,7 +52,8 @@ class EngineCore(Actor):
         num_logits = out.num_logits
         rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
         start = time.perf_counter()
-        result = await anyio.to_thread.run_sync(self.worker.execute, out, rows)
+        adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
+        result = await anyio.to_thread.run_sync(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         # Read before `update`, which frees requests that finish on their first token.
         cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}

@@ -16,6 +16,7 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.outputs import RequestOutput
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.lora.request import LoRARequest
 
 Prompt = str | Sequence[int]
 
@@ -39,8 +40,6 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
     ):
-        if enable_lora:
-            raise ValueError("enable_lora: LoRA adapters are not available in this version")
         config = EngineConfig(
             model=resolve_model(model),
             device=device,
@@ -51,6 +50,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            enable_lora=enable_lora,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             seed=seed,
@@ -69,14 +69,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt (text or token ids) to completion; outputs come back in input order.
         A prompt that can never be served raises ValueError naming the field; the prompts queued
         before it are aborted."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not available in this version")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -90,7 +88,13 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts (pass one, or one per prompt)"
                 )
-        return self._loop.run_until_complete(self._generate(prompts, params, use_tqdm))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts (pass one, or one per prompt)")
+        return self._loop.run_until_complete(self._generate(prompts, params, loras, use_tqdm))
 
     def chat(
         self,
@@ -98,6 +102,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -105,7 +110,7 @@ class LLM:
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
@@ -126,16 +131,16 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool):
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams], loras: list, use_tqdm: bool):
         adds = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             if isinstance(prompt, str):
                 text, ids = prompt, self.tokenizer.encode(prompt)
             else:
                 text, ids = None, [int(t) for t in prompt]
             request_id = str(self._next_request)
             self._next_request += 1
-            adds.append(self.engine.add_request(request_id, ids, p, prompt=text))
+            adds.append(self.engine.add_request(request_id, ids, p, prompt=text, lora_request=lora))
         # All adds reach the EngineCore's inbox together, so they are admitted in one step.
         results = await asyncio.gather(*adds, return_exceptions=True)
         error = next((r for r in results if isinstance(r, BaseException)), None)

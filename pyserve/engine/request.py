@@ -21,6 +21,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos (for min_tokens)
     output_token_ids: list[int] = field(default_factory=list)
+    adapter_id: int = 0  # LoRA adapter (0 = the base model)
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that must not be sampled yet: stop tokens before `min_tokens` outputs."""

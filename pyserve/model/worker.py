@@ -15,6 +15,8 @@ import torch
 
 from pyserve.engine.request import EngineRequest
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from pyserve.lora.adapter import LoraError, load_adapter
+from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
@@ -74,6 +76,8 @@ class ModelWorker:
         gpu_memory_fraction: float = 0.85,
         attention_backend: str | None = None,
         draft_model: tuple[str, ModelConfig] | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -88,6 +92,8 @@ class ModelWorker:
         self.backend = make_backend(backend)
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self._generators: dict[int, torch.Generator] = {}
+        self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
+        self.max_lora_rank = max_lora_rank
         self.proposer = None
         if draft_model is not None:
             self.proposer = DraftModelProposer(
@@ -95,11 +101,35 @@ class ModelWorker:
                 block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
             )
 
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        """Loads and validates a PEFT adapter on the CPU (a LoraError says why it was refused);
+        it reaches a device slot when a step needs it."""
+        if self.lora is None:
+            raise LoraError("enable_lora: this engine was started without LoRA support")
+        adapter = load_adapter(path, self.lora.shapes(), self.config.num_layers, self.max_lora_rank)
+        self.lora.add(adapter_id, adapter)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(adapter_id)
+
+    def _set_lora_slots(self, out, adapter_ids: np.ndarray | None) -> None:
+        if self.lora is None:
+            return
+        if adapter_ids is None or not adapter_ids.any():
+            self.lora.batch.token_slots = None
+            return
+        slot_of = self.lora.activate(set(adapter_ids[adapter_ids > 0].tolist()))
+        req_slots = np.array([slot_of.get(a, -1) for a in adapter_ids.tolist()], dtype=np.int64)
+        token_slots = np.repeat(req_slots, out.num_scheduled_tokens)
+        self.lora.batch.token_slots = torch.from_numpy(token_slots).to(self.device)
+
     @torch.inference_mode()
-    def execute(self, out, rows: list[EngineRequest]) -> StepResult:
+    def execute(self, out, rows: list[EngineRequest], adapter_ids: np.ndarray | None = None) -> StepResult:
         """Runs the forward for one SchedulerOutput and samples: one token per request with
         logits, or for a request verifying drafts its accepted drafts and one more. `rows` are the
-        requests with logits, in order."""
+        requests with logits, in order; `adapter_ids` the LoRA adapter of every scheduled request
+        (0 = the base model)."""
         for rid in out.finished_req_ids.tolist():
             self._generators.pop(rid, None)
         if out.num_reqs == 0:
@@ -109,6 +139,7 @@ class ModelWorker:
         copy_blocks(self.kv_caches, pairs)
         if self.proposer is not None:
             self.proposer.copy_blocks(pairs)
+        self._set_lora_slots(out, adapter_ids)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev, self.backend.split_decode
         )

@@ -1,0 +1,123 @@
+"""Batched LoRA for a mixed batch (Punica-style gather matmuls): every token uses the adapter in
+its slot, one launch per projection whatever the number of adapters.
+
+Layouts:
+  x:           [T, in] activations (float)
+  lora_a:      [S, R, in] the S device slots' A matrices, zero-padded to rank R
+  lora_b:      [S, out, R] their B matrices, zero-padded
+  scaling:     f32 [S] (alpha / r; 0 for a slot whose adapter does not target this projection)
+  token_slots: int64 [T], the slot of each token; -1 = the base model (no delta)
+shrink: xa [T, R] f32 = x @ A[slot].T;  expand: y[t] += scaling[slot] * xa[t] @ B[slot].T, in place.
+Rows of tokens without a slot are left as they are (shrink writes zeros there).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+GATHER_LIMIT = 1 << 22  # the reference gathers per-token matrices up to this many elements
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, fan_in, rank,
+                   stride_x, stride_a_slot, stride_a_rank, stride_out,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slots_ptr + t)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if slot >= 0:
+        for k0 in range(0, fan_in, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + t * stride_x + k, mask=k < fan_in, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + slot * stride_a_slot + r[:, None] * stride_a_rank + k[None, :],
+                        mask=(r[:, None] < rank) & (k[None, :] < fan_in), other=0.0).to(tl.float32)
+            acc += tl.sum(a * x[None, :], axis=1)
+    tl.store(out_ptr + t * stride_out + r, acc, mask=r < rank)
+
+
+@triton.jit
+def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, slots_ptr, fan_out, rank,
+                   stride_y, stride_xa, stride_b_slot, stride_b_out,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        r = tl.arange(0, BLOCK_R)
+        xa = tl.load(xa_ptr + t * stride_xa + r, mask=r < rank, other=0.0)
+        b = tl.load(b_ptr + slot * stride_b_slot + n[:, None] * stride_b_out + r[None, :],
+                    mask=(n[:, None] < fan_out) & (r[None, :] < rank), other=0.0).to(tl.float32)
+        delta = tl.sum(b * xa[None, :], axis=1) * tl.load(scaling_ptr + slot)
+        y = tl.load(y_ptr + t * stride_y + n, mask=n < fan_out, other=0.0)
+        tl.store(y_ptr + t * stride_y + n, (y.to(tl.float32) + delta).to(y.dtype), mask=n < fan_out)
+
+
+def _check(x, lora_a, lora_b, scaling, token_slots, y=None):
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    dev = x.device
+    check_tensor("lora_a", lora_a, 3, FLOAT_DTYPES, dev)
+    check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, dev)
+    check_tensor("scaling", scaling, 1, (torch.float32,), dev)
+    check_tensor("token_slots", token_slots, 1, (torch.int64,), dev)
+    check_shape("token_slots", token_slots, x.shape[:1])
+    slots, rank, fan_in = lora_a.shape
+    if x.shape[1] != fan_in:
+        raise ValueError(f"x has {x.shape[1]} features, lora_a expects {fan_in}")
+    if lora_b.shape[0] != slots or lora_b.shape[2] != rank:
+        raise ValueError(f"lora_b must have shape ({slots}, out, {rank}), got {tuple(lora_b.shape)}")
+    check_shape("scaling", scaling, (slots,))
+    if y is not None:
+        check_tensor("y", y, 2, FLOAT_DTYPES, dev)
+        check_shape("y", y, (x.shape[0], lora_b.shape[1]))
+
+
+def lora_shrink(x, lora_a, token_slots):
+    """Triton launcher: xa [T, R] f32."""
+    rank, fan_in = lora_a.shape[1], lora_a.shape[2]
+    out = torch.empty((x.shape[0], rank), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        block_r = min(64, triton.next_power_of_2(rank))
+        _shrink_kernel[(x.shape[0], triton.cdiv(rank, block_r))](
+            x, lora_a, token_slots, out, fan_in, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+            out.stride(0), BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(fan_in)))
+    return out
+
+
+def lora_expand(y, xa, lora_b, scaling, token_slots):
+    """Triton launcher: y += scaling[slot] * xa @ B[slot].T per token, in place."""
+    fan_out, rank = lora_b.shape[1], lora_b.shape[2]
+    if y.shape[0]:
+        block_n = min(128, triton.next_power_of_2(fan_out))
+        _expand_kernel[(y.shape[0], triton.cdiv(fan_out, block_n))](
+            y, xa, lora_b, scaling, token_slots, fan_out, rank, y.stride(0), xa.stride(0), lora_b.stride(0),
+            lora_b.stride(1), BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank))
+    return y
+
+
+def add_lora(y, x, lora_a, lora_b, scaling, token_slots):
+    """Checked shrink + expand on CUDA: y += the LoRA delta of every token with a slot."""
+    _check(x, lora_a, lora_b, scaling, token_slots, y)
+    return lora_expand(y, lora_shrink(x, lora_a, token_slots), lora_b, scaling, token_slots)
+
+
+def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
+    """Torch reference and CPU path: per-token gathered matrices and two batched matmuls for
+    small batches; one matmul pair per slot in use for large ones."""
+    _check(x, lora_a, lora_b, scaling, token_slots, y)
+    used = token_slots >= 0
+    num_tokens, (slots, rank, fan_in), fan_out = x.shape[0], lora_a.shape, lora_b.shape[1]
+    if num_tokens * rank * max(fan_in, fan_out) <= GATHER_LIMIT:
+        idx = token_slots.clamp(min=0)
+        xa = torch.bmm(lora_a[idx].float(), x.float().unsqueeze(2))          # [T, R, 1]
+        delta = torch.bmm(lora_b[idx].float(), xa).squeeze(2)                 # [T, out]
+        delta *= (scaling[idx] * used).unsqueeze(1)
+        y += delta.to(y.dtype)
+        return y
+    for slot in token_slots[used].unique().tolist():
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        delta = (x[rows].float() @ lora_a[slot].float().T) @ lora_b[slot].float().T
+        y[rows] += (delta * scaling[slot]).to(y.dtype)
+    return y

@@ -1,0 +1,105 @@
+"""Device slots for LoRA adapters: the model's target projections get stacked A/B tensors with
+`max_loras` slots; adapters live on the CPU once loaded and are copied into a slot when a step
+needs them, evicting the least recently used adapter the step does not need. The scheduler
+guarantees a step never needs more than `max_loras` adapters."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pyserve.kernels.lora import add_lora, add_lora_ref
+from pyserve.lora.adapter import TARGETS, LoraAdapter
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """The current step's token -> slot map, shared by every LoRA projection; None = no adapter."""
+
+    token_slots: torch.Tensor | None = None
+
+
+class LoraLinear(nn.Module):
+    """A base projection plus the LoRA delta of each token's slot."""
+
+    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, batch: LoraBatch, use_triton: bool):
+        super().__init__()
+        self.base = base
+        w = base.weight
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, w.shape[1], dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
+        self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
+        self.batch = batch
+        self.apply_lora = add_lora if use_triton else add_lora_ref
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.batch.token_slots
+        if slots is not None:
+            self.apply_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots)
+        return y
+
+
+class LoraSlots:
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, use_triton: bool):
+        self.num_slots = num_slots
+        self.batch = LoraBatch()
+        self.layers: list[dict[str, LoraLinear]] = []
+        for layer in model.model.layers:
+            mods = {}
+            for parent in (layer.self_attn, layer.mlp):
+                for name in TARGETS:
+                    if isinstance(getattr(parent, name, None), nn.Linear):
+                        wrapped = LoraLinear(getattr(parent, name), num_slots, max_rank, self.batch, use_triton)
+                        setattr(parent, name, wrapped)
+                        mods[name] = wrapped
+            self.layers.append(mods)
+        self.adapters: dict[int, LoraAdapter] = {}  # loaded adapters (CPU), by adapter id
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapters, least recent first
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Target module -> (in_features, out_features) of the base model."""
+        return {name: (m.base.in_features, m.base.out_features) for name, m in self.layers[0].items()}
+
+    def add(self, adapter_id: int, adapter: LoraAdapter) -> None:
+        self.remove(adapter_id)
+        self.adapters[adapter_id] = adapter
+
+    def remove(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
+        self.slot_of.pop(adapter_id, None)  # the slot's contents are overwritten when reused
+
+    def activate(self, adapter_ids: set[int]) -> dict[int, int]:
+        """Puts each adapter in a slot (copying those not resident) and returns id -> slot."""
+        if len(adapter_ids) > self.num_slots:
+            raise RuntimeError(f"a step needs {len(adapter_ids)} adapters but there are {self.num_slots} slots")
+        for aid in adapter_ids:
+            if aid in self.slot_of:
+                self.slot_of.move_to_end(aid)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.num_slots) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(a for a in self.slot_of if a not in adapter_ids)
+                slot = self.slot_of.pop(victim)
+            self._write(slot, self.adapters[aid])
+            self.slot_of[aid] = slot
+        return {aid: self.slot_of[aid] for aid in adapter_ids}
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        r = adapter.rank
+        for i, mods in enumerate(self.layers):
+            for name, mod in mods.items():
+                mod.lora_a[slot].zero_()
+                mod.lora_b[slot].zero_()
+                ab = adapter.weights.get((i, name))
+                mod.scaling[slot] = adapter.scaling if ab is not None else 0.0
+                if ab is not None:
+                    mod.lora_a[slot, :r].copy_(ab[0])
+                    mod.lora_b[slot, :, :r].copy_(ab[1])
