@@ -23,6 +23,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (per-request, batched)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device per step")
+    p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}')
 
@@ -36,9 +39,26 @@ def _engine(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, enable_lora=args.enable_lora or bool(lora_modules(args)) or bool(getattr(args, "lora_root", None)),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
     return AsyncEngine(config)
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """--lora-modules entries: NAME=PATH, or the short name of an embedded adapter (docstrings,
+    tests) for the embedded model."""
+    from pyserve.default_model import ADAPTER_DIRS
+
+    modules = {}
+    for item in getattr(args, "lora_modules", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep:
+            if name not in ADAPTER_DIRS:
+                sys.exit(f"pyserve: --lora-modules {item!r}: use NAME=PATH (short names: {', '.join(ADAPTER_DIRS)})")
+            path = str(ADAPTER_DIRS[name])
+        modules[name] = path
+    return modules
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -53,7 +73,7 @@ def serve(args: argparse.Namespace) -> None:
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_name(args.model),
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        public_metrics=args.public_metrics,
+        public_metrics=args.public_metrics, lora_modules=lora_modules(args), lora_root=args.lora_root,
     )
     app = build_app(engine, settings)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -91,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    s.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters served from the start (the request's model field names one)")
+    s.add_argument("--lora-root", default=None,
+                   help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR")
     s.set_defaults(func=serve)
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
     _engine_args(b)

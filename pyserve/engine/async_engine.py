@@ -171,6 +171,11 @@ class AsyncEngine:
         await asyncio.to_thread(self.worker.add_lora, lora.lora_int_id, lora.lora_path)
         self.loras[lora.lora_int_id] = lora.lora_path
 
+    def unload_lora(self, adapter_id: int) -> None:
+        """Frees an adapter's weights; call it once no request uses the adapter."""
+        self.loras.pop(adapter_id, None)
+        self.worker.remove_lora(adapter_id)
+
     def _fail_pending_adds(self, error: BaseException) -> None:
         for accepted in self._pending_adds:
             if not accepted.done():

@@ -94,6 +94,7 @@ class ModelWorker:
         self._generators: dict[int, torch.Generator] = {}
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         self.max_lora_rank = max_lora_rank
+        self._lora_removals: list[int] = []
         self.proposer = None
         if draft_model is not None:
             self.proposer = DraftModelProposer(
@@ -110,12 +111,14 @@ class ModelWorker:
         self.lora.add(adapter_id, adapter)
 
     def remove_lora(self, adapter_id: int) -> None:
-        if self.lora is not None:
-            self.lora.remove(adapter_id)
+        """Frees an adapter no request uses any more; done by the next step, in the worker thread."""
+        self._lora_removals.append(adapter_id)
 
     def _set_lora_slots(self, out, adapter_ids: np.ndarray | None) -> None:
         if self.lora is None:
             return
+        while self._lora_removals:
+            self.lora.remove(self._lora_removals.pop())
         if adapter_ids is None or not adapter_ids.any():
             self.lora.batch.token_slots = None
             return

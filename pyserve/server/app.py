@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.errors import APIError, error_body, error_response
+from pyserve.server.loras import LoraRegistry, load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.state import ServerMetrics, ServerSettings, ServerState
@@ -29,9 +30,13 @@ def _json(data: object, status: int = 200) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    card = {"id": state.settings.served_model_name, "object": "model", "created": 0, "owned_by": "pyserve",
-            "root": state.engine.config.model, "parent": None, "max_model_len": state.engine.max_model_len}
-    return _json({"object": "list", "data": [card]})
+    base = state.settings.served_model_name
+    cards = [{"id": base, "object": "model", "created": 0, "owned_by": "pyserve", "root": state.engine.config.model,
+              "parent": None, "max_model_len": state.engine.max_model_len}]
+    for name, entry in state.loras.entries.items():
+        cards.append({"id": name, "object": "model", "created": 0, "owned_by": "pyserve",
+                      "root": entry.lora.lora_path, "parent": base, "max_model_len": state.engine.max_model_len})
+    return _json({"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:
@@ -70,11 +75,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
-    state = ServerState(engine, settings, ServerMetrics.create(engine))
+    state = ServerState(engine, settings, ServerMetrics.create(engine), LoraRegistry(engine, settings.lora_root))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await engine.start()
+        for name, path in settings.lora_modules.items():
+            await state.loras.add(name, path)
         log.info("server_started", model=settings.served_model_name, max_model_len=engine.max_model_len,
                  kv_blocks=engine.worker.num_kv_blocks)
         try:
@@ -96,6 +103,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/version", version_info, methods=["GET"]),
+            *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+               Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])] if settings.lora_root else []),
         ],
         middleware=middleware,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},

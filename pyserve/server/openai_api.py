@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from pyserve.actors import EngineDeadError
 from pyserve.engine.output_processor import RequestStream, StreamDelta
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable, error_body
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -33,7 +34,7 @@ log = structlog.get_logger("pyserve.server")
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = _validate(ChatCompletionRequest, await _json(request))
-    _check_model(state, req.model)
+    lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     try:
         text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
@@ -41,13 +42,13 @@ async def chat_completions(request: Request) -> Response:
         raise BadRequest(str(e), param="messages") from e
     prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs())
+    return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora)
 
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = _validate(CompletionRequest, await _json(request))
-    _check_model(state, req.model)
+    lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     vocab = state.engine.model_config.vocab_size
     prompts = []
@@ -61,7 +62,7 @@ async def completions(request: Request) -> Response:
             if bad is not None:
                 raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             prompts.append(list(p))
-    return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs)
+    return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora)
 
 
 async def _json(request: Request) -> Any:
@@ -82,12 +83,6 @@ def _validate(schema: type[BaseModel], data: dict[str, Any]):
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
-
-
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.settings.served_model_name:
-        raise NotFound(f"model {model!r} does not exist; this server serves {state.settings.served_model_name!r}",
-                       param="model", code="model_not_found")
 
 
 def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
@@ -112,7 +107,7 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
 
 
 async def _serve(request: Request, state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
-                 max_tokens: int | None, logprobs: int | None) -> Response:
+                 max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None) -> Response:
     engine = state.engine
     params = [_params(req, len(p), max_tokens, logprobs, engine.max_model_len) for p in prompts]
     if state.draining:
@@ -125,17 +120,20 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if limit is not None and engine.stats()["num_requests_waiting"] + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = _Context(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()))
+    ctx = _Context(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p))
+            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p, lora_request=lora))
     except ValueError as e:
         ctx.abort(streams)
+        ctx.release_lora()
         raise BadRequest(str(e)) from e
     except EngineDeadError as e:
+        ctx.release_lora()
         raise Unavailable(str(e)) from e
     except asyncio.CancelledError:
+        ctx.release_lora()
         # NOTE: AsyncEngine.add_request only cleans up after a ValueError; a cancel while it waits
         # for the engine's answer would leave the prompt being added registered (and running).
         for i in range(len(streams) + 1):
@@ -151,14 +149,24 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
 class _Context:
     """One HTTP request's engine requests, timings and response building."""
 
-    def __init__(self, kind, base_id, req, prompts, state, arrival, created):
+    def __init__(self, kind, base_id, req, prompts, state, arrival, created, lora):
         self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
         self.arrival, self.created = arrival, created
+        self.lora = lora
+        if lora is not None:
+            state.loras.started(lora.lora_name)
+            state.metrics.lora_requests.inc(adapter=lora.lora_name)
         self.streams: list[RequestStream] = []
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}
         self.outcome = "ok"
         self._logged = False
+
+    def release_lora(self) -> None:
+        """Tells the registry this request no longer uses its adapter (once)."""
+        if self.lora is not None:
+            self.state.loras.finished(self.lora)
+            self.lora = None
 
     def abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -326,6 +334,7 @@ class _Context:
         if self._logged:
             return
         self._logged = True
+        self.release_lora()
         now = time.perf_counter()
         self.state.metrics.e2e.observe(now - self.arrival)
         self.state.metrics.outcomes.inc(outcome=self.outcome)

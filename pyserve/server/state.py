@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+
+if TYPE_CHECKING:
+    from pyserve.server.loras import LoraRegistry
 
 
 @dataclass(slots=True)
@@ -15,6 +19,8 @@ class ServerSettings:
     max_waiting: int | None = None
     max_body_bytes: int = 1 << 20
     public_metrics: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded at start
+    lora_root: str | None = None  # enables runtime load/unload, restricted to this directory
 
 
 @dataclass(slots=True)
@@ -24,6 +30,7 @@ class ServerMetrics:
     itl: Histogram
     e2e: Histogram
     outcomes: Counter
+    lora_requests: Counter
 
     @classmethod
     def create(cls, engine: AsyncEngine) -> ServerMetrics:
@@ -57,6 +64,7 @@ class ServerMetrics:
             itl=reg.add(Histogram("pyserve:inter_token_latency_seconds", "Time between streamed tokens.")),
             e2e=reg.add(Histogram("pyserve:e2e_request_latency_seconds", "Request latency, arrival to finish.")),
             outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
+            lora_requests=reg.add(Counter("pyserve:lora_requests_total", "Requests per LoRA adapter.")),
         )
 
 
@@ -65,4 +73,5 @@ class ServerState:
     engine: AsyncEngine
     settings: ServerSettings
     metrics: ServerMetrics
+    loras: LoraRegistry
     draining: bool = False

@@ -1,0 +1,121 @@
+"""The server's LoRA adapters by name: the ones given at start (`--lora-modules`) and, with
+`--lora-root`, the ones loaded and unloaded at runtime (`/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`).
+
+A request's `model` field names the base model or an adapter. Unloading removes the name at once
+(new requests get 404) and frees the adapter's weights once its in-flight requests finish. Loads
+and unloads of one name are serialized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pyserve.lora.request import LoRARequest
+from pyserve.server.errors import BadRequest, NotFound
+from pyserve.server.openai_api import _json as read_json
+
+
+@dataclass(slots=True)
+class _Entry:
+    lora: LoRARequest
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class LoraRegistry:
+    def __init__(self, engine, lora_root: str | None):
+        self.engine = engine
+        self.root = Path(lora_root).resolve() if lora_root else None
+        self.entries: dict[str, _Entry] = {}
+        self._ids = itertools.count(1)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._removed: dict[int, _Entry] = {}  # unloaded, weights freed once idle
+
+    def resolve(self, model: str, base_name: str) -> LoRARequest | None:
+        """None for the base model, the adapter's request for an adapter name; 404 otherwise."""
+        if model == base_name:
+            return None
+        entry = self.entries.get(model)
+        if entry is None:
+            names = ", ".join([repr(base_name), *map(repr, self.entries)])
+            raise NotFound(f"model {model!r} does not exist; this server serves {names}", param="model",
+                           code="model_not_found")
+        return entry.lora
+
+    def started(self, name: str) -> None:
+        entry = self.entries.get(name)
+        if entry is not None:
+            entry.in_flight += 1
+            entry.idle.clear()
+
+    def finished(self, lora: LoRARequest) -> None:
+        for entry in (self.entries.get(lora.lora_name), self._removed.get(lora.lora_int_id)):
+            if entry is not None and entry.lora is lora:
+                entry.in_flight -= 1
+                if entry.in_flight == 0:
+                    entry.idle.set()
+
+    async def add(self, name: str, path: str) -> LoRARequest:
+        """Loads and registers an adapter (ValueError with the reason when it is refused)."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            if name in self.entries:
+                raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+            lora = LoRARequest(name, next(self._ids), path)
+            await self.engine.load_lora(lora)
+            entry = _Entry(lora)
+            entry.idle.set()
+            self.entries[name] = entry
+            return lora
+
+    async def remove(self, name: str) -> None:
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            entry = self.entries.pop(name, None)
+            if entry is None:
+                raise NotFound(f"lora_name: no adapter named {name!r} is loaded", param="lora_name")
+            self._removed[entry.lora.lora_int_id] = entry
+            asyncio.get_running_loop().create_task(self._free_when_idle(entry))
+
+    async def _free_when_idle(self, entry: _Entry) -> None:
+        await entry.idle.wait()
+        self._removed.pop(entry.lora.lora_int_id, None)
+        self.engine.unload_lora(entry.lora.lora_int_id)
+
+    def under_root(self, path: str) -> str:
+        """The adapter path resolved (symlinks included) and checked to lie inside the root."""
+        assert self.root is not None
+        target = (self.root / path).resolve()
+        if not target.is_relative_to(self.root):
+            raise BadRequest(f"lora_path must lie inside the server's LoRA root {self.root}", param="lora_path")
+        return str(target)
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    state = request.app.state.pyserve
+    body = await read_json(request)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or name == state.settings.served_model_name:
+        raise BadRequest("lora_name must be a non-empty string other than the base model's name", param="lora_name")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("lora_path must be a non-empty string", param="lora_path")
+    try:
+        await state.loras.add(name, state.loras.under_root(path))
+    except ValueError as e:
+        raise BadRequest(str(e), param="lora_path" if "lora_name" not in str(e) else "lora_name") from e
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", 200, media_type="text/plain")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    state = request.app.state.pyserve
+    body = await read_json(request)
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("lora_name must be a non-empty string", param="lora_name")
+    await state.loras.remove(name)
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200, media_type="text/plain")
