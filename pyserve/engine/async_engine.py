@@ -90,6 +90,7 @@ class AsyncEngine:
         self.system.on_failure(self._fail_pending_adds)
         self._ids = itertools.count()
         self.loras: dict[int, str] = {}  # adapter id -> path, loaded in the worker
+        self._lora_locks: dict[int, asyncio.Lock] = {}
         self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
 
     def _check_draft(self, draft_dir: str) -> ModelConfig:
@@ -166,10 +167,11 @@ class AsyncEngine:
         ValueError saying why an adapter is refused. The running engine is not affected."""
         if not self.config.enable_lora:
             raise ValueError("lora_request: the engine was started without enable_lora")
-        if self.loras.get(lora.lora_int_id) == lora.lora_path:
-            return
-        await asyncio.to_thread(self.worker.add_lora, lora.lora_int_id, lora.lora_path)
-        self.loras[lora.lora_int_id] = lora.lora_path
+        async with self._lora_locks.setdefault(lora.lora_int_id, asyncio.Lock()):
+            if self.loras.get(lora.lora_int_id) == lora.lora_path:
+                return
+            await asyncio.to_thread(self.worker.add_lora, lora.lora_int_id, lora.lora_path)
+            self.loras[lora.lora_int_id] = lora.lora_path
 
     def unload_lora(self, adapter_id: int) -> None:
         """Frees an adapter's weights; call it once no request uses the adapter."""

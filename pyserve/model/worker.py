@@ -15,7 +15,7 @@ import torch
 
 from pyserve.engine.request import EngineRequest
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
-from pyserve.lora.adapter import LoraError, load_adapter
+from pyserve.lora.adapter import LoraAdapter, LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
@@ -94,7 +94,9 @@ class ModelWorker:
         self._generators: dict[int, torch.Generator] = {}
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         self.max_lora_rank = max_lora_rank
-        self._lora_removals: list[int] = []
+        # Adapters added (or None: removed) since the last step; applied by the next step, in the
+        # worker thread, so the slots never change under a running forward.
+        self._lora_changes: list[tuple[int, LoraAdapter | None]] = []
         self.proposer = None
         if draft_model is not None:
             self.proposer = DraftModelProposer(
@@ -108,24 +110,28 @@ class ModelWorker:
         if self.lora is None:
             raise LoraError("enable_lora: this engine was started without LoRA support")
         adapter = load_adapter(path, self.lora.shapes(), self.config.num_layers, self.max_lora_rank)
-        self.lora.add(adapter_id, adapter)
+        self._lora_changes.append((adapter_id, adapter))
 
     def remove_lora(self, adapter_id: int) -> None:
-        """Frees an adapter no request uses any more; done by the next step, in the worker thread."""
-        self._lora_removals.append(adapter_id)
+        """Frees an adapter no request uses any more."""
+        self._lora_changes.append((adapter_id, None))
 
     def _set_lora_slots(self, out, adapter_ids: np.ndarray | None) -> None:
         if self.lora is None:
             return
-        while self._lora_removals:
-            self.lora.remove(self._lora_removals.pop())
+        while self._lora_changes:
+            adapter_id, adapter = self._lora_changes.pop(0)
+            if adapter is None:
+                self.lora.remove(adapter_id)
+            else:
+                self.lora.add(adapter_id, adapter)
         if adapter_ids is None or not adapter_ids.any():
-            self.lora.batch.token_slots = None
+            self.lora.set_tokens(None)
             return
         slot_of = self.lora.activate(set(adapter_ids[adapter_ids > 0].tolist()))
         req_slots = np.array([slot_of.get(a, -1) for a in adapter_ids.tolist()], dtype=np.int64)
         token_slots = np.repeat(req_slots, out.num_scheduled_tokens)
-        self.lora.batch.token_slots = torch.from_numpy(token_slots).to(self.device)
+        self.lora.set_tokens(torch.from_numpy(token_slots).to(self.device))
 
     @torch.inference_mode()
     def execute(self, out, rows: list[EngineRequest], adapter_ids: np.ndarray | None = None) -> StepResult:
