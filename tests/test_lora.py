@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from pyserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pyserve.default_model import ADAPTER_DIRS  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
-from pyserve.kernels.lora import add_lora, add_lora_ref, add_lora_stacked, stacked_mask  # noqa: E402
+from pyserve.kernels.lora import add_lora, add_lora_grouped, add_lora_ref, group_tokens  # noqa: E402
 from pyserve.lora.adapter import LoraError, load_adapter  # noqa: E402
 from tests.test_model_parity import assert_parity, hf_greedy, prompts  # noqa: E402
 
@@ -47,9 +47,9 @@ def test_lora_kernels_match_reference_and_dense(gather, monkeypatch):
     torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
     got = add_lora(y0.clone(), x, a, b, scaling, token_slots)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    b_scaled = (b.transpose(1, 2) * scaling[:, None, None]).reshape(-1, fan_out)
-    stacked = add_lora_stacked(y0.clone(), x, a.reshape(-1, fan_in), b_scaled, stacked_mask(token_slots, slots, rank))
-    torch.testing.assert_close(stacked.double(), want, atol=1e-4, rtol=1e-4)
+    b_scaled = b.transpose(1, 2) * scaling[:, None, None]
+    grouped = add_lora_grouped(y0.clone(), x, a, b_scaled, *group_tokens(token_slots, slots))
+    torch.testing.assert_close(grouped.double(), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[1], y0[1]) and torch.equal(ref[6], y0[6])  # base tokens untouched
 
 
@@ -152,3 +152,14 @@ def test_embedded_adapters_change_the_style():
     assert outs[0].startswith("def ") and not outs[0].startswith("def test")
     assert outs[1].startswith('"""')
     assert outs[2].startswith("def test")
+
+
+def test_prefix_cache_is_namespaced_per_adapter(llama_dir, adapters):
+    prompt = prompts(300, seed=9, lengths=(24,))[0]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    a = LoRARequest("all8", 1, str(adapters["all8"]))
+    b = LoRARequest("attn4", 2, str(adapters["attn4"]))
+    with LLM(str(llama_dir), block_size=4, num_kv_blocks=256, enable_lora=True, max_loras=2) as llm:
+        cached = [llm.generate([prompt], one, lora_request=lora, use_tqdm=False)[0].num_cached_tokens
+                  for lora in (a, b, None, a, b)]
+    assert cached == [0, 0, 0, 20, 20]  # 24 tokens: all full blocks but the last (its last token is recomputed)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pyserve.kernels.lora import add_lora, add_lora_stacked, stacked_mask
+from pyserve.kernels.lora import add_lora, add_lora_grouped, group_tokens
 from pyserve.lora.adapter import TARGETS, LoraAdapter
 
 
@@ -20,7 +20,7 @@ class LoraBatch:
     """The current step's token -> slot map, shared by every LoRA projection; None = no adapter."""
 
     token_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # stacked_mask of token_slots (the CPU path)
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None  # group_tokens of token_slots (the CPU path)
 
 
 class LoraLinear(nn.Module):
@@ -34,14 +34,14 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
         self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
         self.use_triton = use_triton
-        self.rank = max_rank
         # The CPU path's layout: each slot's B transposed and scaled.
-        self.register_buffer("b_scaled", torch.zeros(num_slots * max_rank, w.shape[0], dtype=w.dtype, device=w.device))
+        b_shape = (0, 0, 0) if use_triton else (num_slots, max_rank, w.shape[0])
+        self.register_buffer("b_scaled", torch.zeros(b_shape, dtype=w.dtype, device=w.device))
         self.batch = batch
 
     def slot_written(self, slot: int) -> None:
-        r = self.rank
-        self.b_scaled[slot * r : (slot + 1) * r] = self.lora_b[slot].T * self.scaling[slot]
+        if not self.use_triton:
+            self.b_scaled[slot] = self.lora_b[slot].T * self.scaling[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.base.weight, self.base.bias)
@@ -50,7 +50,7 @@ class LoraLinear(nn.Module):
             return y
         if self.use_triton:
             return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots)
-        return add_lora_stacked(y, x, self.lora_a.view(-1, x.shape[1]), self.b_scaled, self.batch.mask)
+        return add_lora_grouped(y, x, self.lora_a, self.b_scaled, *self.batch.groups)
 
 
 class LoraSlots:
@@ -67,7 +67,6 @@ class LoraSlots:
                         setattr(parent, name, wrapped)
                         mods[name] = wrapped
             self.layers.append(mods)
-        self.max_rank = max_rank
         self.use_triton = use_triton
         self.adapters: dict[int, LoraAdapter] = {}  # loaded adapters (CPU), by adapter id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapters, least recent first
@@ -75,8 +74,8 @@ class LoraSlots:
     def set_tokens(self, token_slots: torch.Tensor | None) -> None:
         """The step's token -> slot map (None: no token uses an adapter)."""
         self.batch.token_slots = token_slots
-        use_mask = token_slots is not None and not self.use_triton
-        self.batch.mask = stacked_mask(token_slots, self.num_slots, self.max_rank) if use_mask else None
+        grouped = token_slots is not None and not self.use_triton
+        self.batch.groups = group_tokens(token_slots, self.num_slots) if grouped else None
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features) of the base model."""
