@@ -1,4 +1,5 @@
-"""Paged KV cache kernels on a CUDA device: correctness against the torch references, then time.
+"""Triton kernels on a CUDA device (paged KV cache, speculative rejection sampling, batched LoRA):
+correctness against the torch references, then time.
 
 For each kernel and shape: max |triton - ref|, milliseconds (triton.testing.do_bench), achieved
 bandwidth (unique bytes of KV read or written + q/out) and its fraction of the device copy bandwidth
@@ -48,6 +49,47 @@ def row(kernel, shape, ms, nbytes, err, copy_gbs, flops=None):
     if flops is not None:
         r["tflop_s"] = round(flops / ms / 1e9, 1)
     return r
+
+
+def speculative_and_lora_rows(do_bench, gen, copy_gbs, elt):
+    """Rejection sampling (B=64 requests, 4 drafts each, a 128k vocabulary; error = tokens that
+    differ from the reference) and batched LoRA (64 tokens over 8 rank-16 slots, 4096 -> 4096;
+    bytes = each token's A and B rows, an upper bound)."""
+    from pyserve.kernels.lora import add_lora, add_lora_ref
+    from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
+
+    rows = []
+    b, k, vocab = 64, 4, 128256
+    r = b * (k + 1)
+    p = torch.rand(r, vocab, device="cuda", generator=gen).pow_(8)
+    p /= p.sum(1, keepdim=True)
+    q = torch.rand(r, vocab, device="cuda", generator=gen)
+    q /= q.sum(1, keepdim=True)
+    drafts = torch.where(torch.rand(r, device="cuda", generator=gen) < 0.7, p.argmax(1),
+                         torch.randint(0, vocab, (r,), device="cuda", generator=gen))
+    u = torch.rand(r, device="cuda", generator=gen)
+    noise = torch.empty(r, vocab, device="cuda").exponential_(generator=gen).clamp_min_(1e-30)
+    cu = torch.arange(0, r + 1, k + 1, dtype=torch.int32, device="cuda")
+    a = (p, q, drafts, u, noise, cu)
+    (t1, n1), (t2, n2) = rejection_sample(*a), rejection_sample_ref(*a)
+    err = int((t1 != t2).sum()) + int((n1 != n2).sum())
+    ms = do_bench(partial(rejection_sample, *a))
+    nbytes = 3 * b * vocab * 4  # p, q and noise of each request's final row
+    rows.append(row("rejection_sample", f"B={b} k={k} V={vocab}", ms, nbytes, err, copy_gbs))
+
+    t, slots, rank, dim = 64, 8, 16, 4096
+    x = torch.randn(t, dim, device="cuda", dtype=DTYPE, generator=gen)
+    la = torch.randn(slots, rank, dim, device="cuda", dtype=DTYPE, generator=gen) * 0.05
+    lb = torch.randn(slots, dim, rank, device="cuda", dtype=DTYPE, generator=gen) * 0.05
+    scaling = torch.full((slots,), 2.0, device="cuda")
+    token_slots = torch.arange(t, device="cuda") % slots
+    y = torch.randn(t, dim, device="cuda", dtype=DTYPE, generator=gen)
+    err = (add_lora(y.clone(), x, la, lb, scaling, token_slots).float()
+           - add_lora_ref(y.clone(), x, la, lb, scaling, token_slots).float()).abs().max().item()
+    ms = do_bench(partial(add_lora, y.clone(), x, la, lb, scaling, token_slots))
+    nbytes = t * rank * 2 * dim * elt + 3 * t * dim * elt
+    rows.append(row("lora_shrink_expand", f"T={t} S={slots} r={rank} {dim}->{dim}", ms, nbytes, err, copy_gbs))
+    return rows
 
 
 def main():
@@ -120,6 +162,8 @@ def main():
         flops = 4 * visible * HQ * D
         rows.append(row("extend_attention", f"B={batch} q={q_len} ctx={ctx}", ms, nbytes,
                         err.item(), copy_gbs, flops))
+
+    rows += speculative_and_lora_rows(do_bench, gen, copy_gbs, elt)
 
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s, dtype {DTYPE}")
     print(f"{'kernel':24} {'shape':22} {'ms':>9} {'GB/s':>8} {'of copy':>8} {'TFLOP/s':>8} "
