@@ -51,8 +51,8 @@ class EngineCore(Actor):
         req_ids = out.req_ids.tolist()
         num_logits = out.num_logits
         rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
-        start = time.perf_counter()
         adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
+        start = time.perf_counter()
         result = await anyio.to_thread.run_sync(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         # Read before `update`, which frees requests that finish on their first token.
@@ -85,10 +85,10 @@ class EngineCore(Actor):
             if delta.finish_reason is not None:
                 del self.requests[rid]
             deltas.append(delta)
-        if self.speculator is not None:
-            await self.speculator.after_step(out, num_sampled, seconds, set(finished), self.requests)
         if deltas:
             await self.output_processor.send(StepOutput(deltas))
+        if self.speculator is not None:  # after the tokens went out: proposing may run a draft model
+            await self.speculator.after_step(out, num_sampled, seconds, set(finished), self.requests)
 
     async def _drain_inbox(self, block: bool) -> None:
         if block:

@@ -25,7 +25,6 @@ from pyserve.spec.proposer import ProposalBatch
 class DraftModelProposer:
     def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
                  max_model_len: int, backend, sampler: Sampler):
-        self.config = cfg
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -39,7 +38,7 @@ class DraftModelProposer:
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         copy_blocks(self.kv_caches, pairs)
 
-    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+    def forget(self, request_ids: list[int]) -> None:
         for rid in request_ids:
             self.num_computed.pop(rid, None)
             self.draft_probs.pop(rid, None)

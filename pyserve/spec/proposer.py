@@ -31,9 +31,8 @@ class Proposer(Protocol):
         """Up to `batch.k` draft tokens per request, in order."""
         ...
 
-    def forget(self, request_ids: list[int], recomputed: bool) -> None:
-        """Drop per-request state of finished requests, or (`recomputed`) of preempted ones whose
-        KV is gone."""
+    def forget(self, request_ids: list[int]) -> None:
+        """Drop per-request state: the requests finished, or were preempted (their KV is gone)."""
         ...
 
 
@@ -49,7 +48,7 @@ class NgramProposer:
         k, lo, hi = batch.k, self.min_n, self.max_n
         return [self.scheduler.propose_ngram(r.internal_id, k, lo, hi) for r in batch.requests]
 
-    def forget(self, request_ids: list[int], recomputed: bool) -> None:
+    def forget(self, request_ids: list[int]) -> None:
         pass
 
 
@@ -62,5 +61,5 @@ class WorkerProposer:
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
         return await anyio.to_thread.run_sync(self.worker.propose, batch)
 
-    def forget(self, request_ids: list[int], recomputed: bool) -> None:
-        self.worker.proposer.forget(request_ids, recomputed)
+    def forget(self, request_ids: list[int]) -> None:
+        self.worker.proposer.forget(request_ids)

@@ -24,7 +24,6 @@ def can_speculate(req: EngineRequest) -> bool:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer):
-        self.config = config
         self.scheduler = scheduler
         self.proposer = proposer
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
@@ -48,9 +47,9 @@ class Speculator:
                 self.depth.observe_verification(s, n - 1)
         gone = set(out.finished_req_ids.tolist()) | finished
         if gone:
-            self.proposer.forget(sorted(gone), recomputed=False)
+            self.proposer.forget(sorted(gone))
         if out.preempted_req_ids.size:
-            self.proposer.forget(out.preempted_req_ids.tolist(), recomputed=True)
+            self.proposer.forget(out.preempted_req_ids.tolist())
         rows, candidates = [], []
         for i, (rid, n) in enumerate(zip(out.req_ids.tolist(), num_sampled.tolist())):
             req = requests.get(rid)
