@@ -39,26 +39,24 @@ def _engine(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        speculative_config=args.speculative_config, enable_lora=args.enable_lora or bool(lora_modules(args)) or bool(getattr(args, "lora_root", None)),
+        speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora_root", None)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
     return AsyncEngine(config)
 
 
-def lora_modules(args: argparse.Namespace) -> dict[str, str]:
-    """--lora-modules entries: NAME=PATH, or the short name of an embedded adapter (docstrings,
-    tests) for the embedded model."""
+def lora_module(item: str) -> tuple[str, str]:
+    """One --lora-modules entry: NAME=PATH, or the short name of an embedded adapter (docstrings,
+    tests)."""
     from pyserve.default_model import ADAPTER_DIRS
 
-    modules = {}
-    for item in getattr(args, "lora_modules", None) or []:
-        name, sep, path = item.partition("=")
-        if not sep:
-            if name not in ADAPTER_DIRS:
-                sys.exit(f"pyserve: --lora-modules {item!r}: use NAME=PATH (short names: {', '.join(ADAPTER_DIRS)})")
-            path = str(ADAPTER_DIRS[name])
-        modules[name] = path
-    return modules
+    name, sep, path = item.partition("=")
+    if sep:
+        return name, path
+    if name not in ADAPTER_DIRS:
+        raise argparse.ArgumentTypeError(f"{item!r}: use NAME=PATH (short names: {', '.join(ADAPTER_DIRS)})")
+    return name, str(ADAPTER_DIRS[name])
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -73,7 +71,7 @@ def serve(args: argparse.Namespace) -> None:
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_name(args.model),
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        public_metrics=args.public_metrics, lora_modules=lora_modules(args), lora_root=args.lora_root,
+        public_metrics=args.public_metrics, lora_modules=dict(args.lora_modules), lora_root=args.lora_root,
     )
     app = build_app(engine, settings)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
-    s.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+    s.add_argument("--lora-modules", nargs="*", default=[], type=lora_module, metavar="NAME=PATH",
                    help="adapters served from the start (the request's model field names one)")
     s.add_argument("--lora-root", default=None,
                    help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR")

@@ -51,7 +51,9 @@ class EngineCore(Actor):
         req_ids = out.req_ids.tolist()
         num_logits = out.num_logits
         rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
-        adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
+        adapter_ids = None
+        if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
+            adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
         start = time.perf_counter()
         result = await anyio.to_thread.run_sync(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start

@@ -150,9 +150,7 @@ class Sampler:
         raw = None
         if rows.max_num_logprobs is not None:
             raw = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        x = apply_penalties(logits.to(torch.float32, copy=True), rows)
-        if rows.banned is not None:
-            x[rows.banned[0], rows.banned[1]] = _NEG_INF
+        x = self._penalized(logits, rows)
         if rows.all_greedy:
             tokens = x.argmax(dim=-1)
         else:
@@ -170,9 +168,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """The distribution `sample` draws each row from, as f32 probabilities [N, V]: one-hot at
         the argmax for greedy rows. Speculative verification compares drafts against it."""
-        x = apply_penalties(logits.to(torch.float32, copy=True), rows)
-        if rows.banned is not None:
-            x[rows.banned[0], rows.banned[1]] = _NEG_INF
+        x = self._penalized(logits, rows)
         if rows.all_greedy:
             return torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
         greedy = x.argmax(dim=-1, keepdim=True) if rows.any_greedy else None
@@ -181,6 +177,14 @@ class Sampler:
             one_hot = torch.zeros_like(probs).scatter_(1, greedy, 1.0)
             probs = torch.where((rows.temperature == 0.0).unsqueeze(1), one_hot, probs)
         return probs
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+        """Steps 1 and 2 of the module's order on an f32 copy of the logits."""
+        x = apply_penalties(logits.to(torch.float32, copy=True), rows)
+        if rows.banned is not None:
+            x[rows.banned[0], rows.banned[1]] = _NEG_INF
+        return x
 
     def _sample_random(self, x: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """Temperature, min_p, top-k, top-p, then the exponential race; overwrites x."""

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from pyserve.lora.request import LoRARequest
 from pyserve.server.errors import BadRequest, NotFound
-from pyserve.server.openai_api import _json as read_json
+from pyserve.server.openai_api import json_body
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ class LoraRegistry:
 
 async def load_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
-    body = await read_json(request)
+    body = await json_body(request)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or name == state.settings.served_model_name:
         raise BadRequest("lora_name must be a non-empty string other than the base model's name", param="lora_name")
@@ -113,7 +113,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
-    body = await read_json(request)
+    body = await json_body(request)
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise BadRequest("lora_name must be a non-empty string", param="lora_name")

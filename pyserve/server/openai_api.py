@@ -33,7 +33,7 @@ log = structlog.get_logger("pyserve.server")
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    req = _validate(ChatCompletionRequest, await _json(request))
+    req = _validate(ChatCompletionRequest, await json_body(request))
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     try:
@@ -47,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    req = _validate(CompletionRequest, await _json(request))
+    req = _validate(CompletionRequest, await json_body(request))
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     vocab = state.engine.model_config.vocab_size
@@ -65,7 +65,7 @@ async def completions(request: Request) -> Response:
     return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora)
 
 
-async def _json(request: Request) -> Any:
+async def json_body(request: Request) -> Any:
     body = await request.body()
     try:
         data = orjson.loads(body)
