@@ -57,7 +57,7 @@ def main() -> None:
         model_dir = build(Path(tmp))
         hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         llm = LLM(str(model_dir), device="cpu", max_num_seqs=args.requests, max_num_batched_tokens=8192)
-        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
         ids = torch.tensor(prompts)
 
         def run_hf() -> float:

@@ -71,6 +71,8 @@ def greedy(**params) -> dict:
     ("stop_token_ids", dict(stop_token_ids=[-1])),
     ("seed", dict(seed=1.5)),
     ("ignore_eos", dict(ignore_eos="yes")),
+    ("detokenize", dict(detokenize=1)),
+    ("stop", dict(stop=["x"], detokenize=False)),
 ])
 def test_sampling_params_rejects_out_of_range_value_naming_the_field(field, kwargs):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
@@ -141,6 +143,7 @@ def test_stop_token_id_ends_the_output_including_the_token(llm, ref):
 
 
 def test_min_tokens_bans_stop_tokens_until_reached(llm, ref):
+    """Also the greedy fast path's guard: a lone greedy request is an all-argmax batch."""
     stop = ref[0]
     out = run(llm, **greedy(stop_token_ids=[stop], min_tokens=3)).outputs[0]
     assert len(out.token_ids) >= 3
@@ -243,6 +246,15 @@ def test_greedy_logprobs_match_transformers(llm, hf_model, ref):
             assert lp.logprob == pytest.approx(float(want[i, tid]), abs=1e-4)
             assert lp.decoded_token == llm.tokenizer.decode([tid], skip_special_tokens=False)
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm, ref):
+    out = run(llm, **greedy(logprobs=2, detokenize=False))
+    c = out.outputs[0]
+    assert c.token_ids == ref and c.text == "" and c.finish_reason == "length"
+    assert len(c.logprobs) == MAX
+    assert all(lp.decoded_token is None for entry in c.logprobs for lp in entry.values())
+    assert run(llm, **greedy()).outputs[0].text == llm.tokenizer.decode(ref)
 
 
 def test_sampled_token_outside_the_top_k_gets_its_own_entry_and_rank(llm, hf_model):

@@ -116,9 +116,11 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        streaming: bool = True,
     ) -> RequestStream:
-        """Queues a request (one sequence per sample) and returns its stream. Raises ValueError
-        naming the field when it can never be served."""
+        """Queues a request (one sequence per sample) and returns its stream; with `streaming`
+        False only its cumulative output is kept (no per-step deltas). Raises ValueError naming
+        the field when it can never be served."""
         self.system.check_alive()
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
@@ -140,7 +142,7 @@ class AsyncEngine:
                                 adapter_id=adapter_id)
             requests.append(req)
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
-        stream = RequestStream(output, [r.internal_id for r in requests])
+        stream = RequestStream(output, [r.internal_id for r in requests], streaming)
         self.output_processor.register(stream, requests)
         loop = asyncio.get_running_loop()
         adds = []

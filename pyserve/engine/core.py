@@ -65,28 +65,30 @@ class EngineCore(Actor):
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
         deltas = []
         row = 0
+        sampled = result.token_ids.tolist()
+        with_logprobs = result.logprobs is not None
         for rid, n, appended in zip(req_ids, num_sampled.tolist(), update.num_appended.tolist()):
             if not n:
                 continue
-            req = self.requests.get(rid)
-            tokens = result.token_ids[row : row + appended].tolist()
+            tokens = sampled[row : row + appended]
             delta = SampleDelta(rid, tokens, finished.get(rid))
-            if result.logprobs is not None:
+            if with_logprobs:
                 delta.logprobs = result.logprobs[row : row + appended]
                 delta.logprob_token_ids = result.logprob_token_ids[row : row + appended]
                 delta.sampled_logprobs = result.sampled_logprobs[row : row + appended]
                 delta.sampled_ranks = result.sampled_ranks[row : row + appended]
             row += n
+            req = self.requests.get(rid)
             if req is None:
                 continue
             req.output_token_ids.extend(tokens)
-            self.num_generation_tokens += len(tokens)
             if rid in cached:
                 self.new_ids.discard(rid)
                 delta.num_cached_tokens = cached[rid]
             if delta.finish_reason is not None:
                 del self.requests[rid]
             deltas.append(delta)
+        self.num_generation_tokens += sum(len(d.token_ids) for d in deltas)
         if deltas:
             await self.output_processor.send(StepOutput(deltas))
         if self.speculator is not None:  # after the tokens went out: proposing may run a draft model

@@ -140,7 +140,7 @@ class LLM:
                 text, ids = None, [int(t) for t in prompt]
             request_id = str(self._next_request)
             self._next_request += 1
-            adds.append(self.engine.add_request(request_id, ids, p, prompt=text, lora_request=lora))
+            adds.append(self.engine.add_request(request_id, ids, p, prompt=text, lora_request=lora, streaming=False))
         # All adds reach the EngineCore's inbox together, so they are admitted in one step.
         results = await asyncio.gather(*adds, return_exceptions=True)
         error = next((r for r in results if isinstance(r, BaseException)), None)

@@ -30,10 +30,12 @@ class StreamDelta:
 
 @dataclass(slots=True)
 class RequestStream:
-    """A request's outputs as they arrive. `output` is cumulative; `deltas` feeds streaming."""
+    """A request's outputs as they arrive. `output` is cumulative; `deltas` feeds streaming
+    consumers and stays empty (but for the closing None) when `streaming` is False."""
 
     output: RequestOutput
     internal_ids: list[int]
+    streaming: bool = True
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: BaseException | None = None
@@ -48,7 +50,7 @@ class RequestStream:
 class _Sample:
     stream: RequestStream
     completion: CompletionOutput
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the request asked for token ids only
     num_logprobs: int | None
 
 
@@ -65,9 +67,11 @@ class OutputProcessor(Actor):
         self._streams[stream.output.request_id] = stream
         for req, completion in zip(requests, stream.output.outputs, strict=True):
             p = req.params
-            detok = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.min_tokens
-            )
+            detok = None
+            if p.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.min_tokens
+                )
             if p.logprobs is not None:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
@@ -90,33 +94,35 @@ class OutputProcessor(Actor):
     async def run(self) -> None:
         while True:
             msg: StepOutput = await self.receive()
-            touched: dict[str, RequestStream] = {}
+            samples = self._samples
             for delta in msg.deltas:
-                sample = self._samples.get(delta.internal_id)
-                if sample is not None:
-                    self._apply(sample, delta)
-                    touched[sample.stream.output.request_id] = sample.stream
-            for stream in touched.values():
-                if all(c.finished for c in stream.output.outputs):
-                    stream.output.finished = True
-                    self._streams.pop(stream.output.request_id, None)
-                    stream.done.set()
-                    stream.deltas.put_nowait(None)
+                sample = samples.get(delta.internal_id)
+                if sample is not None and self._apply(sample, delta):
+                    self._finish_if_done(sample.stream)
 
-    def _apply(self, sample: _Sample, delta: SampleDelta) -> None:
+    def _finish_if_done(self, stream: RequestStream) -> None:
+        if all(c.finished for c in stream.output.outputs):
+            stream.output.finished = True
+            self._streams.pop(stream.output.request_id, None)
+            stream.done.set()
+            stream.deltas.put_nowait(None)
+
+    def _apply(self, sample: _Sample, delta: SampleDelta) -> bool:
+        """Adds one delta to its sample's output; True when the sample finished."""
         c = sample.completion
         out = sample.stream.output
         if delta.num_cached_tokens is not None and c.index == 0:
             out.num_cached_tokens = delta.num_cached_tokens
         finish = delta.finish_reason
         tokens = delta.token_ids
+        detok = sample.detok
         # NOTE: a stop token (EOS or a stop_token_ids entry) ends the sequence: it is in token_ids
         # but, as in vLLM, its text is not part of the output.
         text_tokens = tokens[:-1] if finish == "stop" else tokens
-        taken = sample.detok.push(text_tokens)
+        taken = detok.push(text_tokens) if detok is not None else len(text_tokens)
         stop_reason: str | int | None = None
-        if sample.detok.stop_hit is not None:
-            finish, stop_reason = "stop", sample.detok.stop_hit
+        if detok is not None and detok.stop_hit is not None:
+            finish, stop_reason = "stop", detok.stop_hit
             if taken < len(text_tokens) or delta.finish_reason == "stop":
                 # Tokens after the stop string's last one (speculation appends several per step)
                 # are not part of the output.
@@ -128,30 +134,38 @@ class OutputProcessor(Actor):
         elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:
             stop_reason = tokens[-1]
         c.token_ids.extend(tokens)
-        new_logprobs = None if sample.num_logprobs is None else self._logprobs(delta, sample.num_logprobs)
-        if new_logprobs is not None:
+        new_logprobs = None
+        if sample.num_logprobs is not None:
+            new_logprobs = self._logprobs(delta, sample.num_logprobs, decode=detok is not None)
             c.logprobs.extend(new_logprobs)
             c.cumulative_logprob += float(delta.sampled_logprobs.sum())
-        text = sample.detok.take_delta(final=finish is not None)
-        c.text += text
+        text = ""
+        if detok is not None:
+            text = detok.take_delta(final=finish is not None)
+            c.text += text
         if finish is not None:
             c.finish_reason, c.stop_reason = finish, stop_reason
             del self._samples[delta.internal_id]
-        sample.stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
+        if sample.stream.streaming:
+            sample.stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
+        return finish is not None
 
     def _abort(self, internal_id: int) -> None:
         if self.engine_core is not None:
             self.engine_core.post(Abort(internal_id))
 
-    def _logprobs(self, delta: SampleDelta, k: int) -> list[dict[int, Logprob]]:
-        """Per token: the sampled token's logprob and rank, then the top-k alternatives."""
-        decode = self.tokenizer.decode
+    def _logprobs(self, delta: SampleDelta, k: int, decode: bool) -> list[dict[int, Logprob]]:
+        """Per token: the sampled token's logprob and rank, then the top-k alternatives; each
+        with its text unless `decode` is False (then None, as for detokenize=False in vLLM)."""
+
+        def text(token: int) -> str | None:
+            return self.tokenizer.decode([token], skip_special_tokens=False) if decode else None
+
         out = []
         for i, token in enumerate(delta.token_ids):
-            entry = {token: Logprob(float(delta.sampled_logprobs[i]), int(delta.sampled_ranks[i]),
-                                    decode([token], skip_special_tokens=False))}
+            entry = {token: Logprob(float(delta.sampled_logprobs[i]), int(delta.sampled_ranks[i]), text(token))}
             top = zip(delta.logprobs[i, :k].tolist(), delta.logprob_token_ids[i, :k].tolist())
             for rank, (lp, tid) in enumerate(top, start=1):
-                entry.setdefault(tid, Logprob(lp, rank, decode([tid], skip_special_tokens=False)))
+                entry.setdefault(tid, Logprob(lp, rank, text(tid)))
             out.append(entry)
         return out

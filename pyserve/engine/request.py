@@ -22,6 +22,17 @@ class EngineRequest:
     stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos (for min_tokens)
     output_token_ids: list[int] = field(default_factory=list)
     adapter_id: int = 0  # LoRA adapter (0 = the base model)
+    # Output length from which a step's token is the plain argmax of the logits (see
+    # SamplingParams.plain_greedy); None when it never is. Kept so the check costs one compare.
+    argmax_from: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.params.plain_greedy:
+            self.argmax_from = self.params.min_tokens
+
+    def argmax_only(self) -> bool:
+        """True when this step's token is the plain argmax of the logits."""
+        return self.argmax_from is not None and len(self.output_token_ids) >= self.argmax_from
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that must not be sampled yet: stop tokens before `min_tokens` outputs."""

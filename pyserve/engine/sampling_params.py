@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: outputs carry token ids only (no text, no stop strings)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,10 +67,22 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids[{i}] must be a non-negative int, got {t!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a bool")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError("detokenize must be a bool")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop: stop strings need detokenize=True")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for more than the token (no
+        penalties, no logprobs): such a row's token is the argmax of its logits, once `min_tokens`
+        no longer bans any token."""
+        return (self.temperature == 0.0 and self.logprobs is None and not self.presence_penalty
+                and not self.frequency_penalty and self.repetition_penalty == 1.0)
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

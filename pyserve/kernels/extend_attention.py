@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
+from pyserve.kernels._gather import gather_pages
 from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_M = 16  # queries per program
@@ -166,8 +167,8 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
             short.append(i)
             continue
         pages = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [H_kv, seq_len, D]
-        v = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        k = gather_pages(k_cache, pages)[:seq_len].transpose(0, 1)  # [H_kv, seq_len, D]
+        v = gather_pages(v_cache, pages)[:seq_len].transpose(0, 1)
         qi = q[q_lo:q_hi].transpose(0, 1).float()                            # [H_q, q_len, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -189,8 +190,8 @@ def _short_queries(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
     block_size = k_cache.shape[1]
     max_q, max_len = int(q_lens.max()), int(lens.max())
     pages = block_tables[idx, : (max_len + block_size - 1) // block_size].long()
-    k = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()    # [S, H_kv, max_len, D]
-    v = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    k = gather_pages(k_cache, pages)[:, :max_len].transpose(1, 2)           # [S, H_kv, max_len, D]
+    v = gather_pages(v_cache, pages)[:, :max_len].transpose(1, 2)
     j = torch.arange(max_q, device=dev)
     real = j[None, :] < q_lens[:, None]                                      # [S, max_q]
     tokens = torch.where(real, first[:, None] + j[None, :], 0)

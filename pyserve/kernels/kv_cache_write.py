@@ -84,11 +84,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
-    """Torch reference (and CPU backend) of write_kv_cache: one indexed assignment per cache."""
+    """Torch reference (and CPU backend) of write_kv_cache: one index_copy_ per cache into its
+    [num_blocks * block_size, H, D] view."""
     _check(k, v, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
+from pyserve.kernels._gather import gather_pages
 from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_N = 32            # keys per inner iteration (independent of the cache's block_size)
@@ -205,8 +206,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
                          f"{block_tables.shape[1]} blocks of {block_size}")
     pages = block_tables[:, :num_pages].long()
     # [num_seqs, num_pages, block_size, H_kv, D] -> [num_seqs, H_kv, max_len, D]
-    k = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    v = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    k = gather_pages(k_cache, pages)[:, :max_len].transpose(1, 2)
+    v = gather_pages(v_cache, pages)[:, :max_len].transpose(1, 2)
     valid = torch.arange(max_len, device=q.device) < seq_lens[:, None]       # [num_seqs, max_len]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)

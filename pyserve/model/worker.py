@@ -166,6 +166,8 @@ class ModelWorker:
 
     def _sample(self, logits: torch.Tensor, rows: list[EngineRequest]) -> StepResult:
         """One token per row of `logits`, row i for request rows[i]."""
+        if all(r.argmax_only() for r in rows):  # the common greedy batch: no sampling state
+            return StepResult(logits.argmax(dim=-1).cpu().numpy(), np.ones(len(rows), dtype=np.int64))
         sampling = SamplingRows.build(
             [r.params for r in rows],
             [self._generator(r) for r in rows],
