@@ -2,8 +2,9 @@
 forward costs almost nothing (1 layer, hidden 64, vocab 300: the tests' tokenizer), fp32 CPU.
 
 256 requests of 16 prompt tokens, 64 greedy output tokens each (EOS ignored): pyserve runs them
-with continuous batching (max_num_seqs 256); transformers `generate` runs them as one batch of
-256 (min_new_tokens = max_new_tokens = 64). Output tokens per second, median of --runs interleaved
+with continuous batching (max_num_seqs 256), returning token ids only (detokenize=False, as
+`generate` returns ids); transformers `generate` runs them as one batch of 256
+(min_new_tokens = max_new_tokens = 64). Output tokens per second, median of --runs interleaved
 runs; goal: pyserve >= 1.0x. Writes bench/results/engine_overhead.json.
 """
 

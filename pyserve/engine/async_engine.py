@@ -14,6 +14,7 @@ from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.request import Abort, Add, EngineRequest
+from pyserve.engine.worker_call import worker_call
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.config import ModelConfig
@@ -34,8 +35,11 @@ def default_draft(model: str) -> str | None:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, worker_on_loop: bool = False):
+        """`worker_on_loop`: run the model's steps on the event loop thread instead of a worker
+        thread (see pyserve.engine.worker_call); only for a loop that serves nothing else."""
         self.config = config
+        call_worker = worker_call(worker_on_loop)
         self.model_config = ModelConfig.from_dir(config.model)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -81,9 +85,9 @@ class AsyncEngine:
         speculator = None
         if spec is not None:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if spec.method == "ngram" else WorkerProposer(self.worker))
+                        if spec.method == "ngram" else WorkerProposer(self.worker, call_worker))
             speculator = Speculator(spec, self.scheduler, proposer)
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator)
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker)
         self.output_processor.engine_core = self.engine_core
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)

@@ -16,6 +16,7 @@ import structlog
 from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.request import Abort, Add, EngineRequest, SampleDelta, StepOutput
+from pyserve.engine.worker_call import WorkerCall, worker_call
 
 log = structlog.get_logger("pyserve.engine")
 
@@ -23,8 +24,10 @@ NO_TOKENS = np.empty(0, dtype=np.int64)
 
 
 class EngineCore(Actor):
-    def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None):
+    def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None,
+                 call_worker: WorkerCall = worker_call(on_loop=False)):
         super().__init__("engine_core")
+        self.call_worker = call_worker
         self.speculator = speculator
         self.scheduler = scheduler
         self.worker = worker
@@ -44,7 +47,7 @@ class EngineCore(Actor):
         if out.num_reqs == 0:
             self.scheduler.update(NO_TOKENS, NO_TOKENS)
             if out.finished_req_ids.size:
-                await anyio.to_thread.run_sync(self.worker.execute, out, [])
+                await self.call_worker(self.worker.execute, out, [])
             if self.scheduler.has_unfinished_requests():
                 await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
             return
@@ -55,7 +58,7 @@ class EngineCore(Actor):
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
         start = time.perf_counter()
-        result = await anyio.to_thread.run_sync(self.worker.execute, out, rows, adapter_ids)
+        result = await self.call_worker(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         # Read before `update`, which frees requests that finish on their first token.
         cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}

@@ -56,7 +56,7 @@ class LLM:
             seed=seed,
             speculative_config=speculative_config,
         )
-        self.engine = AsyncEngine(config)  # first: a model refused here leaves no loop to close
+        self.engine = AsyncEngine(config, worker_on_loop=True)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.engine.start())
         self._next_request = 0

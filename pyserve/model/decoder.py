@@ -22,10 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """Normalized in fp32, scaled in the input's dtype (as Hugging Face's Llama)."""
+        h = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):

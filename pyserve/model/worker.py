@@ -157,8 +157,9 @@ class ModelWorker:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if not rows:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
-        logits_indices = torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()
-        logits = self.model.compute_logits(hidden[logits_indices])
+        if len(out.logits_indices) != len(out.input_ids):
+            hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
+        logits = self.model.compute_logits(hidden)  # else every token has logits, in order
         counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
         if (counts == 1).all():
             return self._sample(logits, rows)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import anyio
 import numpy as np
 
 from pyserve.engine.request import EngineRequest
+from pyserve.engine.worker_call import WorkerCall
 
 
 @dataclass(slots=True)
@@ -53,13 +53,15 @@ class NgramProposer:
 
 
 class WorkerProposer:
-    """A proposer that lives in the ModelWorker (it owns tensors): runs it in the worker thread."""
+    """A proposer that lives in the ModelWorker (it owns tensors): called as the worker's steps
+    are (see pyserve.engine.worker_call)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, call_worker: WorkerCall):
         self.worker = worker
+        self.call_worker = call_worker
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        return await anyio.to_thread.run_sync(self.worker.propose, batch)
+        return await self.call_worker(self.worker.propose, batch)
 
     def forget(self, request_ids: list[int]) -> None:
         self.worker.proposer.forget(request_ids)
