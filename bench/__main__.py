@@ -1,6 +1,6 @@
-"""`python -m bench`: the quick suite (about 3 minutes on 2 CPU cores), one script after another,
+"""`python -m bench`: the quick suite (about 4 minutes on 2 CPU cores), one script after another,
 each writing its JSON under bench/results/quick/ and printing its own ratios; then a summary of
-every ratio with its goal. Quick runs are single or double runs: on a noisy machine trust the
+every ratio with its goal, and the plots (bench/plots.py) in bench/results/quick/plots/. Quick runs are single or double runs: on a noisy machine trust the
 full runs (bench/README.md) over them. Run from the repository root. Each script's full version is its own command (see
 bench/README.md); --device is passed to the scripts that take it.
 """
@@ -25,6 +25,7 @@ SUITE = [
     ("engine_overhead.py", ["--runs", "1"], False),
     ("offline.py", ["--repeats", "1"], False),
     ("http_vs_offline.py", ["--quick"], False),
+    ("concurrency.py", ["--concurrency", "1,4,16"], True),
     ("spec_decode.py", ["--runs", "2", "--max-tokens", "96"], True),
     ("lora.py", ["--runs", "1"], True),
 ]
@@ -37,6 +38,7 @@ SUMMARY = [
     ("engine_overhead.json", ["ratio"], "engine vs transformers batch 256, 1-layer model", ">= 1.0"),
     ("spec_decode.json", ["results", "reuse", "ngram_ratio"], "n-gram speculation, batch 1, quoting output", ">= 2.0"),
     ("spec_decode.json", ["results", "code", "draft_ratio"], "draft-model speculation, batch 1, code", ">= 1.5"),
+    ("spec_decode.json", ["results", "batch16", "ngram_ratio"], "n-gram speculation, batch 16", ">= 0.95"),
     ("spec_decode.json", ["results", "batch64", "ngram_ratio"], "n-gram speculation, large batch", ">= 0.95"),
     ("lora.json", ["ratio"], "8 rank-16 adapters / base, decode throughput", ">= 0.8"),
 ]
@@ -73,6 +75,14 @@ def main() -> None:
     for name, keys, what, goal in SUMMARY:
         value = lookup(name, keys)
         print(f"{what:58} {'-' if value is None else f'{value:8.3f}':>8}  {goal}")
+    if not args.only:
+        try:
+            from bench import plots  # needs matplotlib: pip install '.[bench]'
+        except ImportError as e:
+            print(f"\nno plots: {e} (pip install '.[bench]')")
+        else:
+            print()
+            plots.main([str(RESULTS)])
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
 

@@ -5,7 +5,9 @@ Workloads (prompts from the held-out standard-library modules the family never t
   reuse   batch 1: a function, then the request to repeat it: "# the same function again:\n" and its
           first line; the output quotes the prompt (n-gram lookup's case; goal >= 2x)
   code    batch 1: the first lines of a function, continue it (the draft model's case; goal >= 1.5x)
-  batch64 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain)
+  batch4, batch16, batch64
+          4, 16, 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain);
+          with `code` they give the speedup against batch size that bench/plots.py draws
 Each figure is output tokens per second after one warm-up run per engine (a server that has been
 up for a while has measured its costs); ratios are the median over --runs interleaved runs. Also
 checks that every speculative output equals the plain one token for token. Writes
@@ -43,7 +45,8 @@ def workloads(max_tokens: int) -> dict[str, tuple[list[str], list[str]]]:
     reuse = [f"{fns[0]}\n\n# the same function again:\n{fns[0].splitlines()[0]}\n"]
     code = ["\n".join(fns[1].splitlines()[:3]) + "\n"]
     batch = ["\n".join(f.splitlines()[:3]) + "\n" for f in fns]
-    return {"reuse": (reuse, ["ngram"]), "code": (code, ["draft", "ngram"]), "batch64": (batch, ["ngram", "draft"])}
+    return {"reuse": (reuse, ["ngram"]), "code": (code, ["draft", "ngram"]),
+            **{f"batch{n}": (batch[:n], ["ngram", "draft"]) for n in (4, 16, 64)}}
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[list[int]]]:

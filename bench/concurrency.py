@@ -1,0 +1,66 @@
+"""Serving throughput and latency against the number of clients: `pyserve serve` (the embedded
+model, CPU unless --device says otherwise) on loopback, driven by bench/serving.py's load
+generator at each --concurrency (random dataset, --input-len prompt tokens, --output-len output
+tokens, EOS ignored, 2 x concurrency requests, at least 8). One server serves every level; a
+warm-up round runs first. Writes bench/results/concurrency.json (one row per level: output
+tokens/s, requests/s, TTFT and TPOT median and p99), which bench/plots.py draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import serving  # noqa: E402  (the load generator, a sibling script)
+from conftest import start_server, stop_server  # noqa: E402  (the tests' loopback server launcher)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "concurrency.json")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, base = start_server(None, "--device", args.device, workdir=Path(tmp))
+        try:
+            def load(concurrency: int, seed: int) -> dict:
+                return serving.main([
+                    "--base-url", base, "--dataset", "random", "--input-len", str(args.input_len),
+                    "--output-len", str(args.output_len), "--num-prompts", str(max(8, 2 * concurrency)),
+                    "--max-concurrency", str(concurrency), "--seed", str(seed)])
+
+            load(4, seed=999)  # warm-up
+            for i, c in enumerate(levels):
+                r = load(c, seed=i)
+                if r["failed"]:
+                    sys.exit(f"concurrency {c}: {r['failed']} requests failed: {r['errors']}")
+                rows.append({"concurrency": c, "requests": r["completed"],
+                             "output_tokens_per_s": r["output_throughput"], "requests_per_s": r["request_throughput"],
+                             "ttft_ms_median": r["ttft_ms"]["median"], "ttft_ms_p99": r["ttft_ms"]["p99"],
+                             "tpot_ms_median": r["tpot_ms"]["median"], "tpot_ms_p99": r["tpot_ms"]["p99"]})
+        finally:
+            stop_server(proc)
+    report = {"machine": platform.platform(), "python": platform.python_version(), "input_len": args.input_len,
+              "output_len": args.output_len, "levels": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'clients':>7} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}")
+    for r in rows:
+        print(f"{r['concurrency']:>7} {r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} "
+              f"{r['ttft_ms_median']:>9.1f} {r['ttft_ms_p99']:>9.1f} {r['tpot_ms_median']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
