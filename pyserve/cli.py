@@ -42,6 +42,7 @@ def _engine(args: argparse.Namespace):
         speculative_config=args.speculative_config,
         enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora_root", None)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        watchdog_timeout=getattr(args, "watchdog_timeout", None) or None,
     )
     return AsyncEngine(config)
 
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="adapters served from the start (the request's model field names one)")
     s.add_argument("--lora-root", default=None,
                    help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR")
+    s.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help="seconds with requests held but no step completed before /health fails (0 = off)")
     s.set_defaults(func=serve)
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
     _engine_args(b)

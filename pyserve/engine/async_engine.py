@@ -14,6 +14,7 @@ from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.request import Abort, Add, EngineRequest
+from pyserve.engine.watchdog import Watchdog
 from pyserve.engine.worker_call import worker_call
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
@@ -89,6 +90,7 @@ class AsyncEngine:
             speculator = Speculator(spec, self.scheduler, proposer)
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker)
         self.output_processor.engine_core = self.engine_core
+        self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
         self.system.on_failure(self._fail_pending_adds)
@@ -107,7 +109,7 @@ class AsyncEngine:
         return draft_cfg
 
     async def start(self) -> None:
-        self.system.start(self.engine_core, self.output_processor)
+        self.system.start(self.engine_core, self.output_processor, *([self.watchdog] if self.watchdog else []))
 
     async def stop(self) -> None:
         await self.system.stop()

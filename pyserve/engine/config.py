@@ -24,6 +24,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = None  # parsed by SpeculativeConfig.parse
+    watchdog_timeout: float | None = 60.0  # seconds without a step before the engine is "stalled"; None = off
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 1024:
@@ -41,5 +42,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.watchdog_timeout is not None and not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be positive or None, got {self.watchdog_timeout}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")

@@ -36,11 +36,22 @@ class EngineCore(Actor):
         self.new_ids: set[int] = set()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.last_progress = time.monotonic()  # when a step that ran requests last completed
 
     async def run(self) -> None:
         while True:
-            await self._drain_inbox(block=not self.scheduler.has_unfinished_requests())
+            idle = not self.scheduler.has_unfinished_requests()
+            await self._drain_inbox(block=idle)
+            if idle:  # work arrived: the no-progress clock starts now
+                self.last_progress = time.monotonic()
             await self.step()
+
+    def seconds_without_progress(self, now: float) -> float:
+        """How long the engine has held unfinished requests without completing a step that ran
+        any of them (0 when it holds none)."""
+        if not self.scheduler.has_unfinished_requests():
+            return 0.0
+        return now - self.last_progress
 
     async def step(self) -> None:
         out = self.scheduler.schedule()
@@ -60,6 +71,7 @@ class EngineCore(Actor):
         start = time.perf_counter()
         result = await self.call_worker(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
+        self.last_progress = time.monotonic()
         # Read before `update`, which frees requests that finish on their first token.
         cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
         num_sampled = np.zeros(out.num_reqs, dtype=np.int64)

@@ -55,6 +55,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             seed=seed,
             speculative_config=speculative_config,
+            watchdog_timeout=None,  # the loop runs the forwards itself: nothing could watch them
         )
         self.engine = AsyncEngine(config, worker_on_loop=True)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()

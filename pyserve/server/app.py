@@ -43,6 +43,9 @@ async def health(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     if not state.engine.system.alive:
         return _json({"status": "dead", "error": repr(state.engine.system.error)}, 503)
+    watchdog = state.engine.watchdog
+    if watchdog is not None and watchdog.stalled:
+        return _json({"status": "stalled", "seconds_without_step": round(watchdog.stalled_for, 3)}, 503)
     return _json({"status": "ok"})
 
 
