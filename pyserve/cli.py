@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name or served_name(args.model),
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         public_metrics=args.public_metrics, lora_modules=dict(args.lora_modules), lora_root=args.lora_root,
+        stream_timeout=args.stream_timeout, max_stream_buffer=args.max_stream_buffer,
     )
     app = build_app(engine, settings)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="adapters served from the start (the request's model field names one)")
     s.add_argument("--lora-root", default=None,
                    help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR")
+    s.add_argument("--stream-timeout", type=float, default=60.0,
+                   help="seconds a streaming client may take to accept one chunk before it is dropped")
+    s.add_argument("--max-stream-buffer", type=int, default=1024,
+                   help="chunks a streaming client may leave unread before its request is aborted")
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="seconds with requests held but no step completed before /health fails (0 = off)")
     s.set_defaults(func=serve)

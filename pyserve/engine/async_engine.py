@@ -123,9 +123,11 @@ class AsyncEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         streaming: bool = True,
+        max_pending: int | None = None,
     ) -> RequestStream:
         """Queues a request (one sequence per sample) and returns its stream; with `streaming`
-        False only its cumulative output is kept (no per-step deltas). Raises ValueError naming
+        False only its cumulative output is kept (no per-step deltas); `max_pending` bounds the
+        deltas a streaming consumer may leave unread (see RequestStream). Raises ValueError naming
         the field when it can never be served."""
         self.system.check_alive()
         vocab = self.model_config.vocab_size
@@ -148,7 +150,7 @@ class AsyncEngine:
                                 adapter_id=adapter_id)
             requests.append(req)
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
-        stream = RequestStream(output, [r.internal_id for r in requests], streaming)
+        stream = RequestStream(output, [r.internal_id for r in requests], streaming, max_pending)
         self.output_processor.register(stream, requests)
         loop = asyncio.get_running_loop()
         adds = []

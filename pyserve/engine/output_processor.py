@@ -28,14 +28,22 @@ class StreamDelta:
     finish_reason: str | None
 
 
+class ClientTooSlow(RuntimeError):
+    """A streaming consumer left more than its stream's `max_pending` deltas unread."""
+
+
 @dataclass(slots=True)
 class RequestStream:
     """A request's outputs as they arrive. `output` is cumulative; `deltas` feeds streaming
-    consumers and stays empty (but for the closing None) when `streaming` is False."""
+    consumers and stays empty (but for the closing None) when `streaming` is False. With
+    `max_pending` set, a consumer that leaves more deltas than that unread has its request
+    aborted and the stream failed with ClientTooSlow: the buffer of a client that stopped
+    reading stays bounded."""
 
     output: RequestOutput
     internal_ids: list[int]
     streaming: bool = True
+    max_pending: int | None = None
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: BaseException | None = None
@@ -146,9 +154,18 @@ class OutputProcessor(Actor):
         if finish is not None:
             c.finish_reason, c.stop_reason = finish, stop_reason
             del self._samples[delta.internal_id]
-        if sample.stream.streaming:
-            sample.stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
+        stream = sample.stream
+        if stream.streaming:
+            stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
+            if stream.max_pending is not None and stream.deltas.qsize() > stream.max_pending and not stream.done.is_set():
+                self._overflow(stream)
+                return False
         return finish is not None
+
+    def _overflow(self, stream: RequestStream) -> None:
+        for internal_id in self.forget(stream.output.request_id):
+            self._abort(internal_id)
+        stream.fail(ClientTooSlow(f"the client left {stream.max_pending} chunks unread; request aborted"))
 
     def _abort(self, internal_id: int) -> None:
         if self.engine_core is not None:

@@ -17,16 +17,17 @@ import orjson
 import structlog
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pyserve.actors import EngineDeadError
-from pyserve.engine.output_processor import RequestStream, StreamDelta
+from pyserve.engine.output_processor import ClientTooSlow, RequestStream, StreamDelta
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable, error_body
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
+from pyserve.server.streaming import TimedStreamingResponse
 
 log = structlog.get_logger("pyserve.server")
 
@@ -124,7 +125,8 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p, lora_request=lora))
+            streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p, lora_request=lora,
+                                                    max_pending=state.settings.max_stream_buffer))
     except ValueError as e:
         ctx.abort(streams)
         ctx.release_lora()
@@ -141,8 +143,9 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
         raise
     ctx.streams = streams
     if req.stream:
-        return StreamingResponse(ctx.sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return TimedStreamingResponse(ctx.sse(), state.settings.stream_timeout, ctx.slow_client,
+                                      media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await ctx.respond(request)
 
 
@@ -172,9 +175,15 @@ class _Context:
         for s in streams:
             self.state.engine.abort_nowait(s.output.request_id)
 
+    def slow_client(self) -> None:
+        """The client stopped reading its stream (see TimedStreamingResponse)."""
+        self.outcome = "slow_client"
+
     async def events(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(choice index, delta) pairs from every prompt's stream, in arrival order."""
-        merged: asyncio.Queue = asyncio.Queue()
+        """(choice index, delta) pairs from every prompt's stream, in arrival order. The merge
+        queue is bounded, so deltas a slow client has not taken stay in their streams, where
+        each stream's max_pending bound applies."""
+        merged: asyncio.Queue = asyncio.Queue(maxsize=len(self.streams))
 
         async def forward(i: int, stream: RequestStream) -> None:
             while (d := await stream.deltas.get()) is not None:
@@ -195,6 +204,8 @@ class _Context:
             for t in tasks:
                 t.cancel()
         for s in self.streams:
+            if isinstance(s.error, ClientTooSlow):
+                raise s.error
             if s.error is not None:
                 raise Unavailable(str(s.error))
 
@@ -258,13 +269,18 @@ class _Context:
                 self.outcome = "engine_dead"
                 yield b"data: " + error_body(503, "service_unavailable", e.message) + b"\n\n"
                 return
+            except ClientTooSlow:  # its requests are aborted already; the client is not reading
+                self.outcome = "slow_client"
+                log.warning("slow_client_dropped", request_id=self.id, max_stream_buffer=self.state.settings.max_stream_buffer)
+                return
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 yield self._chunk([], usage=self._usage())
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.abort(self.streams)
-            self.outcome = "disconnected"
+            if self.outcome == "ok":
+                self.outcome = "disconnected"
             raise
         finally:
             self._finish_log()

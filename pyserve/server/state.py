@@ -21,6 +21,8 @@ class ServerSettings:
     public_metrics: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded at start
     lora_root: str | None = None  # enables runtime load/unload, restricted to this directory
+    stream_timeout: float = 60.0  # seconds a streaming client may take to accept one chunk
+    max_stream_buffer: int = 1024  # chunks a streaming client may leave unread before its request is aborted
 
 
 @dataclass(slots=True)

@@ -1,0 +1,109 @@
+"""Streaming clients that stop reading: a chunk not accepted within --stream-timeout drops the
+client, and more than --max-stream-buffer unread chunks abort its request at once; either way
+its KV blocks come back and the engine keeps serving others.
+
+The app runs in process and is called as an ASGI app with a `send` that never completes once the
+body starts, which is what a full socket looks like to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.config import EngineConfig
+from pyserve.server.app import build_app
+from pyserve.server.state import ServerSettings
+
+
+@contextlib.asynccontextmanager
+async def running(model_dir, **settings):
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=256))
+    app = build_app(engine, ServerSettings(served_model_name="tiny", **settings))
+    await engine.start()
+    try:
+        yield engine, app
+    finally:
+        await engine.stop()
+
+
+def stalled_client(body: dict):
+    """ASGI scope/receive/send of a client that sends `body`, then never reads nor hangs up.
+    `sent` collects what the server managed to send."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # never disconnects
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the socket is full: the send never completes
+
+    return scope, receive, send, sent
+
+
+LONG = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+        "stream": True}
+
+
+async def wait_for(predicate, timeout: float) -> float:
+    start = time.perf_counter()
+    while not predicate():
+        assert time.perf_counter() - start < timeout, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.perf_counter() - start
+
+
+def idle(engine) -> bool:
+    s = engine.stats()
+    return s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0 and s["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_stops_reading_is_dropped_after_the_stream_timeout(llama_dir):
+    async with running(llama_dir, stream_timeout=0.5, max_stream_buffer=100_000) as (engine, app):
+        scope, receive, send, sent = stalled_client(LONG)
+        start = time.perf_counter()
+        await asyncio.wait_for(app(scope, receive, send), timeout=20)
+        assert 0.5 <= time.perf_counter() - start < 10
+        assert sent[0]["status"] == 200 and len([m for m in sent if m["type"] == "http.response.body"]) == 1
+        await wait_for(lambda: idle(engine), timeout=5)
+        engine.scheduler.check_invariants()
+        metrics = app.state.pyserve.metrics.registry.render()
+        assert 'pyserve:request_outcomes_total{outcome="slow_client"} 1' in metrics
+        # the engine serves the next client as usual
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=LONG | {"stream": False, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.asyncio
+async def test_unread_chunks_past_the_buffer_abort_the_request_at_once(llama_dir):
+    async with running(llama_dir, stream_timeout=60, max_stream_buffer=8) as (engine, app):
+        scope, receive, send, _ = stalled_client(LONG)
+        task = asyncio.create_task(app(scope, receive, send))
+        await wait_for(lambda: engine.stats()["generation_tokens"] > 0, timeout=10)
+        # aborted by the output buffer bound long before its 200 tokens or the 60 s timeout
+        await wait_for(lambda: idle(engine), timeout=10)
+        assert engine.stats()["generation_tokens"] < 40
+        assert not engine.output_processor._streams and not engine.output_processor._samples
+        engine.scheduler.check_invariants()
+        task.cancel()  # the connection finally goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
