@@ -19,6 +19,7 @@ from pyserve.server.errors import APIError, error_body, error_response
 from pyserve.server.loras import LoraRegistry, load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pyserve.server.openai_api import chat_completions, completions
+from pyserve.server.openapi import openapi_document
 from pyserve.server.state import ServerMetrics, ServerSettings, ServerState
 
 log = structlog.get_logger("pyserve.server")
@@ -54,6 +55,11 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(state.metrics.registry.render(), media_type="text/plain; version=0.0.4")
 
 
+async def openapi(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    return _json(openapi_document(state.settings, [state.settings.served_model_name, *state.loras.entries]))
+
+
 async def version_info(request: Request) -> Response:
     try:
         v = version("pyserve")
@@ -69,7 +75,7 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return Response(error_body(exc.status_code, type_, str(exc.detail)), exc.status_code,
-                    media_type="application/json")
+                    media_type="application/json", headers=exc.headers)  # 405 keeps its Allow header
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -94,7 +100,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
             await engine.stop()
             log.info("server_stopped")
 
-    public = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
+    public = {"/health", "/openapi.json"} | ({"/metrics"} if settings.public_metrics else set())
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
@@ -106,6 +112,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/version", version_info, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
                Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])] if settings.lora_root else []),
         ],

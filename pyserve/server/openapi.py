@@ -1,0 +1,104 @@
+"""The OpenAPI 3.1 document served at /openapi.json: the real request schemas (the pydantic
+models that validate the bodies), every route, and the OpenAI-shaped error body of each refusal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from pyserve.server.state import ServerSettings
+
+REF = "#/components/schemas/{model}"
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+ERRORS = {
+    "400": "invalid request (the message and `param` name the field)",
+    "401": "missing or wrong API key",
+    "404": "unknown model",
+    "413": "request body over the size limit",
+    "429": "the waiting queue is full",
+    "503": "the engine is dead or the server is shutting down",
+}
+LORA_REQUEST = {"type": "object", "required": ["lora_name"],
+                "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
+
+
+def _model_schema(model: type[BaseModel], components: dict[str, Any], served: list[str]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template=REF)
+    components.update(schema.pop("$defs", {}))
+    schema["properties"]["model"] = {"type": "string", "enum": served, "title": "Model"}
+    components[model.__name__] = schema
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {c: {"description": ERRORS[c], "content": _json({"$ref": REF.format(model="Error")})} for c in codes}
+
+
+def _generation(body: dict[str, Any], errors: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "requestBody": {"required": True, "content": _json(body)},
+        "responses": {
+            "200": {"description": "the completion (JSON), or server-sent events when `stream` is true",
+                    "content": {**_json({"type": "object"}), "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(*errors),
+        },
+    }
+
+
+def openapi_document(settings: ServerSettings, served: list[str]) -> dict[str, Any]:
+    """`served`: the names the `model` field accepts now (the base model, then loaded adapters)."""
+    components: dict[str, Any] = {"Error": ERROR}
+    auth = ("401",) if settings.api_key else ()
+    chat = _model_schema(ChatCompletionRequest, components, served)
+    completion = _model_schema(CompletionRequest, components, served)
+    gen_errors = ("400", *auth, "404", "413", "429", "503")
+    object_ = _json({"type": "object"})
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": {"summary": "Chat completion", **_generation(chat, gen_errors)}},
+        "/v1/completions": {"post": {"summary": "Text completion", **_generation(completion, gen_errors)}},
+        "/v1/models": {"get": {"summary": "Served models and adapters",
+                               "responses": {"200": {"description": "model list", "content": object_}, **_errors(*auth)}}},
+        "/health": {"get": {"summary": "Liveness", "security": [],
+                            "responses": {"200": {"description": "serving", "content": object_},
+                                          "503": {"description": "dead or stalled", "content": object_}}}},
+        "/version": {"get": {"summary": "pyserve's version",
+                             "responses": {"200": {"description": "version", "content": object_}, **_errors(*auth)}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics",
+                             **({"security": []} if settings.public_metrics else {}),
+                             "responses": {"200": {"description": "text exposition format",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           **_errors(*auth)}}},
+        "/openapi.json": {"get": {"summary": "This document", "security": [],
+                                  "responses": {"200": {"description": "OpenAPI 3.1", "content": object_}}}},
+    }
+    if settings.lora_root:
+        for path, summary in (("/v1/load_lora_adapter", "Load a LoRA adapter from the LoRA root"),
+                              ("/v1/unload_lora_adapter", "Unload a LoRA adapter")):
+            paths[path] = {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(LORA_REQUEST)},
+                                    "responses": {"200": {"description": "done", "content": object_},
+                                                  **_errors("400", *auth, "404", "413")}}}
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "pyserve", "version": "1", "description": "OpenAI-compatible LLM serving"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if settings.api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
