@@ -157,6 +157,8 @@ class EngineCore(Actor):
             "num_requests_running": s["num_running"],
             "num_requests_waiting": s["num_waiting"],
             "kv_cache_usage_perc": s["kv_usage"],
+            "kv_free_blocks": s["num_free_blocks"],
+            "kv_cached_blocks": s["num_cached_blocks"],
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "prefix_cache_queries": s["prefix_query_tokens"],

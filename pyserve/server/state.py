@@ -44,6 +44,10 @@ class ServerMetrics:
         reg.add(Gauge("pyserve:num_requests_running", "Sequences in the running queue.", stat("num_requests_running")))
         reg.add(Gauge("pyserve:num_requests_waiting", "Sequences waiting to be scheduled.", stat("num_requests_waiting")))
         reg.add(Gauge("pyserve:kv_cache_usage_perc", "Fraction of KV blocks referenced (0-1).", stat("kv_cache_usage_perc")))
+        reg.add(Gauge("pyserve:kv_free_blocks", "KV blocks free (never used or evicted).", stat("kv_free_blocks")))
+        reg.add(Gauge("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
+                      stat("kv_cached_blocks")))
+        reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.worker.num_kv_blocks))
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),
