@@ -74,6 +74,7 @@ def serve(args: argparse.Namespace) -> None:
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         public_metrics=args.public_metrics, lora_modules=dict(args.lora_modules), lora_root=args.lora_root,
         stream_timeout=args.stream_timeout, max_stream_buffer=args.max_stream_buffer,
+        trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
     )
     app = build_app(engine, settings)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds a streaming client may take to accept one chunk before it is dropped")
     s.add_argument("--max-stream-buffer", type=int, default=1024,
                    help="chunks a streaming client may leave unread before its request is aborted")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in chat requests (rendered in the sandbox, under the timeout)")
+    s.add_argument("--chat-template-timeout", type=float, default=2.0, help="seconds a chat template may take to render")
     s.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="seconds with requests held but no step completed before /health fails (0 = off)")
     s.set_defaults(func=serve)

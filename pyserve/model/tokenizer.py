@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 MAX_REPEAT = 100_000  # items a `*` repetition may make (the sandbox's own cap on `range`)
 MAX_POWER_BITS = 4096  # size of an integer `**` result
+MAX_RENDERED_CHARS = 4_000_000  # a longer rendered prompt is refused while it is being rendered
 
 
 class ChatTemplateError(ValueError):
@@ -85,24 +86,31 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.inner.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders `messages` with the model's template in a sandbox (no attribute escapes, no
-        mutation, bounded ranges and repetitions); a template that fails is a ChatTemplateError."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Renders `messages` with the model's template, or with `template` (a request's own), in
+        a sandbox (no attribute escapes, no mutation, bounded ranges, repetitions and output);
+        a template that fails is a ChatTemplateError. NOTE: the sandbox bounds each operation,
+        not the number of loop iterations: run untrusted templates under a deadline."""
+        source = self.chat_template if template is None else template
+        if not source:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
         try:
-            source, template = self._compiled_template or (None, None)
-            if source != self.chat_template:  # compiled once per template text
+            compiled_source, compiled = self._compiled_template or (None, None)
+            if template is not None or compiled_source != source:
                 env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
                 env.globals["raise_exception"] = _raise
-                template = env.from_string(self.chat_template)
-                self._compiled_template = (self.chat_template, template)
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+                compiled = env.from_string(source)
+                if template is None:  # the model's template is compiled once
+                    self._compiled_template = (source, compiled)
+            pieces, size = [], 0
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise ChatTemplateError(f"chat template output exceeds {MAX_RENDERED_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except ChatTemplateError:
             raise
         except SecurityError as e:

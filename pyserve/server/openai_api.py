@@ -24,6 +24,7 @@ from pyserve.engine.output_processor import ClientTooSlow, RequestStream, Stream
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
+from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable, error_body
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
@@ -37,10 +38,19 @@ async def chat_completions(request: Request) -> Response:
     req = _validate(ChatCompletionRequest, await json_body(request))
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
-    try:
-        text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
+    settings = state.settings
+    param = "messages" if req.chat_template is None else "chat_template"
+    if req.chat_template is not None and not settings.trust_request_chat_template:
+        raise BadRequest("chat_template: this server renders only the model's chat template "
+                         "(start it with --trust-request-chat-template to accept one per request)", param=param)
+    try:  # in a thread, under a deadline: the event loop keeps serving while a template renders
+        text = await run_with_deadline(tok.apply_chat_template, req.template_messages(), req.add_generation_prompt,
+                                       req.chat_template, timeout=settings.chat_template_timeout)
     except ChatTemplateError as e:
-        raise BadRequest(str(e), param="messages") from e
+        raise BadRequest(str(e), param=param) from e
+    except DeadlineExceeded as e:
+        raise BadRequest(f"the chat template did not render within {settings.chat_template_timeout} s",
+                         param=param) from e
     prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora)
@@ -82,8 +92,22 @@ def _validate(schema: type[BaseModel], data: dict[str, Any]):
         return schema.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
+        param = _field_path(err["loc"])
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> str | None:
+    """The field an error is about: pydantic's location up to the first union member tag
+    ('stop.str' -> 'stop', 'prompt.list[int].1' -> 'prompt', 'messages.0.role' stays)."""
+    parts = []
+    for x in loc:
+        if isinstance(x, str) and (not x.isidentifier() or x in _TYPE_TAGS):
+            break
+        parts.append(str(x))
+    return ".".join(parts) or None
 
 
 def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,

@@ -13,6 +13,7 @@ MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_CHAT_TEMPLATE = 64 * 1024
 
 
 class StreamOptions(BaseModel):
@@ -76,6 +77,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    chat_template: Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE)] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]

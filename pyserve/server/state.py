@@ -23,6 +23,8 @@ class ServerSettings:
     lora_root: str | None = None  # enables runtime load/unload, restricted to this directory
     stream_timeout: float = 60.0  # seconds a streaming client may take to accept one chunk
     max_stream_buffer: int = 1024  # chunks a streaming client may leave unread before its request is aborted
+    trust_request_chat_template: bool = False  # accept a request's own chat_template (rendered in the sandbox)
+    chat_template_timeout: float = 2.0  # seconds a chat template may take to render
 
 
 @dataclass(slots=True)
