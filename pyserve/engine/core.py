@@ -41,6 +41,8 @@ class EngineCore(Actor):
     async def run(self) -> None:
         while True:
             idle = not self.scheduler.has_unfinished_requests()
+            if idle:  # an empty step reports the requests that just ended: their state is freed now
+                await self.step()
             await self._drain_inbox(block=idle)
             if idle:  # work arrived: the no-progress clock starts now
                 self.last_progress = time.monotonic()
@@ -57,8 +59,10 @@ class EngineCore(Actor):
         out = self.scheduler.schedule()
         if out.num_reqs == 0:
             self.scheduler.update(NO_TOKENS, NO_TOKENS)
-            if out.finished_req_ids.size:
+            if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
                 await self.call_worker(self.worker.execute, out, [])
+                if self.speculator is not None:
+                    self.speculator.forget(out.finished_req_ids.tolist())
             if self.scheduler.has_unfinished_requests():
                 await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
             return

@@ -47,9 +47,9 @@ class Speculator:
                 self.depth.observe_verification(s, n - 1)
         gone = set(out.finished_req_ids.tolist()) | finished
         if gone:
-            self.proposer.forget(sorted(gone))
+            self.forget(sorted(gone))
         if out.preempted_req_ids.size:
-            self.proposer.forget(out.preempted_req_ids.tolist())
+            self.forget(out.preempted_req_ids.tolist())
         rows, candidates = [], []
         for i, (rid, n) in enumerate(zip(out.req_ids.tolist(), num_sampled.tolist())):
             req = requests.get(rid)
@@ -67,6 +67,10 @@ class Speculator:
         for req, tokens in zip(candidates, drafts):
             if tokens:
                 self.scheduler.set_spec_tokens(req.internal_id, tokens)
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Drops the proposer's state of requests that finished, were aborted or preempted."""
+        self.proposer.forget(request_ids)
 
     def stats(self) -> dict[str, float | int]:
         return {
