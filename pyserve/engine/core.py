@@ -7,6 +7,7 @@ OutputProcessor. It never touches tensors.
 
 from __future__ import annotations
 
+import re
 import time
 
 import anyio
@@ -15,12 +16,13 @@ import structlog
 
 from pyserve import _core
 from pyserve.actors import Actor
-from pyserve.engine.request import Abort, Add, EngineRequest, SampleDelta, StepOutput
+from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, SampleDelta, StepOutput
 from pyserve.engine.worker_call import WorkerCall, worker_call
 
 log = structlog.get_logger("pyserve.engine")
 
 NO_TOKENS = np.empty(0, dtype=np.int64)
+FIELD_IN_MESSAGE = re.compile(r"invalid request field `(\w+)`")
 
 
 class EngineCore(Actor):
@@ -126,7 +128,8 @@ class EngineCore(Actor):
                 self._add(msg)
             except _core.InvalidRequestError as e:
                 if not msg.accepted.done():
-                    msg.accepted.set_exception(ValueError(str(e)))
+                    field = FIELD_IN_MESSAGE.match(str(e))  # the core's format: "invalid request field `x`: ..."
+                    msg.accepted.set_exception(RequestRefused(str(e), field and field.group(1)))
                 return
             if not msg.accepted.done():
                 msg.accepted.set_result(None)

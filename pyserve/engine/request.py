@@ -41,6 +41,15 @@ class EngineRequest:
         return []
 
 
+class RequestRefused(ValueError):
+    """The scheduler can never serve this request as given; `field` names the field at fault
+    (the scheduler's names: prompt_token_ids, max_tokens, min_tokens, ...)."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(slots=True)
 class Add:
     """Queue a sequence. `accepted` resolves once the scheduler took it (or refused it: a

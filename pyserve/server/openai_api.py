@@ -154,7 +154,9 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     except ValueError as e:
         ctx.abort(streams)
         ctx.release_lora()
-        raise BadRequest(str(e)) from e
+        field = getattr(e, "field", None)  # RequestRefused: the scheduler's field name
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        raise BadRequest(str(e), param=prompt_param if field == "prompt_token_ids" else field) from e
     except EngineDeadError as e:
         ctx.release_lora()
         raise Unavailable(str(e)) from e

@@ -124,8 +124,10 @@ impl Scheduler {
         }
         let blocks = self.kv.blocks_for(prompt_len + max_tokens + cfg.num_lookahead_tokens);
         if blocks > self.kv.num_usable_blocks() {
+            // The prompt alone is too big: no max_tokens could make it fit.
+            let prompt_alone = self.kv.blocks_for(prompt_len + 1) > self.kv.num_usable_blocks();
             return Err(request_err(
-                "max_tokens",
+                if prompt_alone { "prompt_token_ids" } else { "max_tokens" },
                 format!(
                     "{prompt_len} prompt + {max_tokens} output tokens need {blocks} KV blocks; the pool has {}",
                     self.kv.num_usable_blocks()

@@ -252,6 +252,7 @@ fn requests_that_can_never_fit_are_refused() {
         other => panic!("{other:?}"),
     };
     assert_eq!(err(s.add_request(req(1, vec![1; 10], 7))), "max_tokens");
+    assert_eq!(err(s.add_request(req(1, vec![1; 17], 1))), "prompt_token_ids"); // alone over the 16-token pool
     assert_eq!(err(s.add_request(req(1, vec![], 7))), "prompt_token_ids");
     assert_eq!(err(s.add_request(req(1, vec![1; 256], 1))), "prompt_token_ids");
     assert_eq!(err(s.add_request(req(1, vec![1; 10], 0))), "max_tokens");
