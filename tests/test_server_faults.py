@@ -143,3 +143,67 @@ async def test_cancelled_non_streaming_request_frees_its_sequences(llama_dir, wh
         assert stats["kv_cache_usage_perc"] == 0
         assert stats["generation_tokens"] < 400
         assert not engine.output_processor._streams
+
+
+def _fail_after(calls: int, fn, where: str):
+    count = {"n": 0}
+
+    def broken(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise RuntimeError(f"fault injected in the {where}")
+        return fn(*args, **kwargs)
+
+    return broken
+
+
+def _break_kernel(engine):
+    engine.worker.backend.forward = _fail_after(6, engine.worker.backend.forward, "attention kernel")
+
+
+def _break_sampler(engine):
+    engine.worker._sample = _fail_after(0, engine.worker._sample, "sampler")
+    engine.worker._sample_and_verify = _fail_after(0, engine.worker._sample_and_verify, "sampler")
+
+
+def _break_output_processor(engine):
+    engine.output_processor._apply = _fail_after(2, engine.output_processor._apply, "output processor")
+
+
+def _break_proposer(engine):
+    engine.worker.propose = _fail_after(0, engine.worker.propose, "draft model")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where, breaker, spec", [
+    ("kernel", _break_kernel, None),
+    ("sampler", _break_sampler, None),
+    ("output processor", _break_output_processor, None),
+    ("draft model", _break_proposer, {"method": "draft_model", "num_speculative_tokens": 2}),
+])
+async def test_a_fault_anywhere_fails_in_flight_requests_and_health(llama_dir, where, breaker, spec):
+    """Whichever component raises, every waiting client gets a 503 (or a closing SSE error
+    event) within seconds, /health turns 503, and nothing hangs."""
+    config = EngineConfig(model=str(llama_dir), block_size=4, num_kv_blocks=512,
+                          speculative_config=spec and spec | {"model": str(llama_dir)})
+    engine = AsyncEngine(config)
+    app = build_app(engine, ServerSettings(served_model_name=MODEL))
+    await engine.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            breaker(engine)
+            sampled = {"temperature": 0.8, "seed": 1}  # through the sampler, not the greedy argmax path
+            plain = client.post("/v1/completions", json=completion(max_tokens=64) | sampled)
+            streamed = client.post("/v1/completions", json=completion(stream=True, max_tokens=64) | sampled)
+            r_plain, r_stream = await asyncio.wait_for(asyncio.gather(plain, streamed), timeout=30)
+            assert r_plain.status_code == 503 and "fault injected" in r_plain.json()["error"]["message"], where
+            if r_stream.status_code == 200:
+                last = json.loads(sse_events(r_stream.text)[-1])
+                assert last["error"]["type"] == "service_unavailable", where
+            else:
+                assert r_stream.status_code == 503
+            health = await client.get("/health")
+            assert health.status_code == 503 and "fault injected" in health.json()["error"]
+    finally:
+        await engine.stop()
