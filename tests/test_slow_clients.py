@@ -107,3 +107,49 @@ async def test_unread_chunks_past_the_buffer_abort_the_request_at_once(llama_dir
         task.cancel()  # the connection finally goes away
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tmp_path):
+    """Live server, 16 sockets with tiny receive buffers streaming long outputs that they never
+    read: a normal client is served meanwhile, and everything the stalled streams held comes back
+    (on loopback the kernel's socket buffers may absorb whole outputs, so whether a stream is
+    dropped or completes into the buffer is the kernel's call; the tests above pin the drop)."""
+    import socket
+
+    from tests.conftest import start_server, stop_server
+
+    proc, base = start_server(llama_dir, "--served-model-name", "tiny", "--block-size", "4", "--num-kv-blocks", "512",
+                              "--stream-timeout", "1", "--max-stream-buffer", "16", workdir=tmp_path)
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps(LONG | {"max_tokens": 240, "logprobs": 5}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    sockets = []
+    try:
+        for _ in range(16):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(request)
+            sockets.append(s)
+        start = time.perf_counter()
+        ok = httpx.post(base + "/v1/completions", json=LONG | {"stream": False, "max_tokens": 8}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+        assert time.perf_counter() - start < 30
+        deadline = time.perf_counter() + 60
+        while True:
+            text = httpx.get(base + "/metrics").text
+            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                      if line.startswith("pyserve:") and " " in line}
+            outcomes = {k: v for k, v in values.items() if k.startswith("pyserve:request_outcomes_total")}
+            if values["pyserve:num_requests_running"] == 0 and sum(outcomes.values()) == 17:
+                break
+            assert time.perf_counter() < deadline, values
+            time.sleep(0.2)
+        assert values["pyserve:kv_cache_usage_perc"] == 0 and values["pyserve:num_requests_waiting"] == 0
+        assert set(outcomes) <= {'pyserve:request_outcomes_total{outcome="ok"}',
+                                 'pyserve:request_outcomes_total{outcome="slow_client"}'}, outcomes
+    finally:
+        for s in sockets:
+            s.close()
+        assert stop_server(proc) == 0
