@@ -108,7 +108,7 @@ def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
     small batches; one matmul pair per slot in use for large ones."""
     _check(x, lora_a, lora_b, scaling, token_slots, y)
     used = token_slots >= 0
-    num_tokens, (slots, rank, fan_in), fan_out = x.shape[0], lora_a.shape, lora_b.shape[1]
+    num_tokens, (_, rank, fan_in), fan_out = x.shape[0], lora_a.shape, lora_b.shape[1]
     if num_tokens * rank * max(fan_in, fan_out) <= GATHER_LIMIT:
         idx = token_slots.clamp(min=0)
         xa = torch.bmm(lora_a[idx].float(), x.float().unsqueeze(2))          # [T, R, 1]

@@ -198,7 +198,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     `num_splits` is accepted and ignored."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
     num_seqs, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     max_len = int(seq_lens.max()) if num_seqs else 0
     num_pages = (max_len + block_size - 1) // block_size
     if num_pages > block_tables.shape[1]:

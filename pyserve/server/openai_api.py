@@ -1,8 +1,7 @@
 """The OpenAI endpoints: /v1/chat/completions and /v1/completions, streaming (SSE) or not.
 
 A request is validated, templated and tokenized, checked against the model length, then queued
-as one engine request per prompt. Its deltas feed either SSE chunks or one final body. A client
-that disconnects, streaming or not, gets its sequences aborted at once (freeing their blocks).
+as one engine request per prompt; a CompletionContext serves it from there (SSE or one body).
 """
 
 from __future__ import annotations
@@ -10,27 +9,23 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import structlog
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.actors import EngineDeadError
-from pyserve.engine.output_processor import ClientTooSlow, RequestStream, StreamDelta
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
-from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable, error_body
+from pyserve.server.completion_context import CompletionContext
+from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
 from pyserve.server.streaming import TimedStreamingResponse
-
-log = structlog.get_logger("pyserve.server")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -145,7 +140,7 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if limit is not None and engine.stats()["num_requests_waiting"] + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = _Context(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora)
+    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -173,224 +168,3 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
                                       media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await ctx.respond(request)
-
-
-class _Context:
-    """One HTTP request's engine requests, timings and response building."""
-
-    def __init__(self, kind, base_id, req, prompts, state, arrival, created, lora):
-        self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
-        self.arrival, self.created = arrival, created
-        self.lora = lora
-        if lora is not None:
-            state.loras.started(lora.lora_name)
-            state.metrics.lora_requests.inc(adapter=lora.lora_name)
-        self.streams: list[RequestStream] = []
-        self.first_token: float | None = None
-        self.last_token: dict[int, float] = {}
-        self.outcome = "ok"
-        self._logged = False
-
-    def release_lora(self) -> None:
-        """Tells the registry this request no longer uses its adapter (once)."""
-        if self.lora is not None:
-            self.state.loras.finished(self.lora)
-            self.lora = None
-
-    def abort(self, streams: list[RequestStream]) -> None:
-        for s in streams:
-            self.state.engine.abort_nowait(s.output.request_id)
-
-    def slow_client(self) -> None:
-        """The client stopped reading its stream (see TimedStreamingResponse)."""
-        self.outcome = "slow_client"
-
-    async def events(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(choice index, delta) pairs from every prompt's stream, in arrival order. The merge
-        queue is bounded, so deltas a slow client has not taken stay in their streams, where
-        each stream's max_pending bound applies."""
-        merged: asyncio.Queue = asyncio.Queue(maxsize=len(self.streams))
-
-        async def forward(i: int, stream: RequestStream) -> None:
-            while (d := await stream.deltas.get()) is not None:
-                await merged.put((i * self.req.n + d.index, d))
-            await merged.put((i, None))
-
-        tasks = [asyncio.create_task(forward(i, s)) for i, s in enumerate(self.streams)]
-        try:
-            open_streams = len(tasks)
-            while open_streams:
-                idx, d = await merged.get()
-                if d is None:
-                    open_streams -= 1
-                    continue
-                self._time(idx, d)
-                yield idx, d
-        finally:
-            for t in tasks:
-                t.cancel()
-        for s in self.streams:
-            if isinstance(s.error, ClientTooSlow):
-                raise s.error
-            if s.error is not None:
-                raise Unavailable(str(s.error))
-
-    def _time(self, idx: int, d: StreamDelta) -> None:
-        if not d.token_ids:
-            return
-        now = time.perf_counter()
-        m = self.state.metrics
-        if self.first_token is None:
-            self.first_token = now
-            m.ttft.observe(now - self.arrival)
-        elif idx in self.last_token:
-            gap = (now - self.last_token[idx]) / len(d.token_ids)
-            for _ in d.token_ids:
-                m.itl.observe(gap)
-        self.last_token[idx] = now
-
-    async def respond(self, request: Request) -> Response:
-        async def drain():
-            async for _ in self.events():
-                pass
-
-        body_task = asyncio.create_task(drain())
-        gone_task = asyncio.create_task(_wait_disconnect(request))
-        try:
-            await asyncio.wait({body_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the server gave up on this request (shutdown timeout)
-            body_task.cancel()
-            self.abort(self.streams)
-            self.outcome = "cancelled"
-            self._finish_log()
-            raise
-        finally:
-            gone_task.cancel()
-        if not body_task.done():
-            body_task.cancel()
-            self.abort(self.streams)
-            self.outcome = "disconnected"
-            self._finish_log()
-            return Response(status_code=499)
-        try:
-            body_task.result()
-        except Exception as e:
-            self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
-            self._finish_log()
-            raise
-        self._finish_log()
-        return Response(orjson.dumps(self._final_body()), media_type="application/json")
-
-    async def sse(self) -> AsyncIterator[bytes]:
-        try:
-            if self.kind == "chat":
-                for i in range(len(self.prompts) * self.req.n):
-                    yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}])
-            try:
-                async for idx, d in self.events():
-                    if d.text or d.finish_reason or d.token_ids:
-                        yield self._chunk([self._delta_choice(idx, d)])
-            except Unavailable as e:
-                self.outcome = "engine_dead"
-                yield b"data: " + error_body(503, "service_unavailable", e.message) + b"\n\n"
-                return
-            except ClientTooSlow:  # its requests are aborted already; the client is not reading
-                self.outcome = "slow_client"
-                log.warning("slow_client_dropped", request_id=self.id, max_stream_buffer=self.state.settings.max_stream_buffer)
-                return
-            opts = self.req.stream_options
-            if opts is not None and opts.include_usage:
-                yield self._chunk([], usage=self._usage())
-            yield b"data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            self.abort(self.streams)
-            if self.outcome == "ok":
-                self.outcome = "disconnected"
-            raise
-        finally:
-            self._finish_log()
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
-                                "model": self.req.model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def _delta_choice(self, idx: int, d: StreamDelta) -> dict:
-        lp = None if d.logprobs is None else self._logprobs(d.token_ids, d.logprobs)
-        if self.kind == "chat":
-            delta = {"content": d.text} if d.text or not d.finish_reason else {}
-            return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        return {"index": idx, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-
-    def _final_body(self) -> dict:
-        choices = []
-        for i, s in enumerate(self.streams):
-            for c in s.output.outputs:
-                idx = i * self.req.n + c.index
-                lp = None if c.logprobs is None else self._logprobs(c.token_ids, c.logprobs)
-                if self.kind == "chat":
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lp, "finish_reason": c.finish_reason})
-                else:
-                    choices.append({"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-        obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
-                "choices": choices, "usage": self._usage()}
-
-    def _logprobs(self, token_ids: list[int], entries) -> dict:
-        decode = self.state.engine.tokenizer.decode
-        if self.kind == "chat":
-            content = []
-            for tid, entry in zip(token_ids, entries):
-                text = decode([tid], skip_special_tokens=False)
-                top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list((e.decoded_token or "").encode())}
-                       for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)][: self._num_top()]
-                content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
-                                "top_logprobs": top})
-            return {"content": content}
-        tokens, token_logprobs, tops = [], [], []
-        for tid, entry in zip(token_ids, entries):
-            tokens.append(decode([tid], skip_special_tokens=False))
-            token_logprobs.append(entry[tid].logprob)
-            best = sorted(entry.values(), key=lambda e: -e.logprob)[: self._num_top()]
-            tops.append({e.decoded_token: e.logprob for e in best})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
-
-    def _num_top(self) -> int:
-        if self.kind == "chat":
-            return self.req.top_logprobs or 0
-        return self.req.logprobs or 0
-
-    def _usage(self) -> dict:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
-        cached = sum(s.output.num_cached_tokens for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def _finish_log(self) -> None:
-        if self._logged:
-            return
-        self._logged = True
-        self.release_lora()
-        now = time.perf_counter()
-        self.state.metrics.e2e.observe(now - self.arrival)
-        self.state.metrics.outcomes.inc(outcome=self.outcome)
-        usage = self._usage()
-        log.info("request_finished", request_id=self.id, outcome=self.outcome, model=self.req.model,
-                 prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
-                 cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
-                 ttft_s=None if self.first_token is None else round(self.first_token - self.arrival, 6),
-                 e2e_s=round(now - self.arrival, 6),
-                 finish_reasons=[c.finish_reason for s in self.streams for c in s.output.outputs])
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
