@@ -153,3 +153,10 @@ def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tm
         for s in sockets:
             s.close()
         assert stop_server(proc) == 0
+
+
+@pytest.mark.parametrize("field, value", [("stream_timeout", 0), ("chat_template_timeout", -1.0),
+                                          ("max_stream_buffer", 0)])
+def test_settings_refuse_values_that_would_disable_the_bounds(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerSettings(served_model_name="m", **{field: value})

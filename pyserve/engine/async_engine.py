@@ -14,9 +14,9 @@ from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.request import Abort, Add, EngineRequest
+from pyserve.engine.sampling_params import SamplingParams
 from pyserve.engine.watchdog import Watchdog
 from pyserve.engine.worker_call import worker_call
-from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.config import ModelConfig
 from pyserve.model.tokenizer import Tokenizer

@@ -26,6 +26,13 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # accept a request's own chat_template (rendered in the sandbox)
     chat_template_timeout: float = 2.0  # seconds a chat template may take to render
 
+    def __post_init__(self) -> None:
+        for name in ("stream_timeout", "chat_template_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_stream_buffer < 1:
+            raise ValueError(f"max_stream_buffer must be at least 1, got {self.max_stream_buffer}")
+
 
 @dataclass(slots=True)
 class ServerMetrics:
