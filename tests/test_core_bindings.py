@@ -161,8 +161,9 @@ def test_bad_config_raises_config_error_naming_field(kwargs, field):
 )
 def test_bad_request_raises_naming_field(prompt, kwargs, field):
     s = make()
-    with pytest.raises(_core.InvalidRequestError, match=f"`{field}`"):
+    with pytest.raises(_core.InvalidRequestError, match=f"`{field}`") as raised:
         s.add_request(1, prompt, **kwargs)
+    assert raised.value.field == field
     assert not s.has_unfinished_requests()
 
 

@@ -7,7 +7,6 @@ OutputProcessor. It never touches tensors.
 
 from __future__ import annotations
 
-import re
 import time
 
 import anyio
@@ -22,7 +21,6 @@ from pyserve.engine.worker_call import WorkerCall, worker_call
 log = structlog.get_logger("pyserve.engine")
 
 NO_TOKENS = np.empty(0, dtype=np.int64)
-FIELD_IN_MESSAGE = re.compile(r"invalid request field `(\w+)`")
 
 
 class EngineCore(Actor):
@@ -128,8 +126,7 @@ class EngineCore(Actor):
                 self._add(msg)
             except _core.InvalidRequestError as e:
                 if not msg.accepted.done():
-                    field = FIELD_IN_MESSAGE.match(str(e))  # the core's format: "invalid request field `x`: ..."
-                    msg.accepted.set_exception(RequestRefused(str(e), field and field.group(1)))
+                    msg.accepted.set_exception(RequestRefused(str(e), e.field))
                 return
             if not msg.accepted.done():
                 msg.accepted.set_result(None)

@@ -15,11 +15,23 @@ create_exception!(
     "schedule/update called out of order or with mismatched results."
 );
 
+/// InvalidRequestError with the request field at fault as its `field` attribute, so callers can
+/// name it (HTTP 400 `param`) without parsing the message.
+pub fn invalid_request(field: &'static str, msg: String) -> PyErr {
+    Python::attach(|py| {
+        let err = InvalidRequestError::new_err(msg);
+        match err.value(py).setattr("field", field) {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    })
+}
+
 pub fn to_py(err: CoreError) -> PyErr {
     let msg = err.to_string();
     match err {
         CoreError::InvalidConfig { .. } => ConfigError::new_err(msg),
-        CoreError::InvalidRequest { .. } => InvalidRequestError::new_err(msg),
+        CoreError::InvalidRequest { field, .. } => invalid_request(field, msg),
         CoreError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
         CoreError::InvalidStepResult { .. } => StepError::new_err(msg),
     }

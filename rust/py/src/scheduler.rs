@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyserve_core::{Namespace, NewRequest, Scheduler, SchedulerConfig};
 
-use crate::error::{to_py, InvalidRequestError, StepError};
+use crate::error::{invalid_request, to_py, StepError};
 use crate::output::{PySchedulerOutput, PyUpdateResult};
 
 #[pyclass(name = "Scheduler", module = "pyserve._core")]
@@ -21,9 +21,10 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
         Err(_) => match obj.extract::<PyReadonlyArray1<i32>>() {
             Ok(arr) => arr.as_slice()?.iter().map(|&v| v as i64).collect(),
             Err(_) => obj.extract::<Vec<i64>>().map_err(|_| {
-                InvalidRequestError::new_err(format!(
-                    "invalid request field `{field}`: must be a sequence of ints"
-                ))
+                invalid_request(
+                    field,
+                    format!("invalid request field `{field}`: must be a sequence of ints"),
+                )
             })?,
         },
     };
@@ -31,9 +32,10 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
         .into_iter()
         .map(|v| {
             u32::try_from(v).map_err(|_| {
-                InvalidRequestError::new_err(format!(
-                    "invalid request field `{field}`: token id {v} is out of range"
-                ))
+                invalid_request(
+                    field,
+                    format!("invalid request field `{field}`: token id {v} is out of range"),
+                )
             })
         })
         .collect()
