@@ -21,10 +21,7 @@ fn parse_token_ids(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<
         Err(_) => match obj.extract::<PyReadonlyArray1<i32>>() {
             Ok(arr) => arr.as_slice()?.iter().map(|&v| v as i64).collect(),
             Err(_) => obj.extract::<Vec<i64>>().map_err(|_| {
-                invalid_request(
-                    field,
-                    format!("invalid request field `{field}`: must be a sequence of ints"),
-                )
+                invalid_request(field, format!("invalid request field `{field}`: must be a sequence of ints"))
             })?,
         },
     };
