@@ -63,6 +63,17 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def scrape_metrics(base: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's /metrics as {series: value}; a series is its name with its labels, as
+    written (`pyserve:request_outcomes_total{outcome="ok"}`)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(base + "/metrics", headers=headers, timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",

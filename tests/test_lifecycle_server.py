@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import scrape_metrics, start_server, stop_server
 from tests.test_lifecycle import adapter_dirs  # noqa: F401  (the fixture)
 
 REQUESTS = 1000
@@ -20,16 +20,12 @@ KEY = "k"
 
 
 def metrics(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return {line.split()[0].removeprefix("pyserve:"): float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("pyserve:") and "{" not in line}
+    return {k.removeprefix("pyserve:"): v for k, v in scrape_metrics(base, KEY).items()}
 
 
 def outcomes(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    prefix = 'pyserve:request_outcomes_total{outcome="'
-    return {line[len(prefix):].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith(prefix)}
+    prefix = 'request_outcomes_total{outcome="'
+    return {k[len(prefix):].split('"')[0]: v for k, v in metrics(base).items() if k.startswith(prefix)}
 
 
 async def one(client: httpx.AsyncClient, rng: random.Random, models: list[str], tally: dict) -> None:

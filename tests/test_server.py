@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import scrape_metrics, start_server, stop_server
 
 KEY = "test-key-123"
 MODEL = "tiny"
@@ -36,11 +36,7 @@ def client(server):
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    return scrape_metrics(base, KEY)[name]
 
 
 def test_chat_non_streaming_and_streaming_agree(client):

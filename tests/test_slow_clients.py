@@ -116,7 +116,7 @@ def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tm
     dropped or completes into the buffer is the kernel's call; the tests above pin the drop)."""
     import socket
 
-    from tests.conftest import start_server, stop_server
+    from tests.conftest import scrape_metrics, start_server, stop_server
 
     proc, base = start_server(llama_dir, "--served-model-name", "tiny", "--block-size", "4", "--num-kv-blocks", "512",
                               "--stream-timeout", "1", "--max-stream-buffer", "16", workdir=tmp_path)
@@ -138,9 +138,7 @@ def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tm
         assert time.perf_counter() - start < 30
         deadline = time.perf_counter() + 60
         while True:
-            text = httpx.get(base + "/metrics").text
-            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                      if line.startswith("pyserve:") and " " in line}
+            values = scrape_metrics(base)
             outcomes = {k: v for k, v in values.items() if k.startswith("pyserve:request_outcomes_total")}
             if values["pyserve:num_requests_running"] == 0 and sum(outcomes.values()) == 17:
                 break
