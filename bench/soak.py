@@ -36,7 +36,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from conftest import start_server, stop_server  # noqa: E402  (the tests' loopback server launcher)
+from conftest import parse_metrics, start_server, stop_server  # noqa: E402  (the tests' server launcher)
 from serving import ExactText  # noqa: E402  (exact-length random text)
 
 from pyserve.default_model import TARGET_DIR  # noqa: E402
@@ -53,12 +53,7 @@ class Tally:
 
 
 def metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("pyserve:") and "{" not in line:
-            name, value = line.split()
-            out[name.removeprefix("pyserve:")] = float(value)
-    return out
+    return {k.removeprefix("pyserve:"): v for k, v in parse_metrics(text).items()}
 
 
 def rss_mib(pid: int) -> float:

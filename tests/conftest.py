@@ -63,15 +63,19 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {series: value}; a series is its name with its labels, as written
+    (`pyserve:request_outcomes_total{outcome="ok"}`)."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def scrape_metrics(base: str, api_key: str | None = None) -> dict[str, float]:
-    """The server's /metrics as {series: value}; a series is its name with its labels, as
-    written (`pyserve:request_outcomes_total{outcome="ok"}`)."""
+    """The server's /metrics, parsed."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(base + "/metrics", headers=headers, timeout=30).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return parse_metrics(httpx.get(base + "/metrics", headers=headers, timeout=30).text)
 
 
 CORPUS = [
