@@ -20,6 +20,8 @@ reads kv head h // (num_q_heads // num_kv_heads).
 One program per (sequence, tile of BLOCK_M queries, q head); tiles past a sequence's qlen exit.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -151,10 +153,32 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
     Sequences with short queries (speculative verification, small chunks) go through one
     padded batch; longer ones one by one. `max_query_len` is accepted and ignored."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
-    block_size = k_cache.shape[1]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    layout = extend_layout(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
+    return extend_attention_with_layout(q, k_cache, v_cache, layout, scale)
+
+
+@dataclass(slots=True)
+class ShortQueries:
+    """Sequences with at most SHORT_QUERY queries, attended as one padded batch."""
+
+    pages: torch.Tensor   # int64 [S, num_pages]
+    tokens: torch.Tensor  # int64 [S, max_q], q rows (padding points at row 0)
+    real: torch.Tensor    # bool [S, max_q], False on padding
+    mask: torch.Tensor    # bool [S, max_q, max_len], causal and within the sequence
+
+
+@dataclass(slots=True)
+class ExtendLayout:
+    """What the reference derives from the block tables alone, the same for every layer of a step."""
+
+    long: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_lo, q_hi, pages, causal mask) each
+    short: ShortQueries | None
+
+
+def extend_layout(block_tables, query_start_loc, seq_lens, block_size) -> ExtendLayout:
+    dev = block_tables.device
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    short = []
+    long, short = [], []
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
         q_len = q_hi - q_lo
@@ -164,40 +188,47 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
             raise ValueError(f"sequence {i}: query length {q_len}, seq_lens {seq_len} and "
                              f"{block_tables.shape[1]} blocks of {block_size} are inconsistent")
         if q_len <= SHORT_QUERY:
-            short.append(i)
+            short.append((i, q_lo, q_len, seq_len))
             continue
         pages = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = gather_pages(k_cache, pages)[:seq_len].transpose(0, 1)  # [H_kv, seq_len, D]
-        v = gather_pages(v_cache, pages)[:seq_len].transpose(0, 1)
-        qi = q[q_lo:q_hi].transpose(0, 1).float()                            # [H_q, q_len, D]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qi, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
-        out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
-    if short:
-        _short_queries(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, short, out)
-    return out
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+        causal = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
+        long.append((q_lo, q_hi, pages, causal))
+    return ExtendLayout(long, _short_layout(block_tables, short, block_size) if short else None)
 
 
-def _short_queries(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, seqs, out):
-    """The sequences `seqs` at once: queries padded to the longest, keys to the longest sequence."""
-    dev = q.device
-    idx = torch.tensor(seqs, dtype=torch.int64, device=dev)
-    first = query_start_loc[idx].long()
-    q_lens = query_start_loc[idx + 1].long() - first
-    lens = seq_lens[idx].long()
-    block_size = k_cache.shape[1]
-    max_q, max_len = int(q_lens.max()), int(lens.max())
-    pages = block_tables[idx, : (max_len + block_size - 1) // block_size].long()
-    k = gather_pages(k_cache, pages)[:, :max_len].transpose(1, 2)           # [S, H_kv, max_len, D]
-    v = gather_pages(v_cache, pages)[:, :max_len].transpose(1, 2)
+def _short_layout(block_tables, seqs: list[tuple[int, int, int, int]], block_size: int) -> ShortQueries:
+    """`seqs`: (sequence index, first q row, query length, seq_len) of each short sequence."""
+    dev = block_tables.device
+    rows, first, q_lens, lens = (torch.tensor(col, dtype=torch.int64, device=dev) for col in zip(*seqs))
+    max_q, max_len = max(s[2] for s in seqs), max(s[3] for s in seqs)
+    pages = block_tables[rows, : (max_len + block_size - 1) // block_size].long()
     j = torch.arange(max_q, device=dev)
     real = j[None, :] < q_lens[:, None]                                      # [S, max_q]
     tokens = torch.where(real, first[:, None] + j[None, :], 0)
     q_pos = lens[:, None] - q_lens[:, None] + j[None, :]
     key_pos = torch.arange(max_len, device=dev)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q[tokens].float().transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    out[tokens[real]] = o.transpose(1, 2)[real].to(q.dtype)
+    return ShortQueries(pages, tokens, real, mask)
+
+
+def extend_attention_with_layout(q, k_cache, v_cache, layout: ExtendLayout, scale):
+    """The reference's attention for one layer, given the step's `extend_layout` (unchecked)."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for q_lo, q_hi, pages, causal in layout.long:
+        seq_len = causal.shape[1]
+        k = gather_pages(k_cache, pages)[:seq_len].transpose(0, 1)  # [H_kv, seq_len, D]
+        v = gather_pages(v_cache, pages)[:seq_len].transpose(0, 1)
+        qi = q[q_lo:q_hi].transpose(0, 1).float()                            # [H_q, q_len, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
+    if layout.short is not None:
+        sq = layout.short
+        max_len = sq.mask.shape[2]
+        k = gather_pages(k_cache, sq.pages)[:, :max_len].transpose(1, 2)     # [S, H_kv, max_len, D]
+        v = gather_pages(v_cache, sq.pages)[:, :max_len].transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[sq.tokens].float().transpose(1, 2), k, v, attn_mask=sq.mask[:, None], scale=scale, enable_gqa=True)
+        out[sq.tokens[sq.real]] = o.transpose(1, 2)[sq.real].to(q.dtype)
+    return out

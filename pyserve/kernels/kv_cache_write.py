@@ -88,7 +88,12 @@ def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
     [num_blocks * block_size, H, D] view."""
     _check(k, v, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    write_kv_rows(k, v, k_cache, v_cache, slot_mapping, None if bool(keep.all()) else keep)
+
+
+def write_kv_rows(k, v, k_cache, v_cache, slot_mapping, keep=None):
+    """The reference's write, unchecked; `keep` (bool per row, None = all rows) skips padding."""
+    if keep is not None:
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

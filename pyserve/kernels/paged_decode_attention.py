@@ -197,18 +197,31 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     one index op, and run scaled_dot_product_attention (fp32) with the padding masked.
     `num_splits` is accepted and ignored."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
-    num_seqs, num_q_heads, head_dim = q.shape
-    block_size = k_cache.shape[1]
-    max_len = int(seq_lens.max()) if num_seqs else 0
+    layout = decode_layout(block_tables, seq_lens, k_cache.shape[1])
+    return decode_attention_with_layout(q, k_cache, v_cache, layout, scale)
+
+
+def decode_layout(block_tables, seq_lens, block_size):
+    """What the reference derives from the block tables alone, the same for every layer of a step:
+    (pages [num_seqs, num_pages] int64, valid [num_seqs, max_len] bool)."""
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     num_pages = (max_len + block_size - 1) // block_size
     if num_pages > block_tables.shape[1]:
         raise ValueError(f"seq_lens has a length {max_len} beyond block_tables' "
                          f"{block_tables.shape[1]} blocks of {block_size}")
     pages = block_tables[:, :num_pages].long()
+    valid = torch.arange(max_len, device=seq_lens.device) < seq_lens[:, None]
+    return pages, valid
+
+
+def decode_attention_with_layout(q, k_cache, v_cache, layout, scale):
+    """The reference's attention for one layer, given the step's `decode_layout` (unchecked)."""
+    pages, valid = layout
+    num_seqs, num_q_heads, head_dim = q.shape
+    max_len = valid.shape[1]
     # [num_seqs, num_pages, block_size, H_kv, D] -> [num_seqs, H_kv, max_len, D]
     k = gather_pages(k_cache, pages)[:, :max_len].transpose(1, 2)
     v = gather_pages(v_cache, pages)[:, :max_len].transpose(1, 2)
-    valid = torch.arange(max_len, device=q.device) < seq_lens[:, None]       # [num_seqs, max_len]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
     out = out.nan_to_num(0.0)                                                # seq_len 0 -> zeros

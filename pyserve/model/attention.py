@@ -34,6 +34,8 @@ class AttentionMetadata:
     extend_seqs: torch.Tensor | None = None
     extend_tokens: torch.Tensor | None = None
     extend_query_start_loc: torch.Tensor | None = None
+    slots_valid: bool = True  # no negative (padding) slot in slot_mapping
+    torch_plan: TorchPlan | None = None  # the torch backend's per-step layout, built by its first layer
 
     @classmethod
     def build(
@@ -52,6 +54,7 @@ class AttentionMetadata:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
         meta = cls(
+            slots_valid=bool((slot_mapping >= 0).all()),
             slot_mapping=dev(slot_mapping),
             block_tables=dev(block_tables),
             seq_lens=dev(seq_lens),
@@ -95,36 +98,50 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+@dataclass(slots=True)
+class TorchPlan:
+    """What the references derive from the step's layout alone (pages to gather, masks), built
+    once per step instead of once per layer."""
+
+    keep: torch.Tensor | None  # rows whose slot is real (None: all)
+    decode: tuple[torch.Tensor, torch.Tensor] | None  # decode_layout of the one-token sequences
+    extend: extend.ExtendLayout | None
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> TorchPlan:
+        keep = None if meta.slots_valid else meta.slot_mapping >= 0
+        if meta.all_decode:
+            return cls(keep, decode.decode_layout(meta.block_tables, meta.seq_lens, block_size), None)
+        dec = None
+        if meta.decode_seqs.numel():
+            dec = decode.decode_layout(meta.block_tables[meta.decode_seqs], meta.seq_lens[meta.decode_seqs],
+                                       block_size)
+        ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
+                                   meta.seq_lens[meta.extend_seqs], block_size)
+        return cls(keep, dec, ext)
+
+
 class TorchBackend(AttentionBackend):
     """The reference path (CPU). Mixed batches run decode rows vectorized and the rest per
-    sequence."""
+    sequence. The references' argument checks and layout work run once per step (TorchPlan),
+    not once per layer."""
 
     name = "torch"
     split_decode = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        kv_write.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.torch_plan
+        if plan is None:
+            plan = meta.torch_plan = TorchPlan.build(meta, k_cache.shape[1])
+        kv_write.write_kv_rows(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
         if meta.all_decode:
-            return decode.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return decode.decode_attention_with_layout(q, k_cache, v_cache, plan.decode, scale)
         out = torch.empty_like(q)
-        if meta.decode_seqs.numel():
-            out[meta.decode_tokens] = decode.paged_decode_attention_ref(
-                q[meta.decode_tokens],
-                k_cache,
-                v_cache,
-                meta.block_tables[meta.decode_seqs],
-                meta.seq_lens[meta.decode_seqs],
-                scale,
-            )
-        out[meta.extend_tokens] = extend.extend_attention_ref(
-            q[meta.extend_tokens],
-            k_cache,
-            v_cache,
-            meta.block_tables[meta.extend_seqs],
-            meta.extend_query_start_loc,
-            meta.seq_lens[meta.extend_seqs],
-            scale,
-        )
+        if plan.decode is not None:
+            out[meta.decode_tokens] = decode.decode_attention_with_layout(
+                q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
+        out[meta.extend_tokens] = extend.extend_attention_with_layout(
+            q[meta.extend_tokens], k_cache, v_cache, plan.extend, scale)
         return out
 
 

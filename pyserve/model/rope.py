@@ -49,10 +49,16 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos.copy_(emb.cos().to(self.dtype))
             self.sin.copy_(emb.sin().to(self.dtype))
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [tokens, 1, head_dim]: looked up once per step,
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]):
+    """q and k rotated, [tokens, heads, head_dim] each; `tables` from RotaryEmbedding.tables."""
+    cos, sin = tables
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
