@@ -201,7 +201,10 @@ class ModelWorker:
             for j, i in enumerate(plain):
                 per_row[i] = plain_result.token_ids[j : j + 1]
         spec_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
-        accepted = self._verify(out, logits, rows, counts, spec, spec_rows)
+        if all(rows[i].params.greedy for i in spec):
+            accepted = self._verify_greedy(out, logits, rows, counts, spec, spec_rows)
+        else:
+            accepted = self._verify(out, logits, rows, counts, spec, spec_rows)
         for i, tokens in zip(spec, accepted):
             per_row[i] = tokens
         num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
@@ -216,18 +219,38 @@ class ModelWorker:
                 setattr(result, name, full)
         return result
 
+    @staticmethod
+    def _drafts(out, counts, spec, spec_rows) -> tuple[np.ndarray, np.ndarray]:
+        """(the draft each logits row of `spec_rows` verifies, -1 on a request's last row; the
+        requests' row offsets). Row r verifies the input token after its own position."""
+        drafts = np.full(len(spec_rows), -1, dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(counts[spec])]).astype(np.int32)
+        for j in range(len(spec)):
+            positions = out.logits_indices[spec_rows[cu[j] : cu[j + 1]]]
+            drafts[cu[j] : cu[j + 1] - 1] = out.input_ids[positions[1:]]
+        return drafts, cu
+
+    def _verify_greedy(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
+        """Rejection sampling when every target is one-hot: drafts are kept while they equal the
+        target's argmax, then comes the argmax. The draft model's q plays no part."""
+        best = logits[torch.from_numpy(spec_rows).to(self.device)].argmax(dim=-1).cpu().numpy()
+        drafts, cu = self._drafts(out, counts, spec, spec_rows)
+        accepted = []
+        for j, i in enumerate(spec):
+            lo, hi = int(cu[j]), int(cu[j + 1])
+            wrong = np.flatnonzero(drafts[lo : hi - 1] != best[lo : hi - 1])
+            accepted.append(best[lo : lo + (int(wrong[0]) if len(wrong) else hi - 1 - lo) + 1])
+            if self.proposer is not None:
+                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1)
+        return accepted
+
     def _verify(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
         """Accepted drafts plus one token, per request of `spec` (rejection sampling)."""
         dev = self.device
         params = [rows[i].params for i in spec for _ in range(counts[i])]
         sampling = SamplingRows.build(params, [None] * len(params), [[]] * len(params), [[]] * len(params), None, dev)
         target = self.sampler.probs(logits[torch.from_numpy(spec_rows).to(dev)], sampling)
-        # Row r verifies the input token after its own position: the next draft of its request.
-        drafts = np.full(len(spec_rows), -1, dtype=np.int64)
-        cu = np.concatenate([[0], np.cumsum(counts[spec])]).astype(np.int32)
-        for j in range(len(spec)):
-            positions = out.logits_indices[spec_rows[cu[j] : cu[j + 1]]]
-            drafts[cu[j] : cu[j + 1] - 1] = out.input_ids[positions[1:]]
+        drafts, cu = self._drafts(out, counts, spec, spec_rows)
         # Greedy rows need no randomness: with a one-hot target, u = 0 and unit noise make the
         # rule "keep drafts equal to the argmax, then the argmax".
         uniform = torch.zeros(len(spec_rows), device=dev)

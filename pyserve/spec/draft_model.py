@@ -61,8 +61,9 @@ class DraftModelProposer:
         positions = np.concatenate([np.arange(b, n, dtype=np.int64) for b, n in zip(starts, lens)])
         row = np.repeat(np.arange(len(reqs)), lens - starts)
         qsl = np.concatenate([[0], np.cumsum(lens - starts)]).astype(np.int32)
-        rows = SamplingRows.build([r.params for r in reqs], generators, [[]] * len(reqs), [[]] * len(reqs), None,
-                                  self.device)
+        greedy = all(r.params.greedy for r in reqs)  # the draft's guess is its argmax: no sampling state
+        rows = None if greedy else SamplingRows.build([r.params for r in reqs], generators, [[]] * len(reqs),
+                                                      [[]] * len(reqs), None, self.device)
         logits = self._forward(ids, positions, row, batch.block_tables, lens.astype(np.int32), qsl,
                                last=qsl[1:] - 1)
         for r, n in zip(reqs, lens):
@@ -71,8 +72,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         pos = lens - 1  # position of the token fed last
         for j in range(int(depth.max(initial=0))):
-            q = self.sampler.probs(logits, rows)
-            tokens = (q / self.sampler.exponential(q, rows)).argmax(dim=-1).cpu().numpy()  # one-hot q: argmax
+            q, tokens = self._guess(logits, rows)
             for i in np.flatnonzero(depth > j):
                 drafts[i].append(int(tokens[i]))
                 probs[i].append(q[i])
@@ -83,12 +83,24 @@ class DraftModelProposer:
             step = self._forward(tokens[feed].astype(np.int32), pos[feed], np.arange(len(feed)),
                                  batch.block_tables[feed], (pos[feed] + 1).astype(np.int32),
                                  np.arange(len(feed) + 1, dtype=np.int32), last=np.arange(len(feed)))
-            logits = torch.zeros_like(logits)  # rows stay aligned with `rows`; unfed rows are unused
-            logits[torch.from_numpy(feed).to(self.device)] = step
+            if len(feed) == len(reqs):
+                logits = step
+            else:  # rows stay aligned with `rows`; unfed rows are unused
+                logits = torch.zeros_like(logits)
+                logits[torch.from_numpy(feed).to(self.device)] = step
         for r, p in zip(reqs, probs):
             if p:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
+
+    def _guess(self, logits: torch.Tensor, rows: SamplingRows | None) -> tuple[torch.Tensor, np.ndarray]:
+        """(q [B, V], the token drawn from each row of q); rows None: every request is greedy, q is
+        one-hot at the argmax."""
+        if rows is None:
+            tokens = logits.argmax(dim=-1, keepdim=True)
+            return torch.zeros_like(logits).scatter_(1, tokens, 1.0), tokens.squeeze(1).cpu().numpy()
+        q = self.sampler.probs(logits, rows)
+        return q, (q / self.sampler.exponential(q, rows)).argmax(dim=-1).cpu().numpy()
 
     def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
         bs = self.block_size
