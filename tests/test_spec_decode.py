@@ -180,6 +180,21 @@ def test_greedy_outputs_equal_plain_decoding_in_mixed_batches(method, llama_dir,
     assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
 
 
+def test_greedy_requests_verified_next_to_sampled_ones_equal_plain_decoding(llama_dir, draft_dir):
+    """All-greedy steps verify by argmax; a step that also verifies sampled requests takes the
+    rejection sampler for every row: greedy rows must come out the same either way."""
+    prompts = looping_prompts(300)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=5)
+    config = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(str(llama_dir), block_size=4, num_kv_blocks=512, speculative_config=config) as llm:
+        outs = llm.generate(prompts + prompts, [greedy] * len(prompts) + [sampled] * len(prompts), use_tqdm=False)
+        stats = llm.stats()
+    assert_parity([o.outputs[0].token_ids for o in outs[: len(prompts)]], hf_greedy(llama_dir, prompts, max_tokens=20))
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs[len(prompts):])
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_equal_to_target_accepts_everything(temperature, llama_dir):
     config = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3, "adaptive": False}
