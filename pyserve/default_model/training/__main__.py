@@ -5,7 +5,9 @@
 
 It writes DIR/target and DIR/draft (Hugging Face model directories), DIR/adapters/docstrings and
 DIR/adapters/tests (PEFT LoRA adapters) and DIR/card.json (every figure of the model card, as
-measured by this run). The default DIR is the one the package serves from.
+measured by this run). The default DIR is the one the package serves from. The draft is distilled
+from the target (distill.py). `--only draft` retrains just the draft against the target and
+tokenizer already in DIR and updates the draft's figures in the card.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from .. import FAMILY_DIR
 from . import corpus
+from .distill import kl_to_teacher, target_continuations
 from .evaluate import draft_acceptance, greedy_text, loss_report, mean_loss, windows
 from .pretrain import Schedule, encode_stream, train
 from .tokenizer import save_tokenizer, stop_ids, train_tokenizer
@@ -38,9 +41,11 @@ ADAPTERS = {
 }
 SCHEDULES = {
     "full": dict(target=Schedule(700, 8, 512, 2e-3), draft=Schedule(700, 8, 512, 3e-3),
-                 adapter=Schedule(150, 8, 256, 2e-3, warmup=10)),
+                 adapter=Schedule(150, 8, 256, 2e-3, warmup=10),
+                 continuations=dict(count=1024, prompt_len=64, max_tokens=256)),
     "quick": dict(target=Schedule(4, 2, 64, 2e-3, warmup=2), draft=Schedule(4, 2, 64, 3e-3, warmup=2),
-                  adapter=Schedule(3, 2, 64, 2e-3, warmup=1)),
+                  adapter=Schedule(3, 2, 64, 2e-3, warmup=1),
+                  continuations=dict(count=4, prompt_len=16, max_tokens=64)),
 }
 SAMPLE_PROMPTS = {
     "chat: a function": "Write a Python function: Return the number of lines in the file at path.",
@@ -72,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=FAMILY_DIR)
     ap.add_argument("--quick", action="store_true", help="a few steps only: checks the pipeline")
+    ap.add_argument("--only", choices=["draft"], help="retrain only the draft, against the target in DIR")
     args = ap.parse_args(argv)
     from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -83,7 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     base_docs = corpus.shuffled(corpus.base_documents(train_files), SEED)
     held_docs = [text for _, text in held_files]
     t0 = time.perf_counter()
-    tok = train_tokenizer(base_docs, VOCAB_SIZE)
+    if args.only:
+        tok = Tokenizer.from_file(str(args.out / "target" / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(base_docs, VOCAB_SIZE)
     tok_seconds = time.perf_counter() - t0
     eot = stop_ids(tok)[0]
     stream = encode_stream(tok, base_docs, eot)
@@ -101,11 +111,25 @@ def main(argv: list[str] | None = None) -> None:
         "tokenizer": {"vocab_size": tok.get_vocab_size(), "seconds": round(tok_seconds, 1),
                       "held_out_bytes_per_token": round(bytes_per_token, 2)},
     }
+    if args.only:  # the tokenizer and target stay; so do their figures
+        card = {**json.loads((args.out / "card.json").read_text()), "draft": {}}
     models = {}
     for name, sizes in (("target", TARGET), ("draft", DRAFT)):
+        if name == "target" and args.only:
+            models[name] = LlamaForCausalLM.from_pretrained(args.out / name, dtype=torch.float32).eval()
+            continue
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(llama_config(tok, sizes))
-        report = train(model, stream, plan[name], SEED, name)
+        if name == "draft":
+            t0 = time.perf_counter()
+            continuations = plan["continuations"]
+            generated = target_continuations(str(args.out / "target"), stream, eot, **continuations, seed=SEED)
+            print(f"target continuations: {len(generated):,} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+            report = train(model, [stream, generated], plan[name], SEED, name, loss_fn=kl_to_teacher(models["target"]))
+            report["distillation"] = {**continuations, "tokens": int(len(generated)),
+                                      "seconds": round(time.perf_counter() - t0 - report["train_seconds"], 1)}
+        else:
+            report = train(model, stream, plan[name], SEED, name)
         out = args.out / name
         shutil.rmtree(out, ignore_errors=True)
         model.save_pretrained(out, safe_serialization=True)
@@ -119,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: held-out {card[name]['held_out']}", flush=True)
     card["draft_acceptance"] = draft_acceptance(models["target"], models["draft"], eval_batches)
     card["eval_tokens"] = int(eval_batches.numel())
+    if args.only:
+        write_card(args.out, card, started, seconds_key="draft_only_seconds")
+        return
 
     test_train, test_held = corpus.test_files()
     style_docs = {
@@ -148,14 +175,19 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(f"lora:{name}: held-out style loss {base_loss:.3f} -> {adapter_loss:.3f}", flush=True)
     card["samples"] = {"prompts": SAMPLE_PROMPTS, "outputs": samples}
-    card["total_seconds"] = round(time.perf_counter() - started, 1)
-    for f in args.out.rglob("*"):
+    write_card(args.out, card, started)
+
+
+def write_card(out_dir: Path, card: dict, started: float, seconds_key: str = "total_seconds") -> None:
+    """Fixes the written files' permissions and writes card.json (with the run's time)."""
+    card[seconds_key] = round(time.perf_counter() - started, 1)
+    for f in out_dir.rglob("*"):
         if f.name == "README.md":
             f.unlink()  # PEFT's blank model-card template; the card is in the project README
         elif f.is_file():
             f.chmod(0o644)  # safetensors are written 0600; installed files must be world-readable
-    card["bytes_on_disk"] = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    (args.out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    card["bytes_on_disk"] = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    (out_dir / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card, indent=2))
 
 

@@ -28,6 +28,7 @@ def card_markdown(card: dict) -> str:
         f"| shape (Llama, tied embeddings, vocab {card['tokenizer']['vocab_size']}) | {shape(t)} | {shape(d)} |",
         f"| training tokens (steps x batch x context) | {t['train_tokens']:,} ({t['steps']} x {t['batch']} x "
         f"{t['seq_len']}) | {d['train_tokens']:,} ({d['steps']} x {d['batch']} x {d['seq_len']}) |",
+        f"| training objective | next token | {_draft_objective(d)} |",
         f"| training time ({card['threads']} CPU threads) | {t['train_seconds'] / 60:.1f} min | "
         f"{d['train_seconds'] / 60:.1f} min |",
         f"| held-out loss (nats/token) | {t['held_out']['loss']:.4f} | {d['held_out']['loss']:.4f} |",
@@ -54,12 +55,24 @@ def card_markdown(card: dict) -> str:
                      f"{loss['base']:.3f} -> {loss['adapter']:.3f} |")
     lines += ["", f"Whole family on disk: {mib:.1f} MiB. One training run: {card['total_seconds'] / 60:.1f} min "
               "(tokenizer, both models, both adapters and these measurements)."]
+    if "draft_only_seconds" in card:
+        lines[-1] += (f" The draft was then retrained alone against the shipped target (`--only draft`): "
+                      f"{card['draft_only_seconds'] / 60:.1f} min, continuations and measurements included.")
     samples = card["samples"]
     for prompt_name, prompt in samples["prompts"].items():
         lines += ["", f"Greedy samples, {prompt_name} (`{prompt}`):"]
         for who, text in samples["outputs"][prompt_name].items():
             lines += ["", f"{who}:", "", _fence(text)]
     return "\n".join(lines) + "\n"
+
+
+def _draft_objective(d: dict) -> str:
+    dist = d.get("distillation")
+    if dist is None:
+        return "next token"
+    return (f"KL to the target's next-token distribution; half the windows corpus, half the target's greedy "
+            f"continuations of {dist['count']:,} corpus prefixes of {dist['prompt_len']} tokens "
+            f"({dist['tokens']:,} tokens, {dist['seconds'] / 60:.1f} min to generate)")
 
 
 if __name__ == "__main__":

@@ -41,17 +41,28 @@ def encode_stream(tok, docs: list[str], eot_id: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def random_windows(stream: np.ndarray, schedule: Schedule, seed: int):
-    """`schedule.steps` batches of windows at uniformly random offsets of the stream."""
+def random_windows(streams: list[np.ndarray], schedule: Schedule, seed: int):
+    """`schedule.steps` batches of windows at uniformly random offsets; the batch's rows are
+    shared equally between the streams (the first ones take the remainder)."""
     rng = np.random.default_rng(seed)
-    span = len(stream) - schedule.seq_len
+    rows = [len(part) for part in np.array_split(np.arange(schedule.batch), len(streams))]
     for _ in range(schedule.steps):
-        starts = rng.integers(0, span, size=schedule.batch)
-        yield torch.from_numpy(np.stack([stream[s : s + schedule.seq_len] for s in starts]).astype(np.int64))
+        windows = []
+        for stream, n in zip(streams, rows):
+            starts = rng.integers(0, len(stream) - schedule.seq_len, size=n)
+            windows += [stream[s : s + schedule.seq_len] for s in starts]
+        yield torch.from_numpy(np.stack(windows).astype(np.int64))
 
 
-def train(model: torch.nn.Module, stream: np.ndarray, schedule: Schedule, seed: int, label: str) -> dict:
-    """AdamW with warmup and cosine decay; returns what the model card reports."""
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def train(model: torch.nn.Module, stream: np.ndarray | list[np.ndarray], schedule: Schedule, seed: int, label: str,
+          loss_fn=next_token_loss) -> dict:
+    """AdamW with warmup and cosine decay on windows of `stream` (or of several streams mixed
+    equally in every batch), minimizing `loss_fn(model, batch)`; returns what the model card
+    reports."""
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -62,10 +73,11 @@ def train(model: torch.nn.Module, stream: np.ndarray, schedule: Schedule, seed: 
     )
     model.train()
     start, recent = time.perf_counter(), []
-    for step, batch in enumerate(random_windows(stream, schedule, seed)):
+    streams = stream if isinstance(stream, list) else [stream]
+    for step, batch in enumerate(random_windows(streams, schedule, seed)):
         for group in opt.param_groups:
             group["lr"] = schedule.lr_at(step)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
