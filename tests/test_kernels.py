@@ -123,8 +123,12 @@ def test_decode_ref_matches_dense_attention(num_q_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
-def test_extend_ref_matches_dense_causal_attention(num_q_heads, num_kv_heads):
-    seq_lens, q_lens = [23, 17, 37, 1], [5, 17, 1, 1]  # cached prefix, fresh prefill, decodes
+@pytest.mark.parametrize("seq_lens,q_lens", [
+    ([23, 17, 37, 1], [5, 17, 1, 1]),  # cached prefix, fresh prefill, decodes
+    ([23, 17, 37, 9], [4, 4, 4, 4]),  # verification at one depth: the short batch is a view of q
+    ([23, 17, 37, 9], [17, 3, 3, 3]),  # a long query, then a run of short ones
+])
+def test_extend_ref_matches_dense_causal_attention(num_q_heads, num_kv_heads, seq_lens, q_lens):
     k_cache, v_cache, tables, dense = make_paged_kv(seq_lens, num_kv_heads, torch.float32)
     q = randn(sum(q_lens), num_q_heads, HEAD_DIM, dtype=torch.float32)
     starts = [0]

@@ -159,12 +159,16 @@ def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq
 
 @dataclass(slots=True)
 class ShortQueries:
-    """Sequences with at most SHORT_QUERY queries, attended as one padded batch."""
+    """Sequences with at most SHORT_QUERY queries, attended as one padded batch [S, max_q]."""
 
     pages: torch.Tensor   # int64 [S, num_pages]
-    tokens: torch.Tensor  # int64 [S, max_q], q rows (padding points at row 0)
-    real: torch.Tensor    # bool [S, max_q], False on padding
     mask: torch.Tensor    # bool [S, max_q, max_len], causal and within the sequence
+    # When the sequences' rows are one run of q with max_q rows each (speculative verification
+    # with the same depth everywhere), its first row; the batch is then a view of q.
+    first_row: int | None
+    tokens: torch.Tensor  # int64 [S, max_q], q rows (padding points at row 0)
+    padded: torch.Tensor  # int64 [real rows], their places in the flattened [S * max_q] batch
+    rows: torch.Tensor    # int64 [real rows], their q rows
 
 
 @dataclass(slots=True)
@@ -209,7 +213,9 @@ def _short_layout(block_tables, seqs: list[tuple[int, int, int, int]], block_siz
     q_pos = lens[:, None] - q_lens[:, None] + j[None, :]
     key_pos = torch.arange(max_len, device=dev)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
-    return ShortQueries(pages, tokens, real, mask)
+    run = all(s[2] == max_q and s[1] == seqs[0][1] + i * max_q for i, s in enumerate(seqs))
+    return ShortQueries(pages, mask, seqs[0][1] if run else None, tokens, real.flatten().nonzero().squeeze(1),
+                        tokens[real])
 
 
 def extend_attention_with_layout(q, k_cache, v_cache, layout: ExtendLayout, scale):
@@ -225,10 +231,19 @@ def extend_attention_with_layout(q, k_cache, v_cache, layout: ExtendLayout, scal
         out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
     if layout.short is not None:
         sq = layout.short
-        max_len = sq.mask.shape[2]
+        num_seqs, max_q, max_len = sq.mask.shape
         k = gather_pages(k_cache, sq.pages)[:, :max_len].transpose(1, 2)     # [S, H_kv, max_len, D]
         v = gather_pages(v_cache, sq.pages)[:, :max_len].transpose(1, 2)
+        if sq.first_row is not None:
+            lo, hi = sq.first_row, sq.first_row + num_seqs * max_q
+            qs = q[lo:hi].view(num_seqs, max_q, *q.shape[1:])
+        else:
+            qs = q[sq.tokens]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[sq.tokens].float().transpose(1, 2), k, v, attn_mask=sq.mask[:, None], scale=scale, enable_gqa=True)
-        out[sq.tokens[sq.real]] = o.transpose(1, 2)[sq.real].to(q.dtype)
+            qs.float().transpose(1, 2), k, v, attn_mask=sq.mask[:, None], scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(num_seqs * max_q, *q.shape[1:]).to(q.dtype)
+        if sq.first_row is not None:
+            out[lo:hi] = o
+        else:
+            out[sq.rows] = o.index_select(0, sq.padded)
     return out

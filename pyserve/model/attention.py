@@ -136,10 +136,11 @@ class TorchBackend(AttentionBackend):
         kv_write.write_kv_rows(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
         if meta.all_decode:
             return decode.decode_attention_with_layout(q, k_cache, v_cache, plan.decode, scale)
+        if plan.decode is None:  # every sequence extends: the extend rows are all of q, in order
+            return extend.extend_attention_with_layout(q, k_cache, v_cache, plan.extend, scale)
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            out[meta.decode_tokens] = decode.decode_attention_with_layout(
-                q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
+        out[meta.decode_tokens] = decode.decode_attention_with_layout(
+            q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
         out[meta.extend_tokens] = extend.extend_attention_with_layout(
             q[meta.extend_tokens], k_cache, v_cache, plan.extend, scale)
         return out

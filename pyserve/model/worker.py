@@ -239,9 +239,11 @@ class ModelWorker:
         for j, i in enumerate(spec):
             lo, hi = int(cu[j]), int(cu[j + 1])
             wrong = np.flatnonzero(drafts[lo : hi - 1] != best[lo : hi - 1])
-            accepted.append(best[lo : lo + (int(wrong[0]) if len(wrong) else hi - 1 - lo) + 1])
+            num_accepted = int(wrong[0]) if len(wrong) else hi - 1 - lo
+            accepted.append(best[lo : lo + num_accepted + 1])
             if self.proposer is not None:
                 self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1)
+                self.proposer.accepted(rows[i].internal_id, num_accepted)
         return accepted
 
     def _verify(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
@@ -280,6 +282,9 @@ class ModelWorker:
         tokens, num = verify(target, draft_probs, torch.from_numpy(drafts).to(dev), uniform,
                              noise.clamp_min_(torch.finfo(torch.float32).tiny), torch.from_numpy(cu).to(dev))
         tokens, num = tokens.cpu().numpy(), num.cpu().numpy()
+        if self.proposer is not None:
+            for j, i in enumerate(spec):
+                self.proposer.accepted(rows[i].internal_id, int(num[j]) - 1)
         return [tokens[cu[j] : cu[j] + num[j]] for j in range(len(spec))]
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:

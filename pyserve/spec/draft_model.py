@@ -5,8 +5,10 @@ block tables and slots (a draft block is the draft's KV of the target's block). 
 every step: each request remembers how many of its tokens the draft has computed, and a proposal
 first feeds the draft every token since then (the whole prompt the first time; a prefix-cache hit
 of the target is recomputed by the draft, writing identical values into the shared block), then
-k - 1 of its own guesses. Steps where the engine chose depth 0 therefore cost the draft nothing.
-The distribution each guess was drawn from is kept for the verification of the next step.
+k - 1 of its own guesses. The KV of the guesses the target then accepts is kept (`accepted`: they
+are the request's tokens now), so the next proposal starts after them. Steps where the engine chose depth 0 therefore
+cost the draft nothing. The distribution each guess was drawn from is kept for the verification
+of the next step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class DraftModelProposer:
         self.backend = backend
         self.sampler = sampler
         self.num_computed: dict[int, int] = {}  # request id -> its tokens in the draft's KV
+        self.fed_guesses: dict[int, int] = {}  # request id -> guesses fed after those, awaiting verification
         self.draft_probs: dict[int, torch.Tensor] = {}  # request id -> [k, V] f32 of its drafts
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
@@ -41,7 +44,15 @@ class DraftModelProposer:
     def forget(self, request_ids: list[int]) -> None:
         for rid in request_ids:
             self.num_computed.pop(rid, None)
+            self.fed_guesses.pop(rid, None)
             self.draft_probs.pop(rid, None)
+
+    def accepted(self, request_id: int, num_accepted: int) -> None:
+        """The verification kept the request's first `num_accepted` drafts: the KV the draft
+        computed for the guesses among them is valid."""
+        fed = self.fed_guesses.pop(request_id, 0)
+        if request_id in self.num_computed:
+            self.num_computed[request_id] += min(num_accepted, fed)
 
     def take_draft_probs(self, request_id: int, num_drafts: int) -> torch.Tensor:
         """The distributions of the request's first `num_drafts` pending drafts ([n, V])."""
@@ -68,6 +79,7 @@ class DraftModelProposer:
                                last=qsl[1:] - 1)
         for r, n in zip(reqs, lens):
             self.num_computed[r.internal_id] = int(n)
+            self.fed_guesses[r.internal_id] = 0
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         pos = lens - 1  # position of the token fed last
@@ -79,6 +91,8 @@ class DraftModelProposer:
             feed = np.flatnonzero(depth > j + 1)
             if not len(feed):
                 break
+            for i in feed.tolist():
+                self.fed_guesses[reqs[i].internal_id] += 1
             pos = pos + 1
             step = self._forward(tokens[feed].astype(np.int32), pos[feed], np.arange(len(feed)),
                                  batch.block_tables[feed], (pos[feed] + 1).astype(np.int32),
