@@ -43,6 +43,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Replaces q/k/v_proj by one projection of their concatenated weights (the same bits
+        per output, fewer ops per step). LoRA wraps the separate projections: never both."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _concatenated(parts)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -52,13 +60,21 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        n, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
+            qkv = self.qkv_proj(x)
+            qk = apply_rotary(qkv[:, : (h + hkv) * d].view(n, h + hkv, d), rope)
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + hkv) * d :].view(n, hkv, d)
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -69,9 +85,31 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """gate_proj and up_proj as one projection (see Attention.fuse_projections)."""
+        self.gate_up_proj = _concatenated((self.gate_proj, self.up_proj))
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+def _concatenated(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+    """One Linear whose outputs are those of `parts`, in order."""
+    weight = torch.cat([p.weight for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -121,6 +159,12 @@ class CausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(rope, x, kv, meta, backend)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Fused q/k/v and gate/up projections in every layer, for a model that serves no LoRA."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

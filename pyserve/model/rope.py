@@ -55,10 +55,11 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]):
-    """q and k rotated, [tokens, heads, head_dim] each; `tables` from RotaryEmbedding.tables."""
+def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated (q, k, or both side by side); `tables` from
+    RotaryEmbedding.tables."""
     cos, sin = tables
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

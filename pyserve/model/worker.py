@@ -93,6 +93,8 @@ class ModelWorker:
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self._generators: dict[int, torch.Generator] = {}
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
+        if self.lora is None:
+            self.model.fuse_projections()
         self.max_lora_rank = max_lora_rank
         # Adapters added (or None: removed) since the last step; applied by the next step, in the
         # worker thread, so the slots never change under a running forward.

@@ -31,6 +31,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        self.model.fuse_projections()  # the draft serves no LoRA
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
         self.backend = backend
         self.sampler = sampler
