@@ -62,7 +62,7 @@ def ttft_prefix_cache(report: dict, path: Path) -> None:
 
 def spec_speedup_vs_batch(report: dict, path: Path) -> None:
     rows = [report["results"][name] for name in SPEC_ROWS if name in report["results"]]
-    batch = [r["requests"] for r in rows]
+    batch = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, marker in (("ngram", "o-"), ("draft", "s-")):
         if all(f"{method}_ratio" in r for r in rows):

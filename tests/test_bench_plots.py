@@ -16,9 +16,9 @@ CONCURRENCY = {"input_len": 128, "output_len": 32, "levels": [
     for c in (1, 2, 4, 8)]}
 PREFIX = {"shared": {"system_prompt_tokens": 2000, "ratio": 0.07,
                      "ttft_ms_cache_on": [25.0, 27.5, 26.0], "ttft_ms_cache_off": [400.0, 410.0, 395.0]}}
-SPEC = {"results": {name: {"requests": n, "ngram_ratio": r, "draft_ratio": r - 0.1}
-                    for name, n, r in (("code", 1, 1.4), ("batch4", 4, 1.2), ("batch16", 16, 1.05),
-                                       ("batch64", 42, 1.0))}}
+SPEC = {"results": {name: {"requests": n, "batch": b, "ngram_ratio": r, "draft_ratio": r - 0.1}
+                    for name, n, b, r in (("code", 8, 1, 1.4), ("batch4", 4, 4, 1.2), ("batch16", 16, 16, 1.05),
+                                          ("batch64", 64, 64, 1.0))}}
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -32,6 +32,8 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.model.fuse_projections()  # the draft serves no LoRA
+        if self.device.type == "cpu":  # its guesses need not match any reference bit for bit
+            self.model.transpose_lm_head()
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
         self.backend = backend
         self.sampler = sampler
