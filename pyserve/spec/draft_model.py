@@ -5,10 +5,10 @@ block tables and slots (a draft block is the draft's KV of the target's block). 
 every step: each request remembers how many of its tokens the draft has computed, and a proposal
 first feeds the draft every token since then (the whole prompt the first time; a prefix-cache hit
 of the target is recomputed by the draft, writing identical values into the shared block), then
-k - 1 of its own guesses. The KV of the guesses the target then accepts is kept (`accepted`: they
-are the request's tokens now), so the next proposal starts after them. Steps where the engine chose depth 0 therefore
-cost the draft nothing. The distribution each guess was drawn from is kept for the verification
-of the next step.
+k - 1 of its own guesses. The KV of the guesses the target then accepts is kept (`accepted`:
+they are the request's tokens now), so the next proposal starts after them. Steps where the
+engine chose depth 0 therefore cost the draft nothing. The distribution each guess was drawn from
+is kept for the verification of the next step.
 """
 
 from __future__ import annotations
