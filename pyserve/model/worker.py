@@ -23,7 +23,7 @@ from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_bloc
 from pyserve.model.loader import load_model
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.spec.draft_model import DraftModelProposer
-from pyserve.spec.proposer import ProposalBatch
+from pyserve.spec.proposer import ModelProposer, ProposalBatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -99,7 +99,7 @@ class ModelWorker:
         # Adapters added (or None: removed) since the last step; applied by the next step, in the
         # worker thread, so the slots never change under a running forward.
         self._lora_changes: list[tuple[int, LoraAdapter | None]] = []
-        self.proposer = None
+        self.proposer: ModelProposer | None = None
         if draft_model is not None:
             self.proposer = DraftModelProposer(
                 draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,

@@ -36,6 +36,31 @@ class Proposer(Protocol):
         ...
 
 
+class ModelProposer(Protocol):
+    """What the ModelWorker needs of a proposer that runs inside it (the draft model now; a
+    self-speculation head later): it proposes in the worker thread, keeps each guess's
+    distribution for the verification, and hears how many of a request's drafts were kept."""
+
+    def propose(self, batch: ProposalBatch, generators: list) -> list[list[int]]:
+        """Draft tokens per request; `generators` are the requests' seeded generators (or None)."""
+        ...
+
+    def take_draft_probs(self, request_id: int, num_drafts: int):
+        """The distributions ([num_drafts, V] tensor) the request's pending drafts were drawn from."""
+        ...
+
+    def accepted(self, request_id: int, num_accepted: int) -> None:
+        """The verification kept the request's first `num_accepted` drafts."""
+        ...
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write of KV blocks (the target's copies, mirrored in any KV it keeps)."""
+        ...
+
+    def forget(self, request_ids: list[int]) -> None:
+        ...
+
+
 class NgramProposer:
     """Prompt lookup: the continuation of the longest recent n-gram match in the request's own
     tokens. Runs in the Rust scheduler, on the tokens it already holds."""
