@@ -4,6 +4,8 @@ callers an async API. The offline `LLM` and the HTTP server both sit on it."""
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import itertools
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from pyserve.spec.proposer import NgramProposer, WorkerProposer
 from pyserve.spec.speculator import Speculator
 
 DEFAULT_MAX_MODEL_LEN = 8192
+atexit.register(gc.unfreeze)  # see AsyncEngine.start
 
 
 def default_draft(model: str) -> str | None:
@@ -110,9 +113,15 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.system.start(self.engine_core, self.output_processor, *([self.watchdog] if self.watchdog else []))
+        # What exists now lives as long as the engine (modules, tokenizer, imported libraries:
+        # ~400k objects): out of the collector's sight, a full collection while serving scans
+        # only what requests create instead of pausing the steps for ~0.3 s. Unfrozen when the
+        # engine stops, or at exit (so that interpreter shutdown still finalizes them).
+        gc.freeze()
 
     async def stop(self) -> None:
         await self.system.stop()
+        gc.unfreeze()  # a stopped engine's cycles are collectable again
 
     async def add_request(
         self,

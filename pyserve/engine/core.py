@@ -8,6 +8,7 @@ OutputProcessor. It never touches tensors.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
@@ -15,8 +16,11 @@ import structlog
 
 from pyserve import _core
 from pyserve.actors import Actor
-from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, SampleDelta, StepOutput
+from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput
 from pyserve.engine.worker_call import WorkerCall, worker_call
+
+if TYPE_CHECKING:
+    from pyserve.model.worker import StepResult
 
 log = structlog.get_logger("pyserve.engine")
 
@@ -78,38 +82,24 @@ class EngineCore(Actor):
         self.last_progress = time.monotonic()
         # Read before `update`, which frees requests that finish on their first token.
         cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
+        with_logits = num_logits > 0
         num_sampled = np.zeros(out.num_reqs, dtype=np.int64)
-        num_sampled[num_logits > 0] = result.num_sampled
+        num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
-        deltas = []
-        row = 0
-        sampled = result.token_ids.tolist()
-        with_logprobs = result.logprobs is not None
-        for rid, n, appended in zip(req_ids, num_sampled.tolist(), update.num_appended.tolist()):
-            if not n:
-                continue
-            tokens = sampled[row : row + appended]
-            delta = SampleDelta(rid, tokens, finished.get(rid))
-            if with_logprobs:
-                delta.logprobs = result.logprobs[row : row + appended]
-                delta.logprob_token_ids = result.logprob_token_ids[row : row + appended]
-                delta.sampled_logprobs = result.sampled_logprobs[row : row + appended]
-                delta.sampled_ranks = result.sampled_ranks[row : row + appended]
-            row += n
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.output_token_ids.extend(tokens)
-            if rid in cached:
-                self.new_ids.discard(rid)
-                delta.num_cached_tokens = cached[rid]
-            if delta.finish_reason is not None:
-                del self.requests[rid]
-            deltas.append(delta)
-        self.num_generation_tokens += sum(len(d.token_ids) for d in deltas)
-        if deltas:
-            await self.output_processor.send(StepOutput(deltas))
+        step = _step_output(out.req_ids[with_logits], result, update.num_appended[with_logits], finished)
+        tokens, starts = step.token_ids, step.starts
+        for req, lo, hi in zip(rows, starts, starts[1:]):  # `rows`: the requests with logits, in order
+            req.output_token_ids += tokens[lo:hi]
+        for rid in finished:
+            self.requests.pop(rid, None)
+        if cached:
+            got = set(step.internal_ids)
+            step.num_cached_tokens = {rid: n for rid, n in cached.items() if rid in got}
+            self.new_ids.difference_update(step.num_cached_tokens)
+        self.num_generation_tokens += len(tokens)
+        if step.internal_ids:
+            await self.output_processor.send(step)
         if self.speculator is not None:  # after the tokens went out: proposing may run a draft model
             await self.speculator.after_step(out, num_sampled, seconds, set(finished), self.requests)
 
@@ -174,3 +164,25 @@ class EngineCore(Actor):
                 "spec_decode_depth": 0,
             }),
         }
+
+
+LOGPROB_FIELDS = ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks")
+
+
+def _step_output(req_ids: np.ndarray, result: StepResult, num_appended: np.ndarray,
+                 finished: dict[int, str]) -> StepOutput:
+    """The step's tokens column-wise: for each request with logits, the tokens the scheduler
+    appended (a stop met inside accepted drafts drops the tokens after it)."""
+    starts = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(num_appended, out=starts[1:])
+    keep = None
+    if not np.array_equal(num_appended, result.num_sampled):
+        sampled_at = np.concatenate([[0], np.cumsum(result.num_sampled)[:-1]])
+        keep = np.repeat(sampled_at - starts[:-1], num_appended) + np.arange(starts[-1])
+    tokens = result.token_ids if keep is None else result.token_ids[keep]
+    step = StepOutput(req_ids.tolist(), tokens.tolist(), starts.tolist(), finished, {})
+    if result.logprobs is not None:
+        for name in LOGPROB_FIELDS:
+            values = getattr(result, name)
+            setattr(step, name, values if keep is None else values[keep])
+    return step

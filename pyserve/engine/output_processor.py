@@ -60,6 +60,8 @@ class _Sample:
     completion: CompletionOutput
     detok: IncrementalDetokenizer | None  # None: the request asked for token ids only
     num_logprobs: int | None
+    # Token ids only, no logprobs, no stream: a step that does not end it just appends tokens.
+    ids_only: bool = False
 
 
 class OutputProcessor(Actor):
@@ -83,7 +85,8 @@ class OutputProcessor(Actor):
             if p.logprobs is not None:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
-            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs)
+            ids_only = detok is None and p.logprobs is None and not stream.streaming
+            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs, ids_only)
 
     def forget(self, request_id: str) -> list[int]:
         """Drops a request (client gone); returns the ids of its still-running sequences."""
@@ -103,9 +106,14 @@ class OutputProcessor(Actor):
         while True:
             msg: StepOutput = await self.receive()
             samples = self._samples
-            for delta in msg.deltas:
-                sample = samples.get(delta.internal_id)
-                if sample is not None and self._apply(sample, delta):
+            tokens, starts, finishing, first = msg.token_ids, msg.starts, msg.finish_reasons, msg.num_cached_tokens
+            for i, rid in enumerate(msg.internal_ids):
+                sample = samples.get(rid)
+                if sample is None:
+                    continue
+                if sample.ids_only and rid not in finishing and rid not in first:
+                    sample.completion.token_ids += tokens[starts[i] : starts[i + 1]]
+                elif self._apply(sample, msg.delta(i)):
                     self._finish_if_done(sample.stream)
 
     def _finish_if_done(self, stream: RequestStream) -> None:

@@ -86,4 +86,28 @@ class SampleDelta:
 
 @dataclass(slots=True)
 class StepOutput:
-    deltas: list[SampleDelta]
+    """One step's new tokens, column-wise (no object per sequence on the hot path): sequence
+    `internal_ids[i]` got `token_ids[starts[i]:starts[i + 1]]`. The logprob arrays, present when
+    any row asked for logprobs, have one row per entry of `token_ids`."""
+
+    internal_ids: list[int]
+    token_ids: list[int]
+    starts: list[int]
+    finish_reasons: dict[int, str]  # the sequences the scheduler finished this step
+    num_cached_tokens: dict[int, int]  # for sequences getting their first tokens
+    logprobs: np.ndarray | None = None
+    logprob_token_ids: np.ndarray | None = None
+    sampled_logprobs: np.ndarray | None = None
+    sampled_ranks: np.ndarray | None = None
+
+    def delta(self, i: int) -> SampleDelta:
+        """Sequence i's part of the step as one SampleDelta."""
+        lo, hi = self.starts[i], self.starts[i + 1]
+        rid = self.internal_ids[i]
+        delta = SampleDelta(rid, self.token_ids[lo:hi], self.finish_reasons.get(rid), self.num_cached_tokens.get(rid))
+        if self.logprobs is not None:
+            delta.logprobs = self.logprobs[lo:hi]
+            delta.logprob_token_ids = self.logprob_token_ids[lo:hi]
+            delta.sampled_logprobs = self.sampled_logprobs[lo:hi]
+            delta.sampled_ranks = self.sampled_ranks[lo:hi]
+        return delta

@@ -16,6 +16,7 @@ import torch
 from pyserve.kernels import extend_attention as extend
 from pyserve.kernels import kv_cache_write as kv_write
 from pyserve.kernels import paged_decode_attention as decode
+from pyserve.model.length_groups import length_groups
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_tables: torch.Tensor  # int32 [num_seqs, width]
     seq_lens: torch.Tensor  # int32 [num_seqs], context length after this step
+    seq_lens_host: np.ndarray  # the same, on the host
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_query_len: int
     all_decode: bool
@@ -58,6 +60,7 @@ class AttentionMetadata:
             slot_mapping=dev(slot_mapping),
             block_tables=dev(block_tables),
             seq_lens=dev(seq_lens),
+            seq_lens_host=seq_lens,
             query_start_loc=dev(query_start_loc),
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
             all_decode=all_decode,
@@ -98,33 +101,65 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# A decode layout per group of sequences of similar length: (rows of the group, None for all
+# rows in order; decode_layout of the group).
+DecodeGroups = list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]
+
+
 @dataclass(slots=True)
 class TorchPlan:
     """What the references derive from the step's layout alone (pages to gather, masks), built
     once per step instead of once per layer."""
 
     keep: torch.Tensor | None  # rows whose slot is real (None: all)
-    decode: tuple[torch.Tensor, torch.Tensor] | None  # decode_layout of the one-token sequences
+    decode: DecodeGroups | None  # the one-token sequences
     extend: extend.ExtendLayout | None
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> TorchPlan:
+    def build(cls, meta: AttentionMetadata, k_cache: torch.Tensor) -> TorchPlan:
         keep = None if meta.slots_valid else meta.slot_mapping >= 0
+        block_size, elements_per_position = k_cache.shape[1], 2 * k_cache.shape[2] * k_cache.shape[3]
         if meta.all_decode:
-            return cls(keep, decode.decode_layout(meta.block_tables, meta.seq_lens, block_size), None)
+            groups = _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, block_size,
+                                    elements_per_position)
+            return cls(keep, groups, None)
         dec = None
         if meta.decode_seqs.numel():
-            dec = decode.decode_layout(meta.block_tables[meta.decode_seqs], meta.seq_lens[meta.decode_seqs],
-                                       block_size)
+            dec = _decode_groups(meta.block_tables[meta.decode_seqs], meta.seq_lens[meta.decode_seqs],
+                                 meta.seq_lens_host[meta.decode_seqs.numpy(force=True)], block_size,
+                                 elements_per_position)
         ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
                                    meta.seq_lens[meta.extend_seqs], block_size)
         return cls(keep, dec, ext)
 
 
+def _decode_groups(block_tables, seq_lens, seq_lens_host, block_size, elements_per_position) -> DecodeGroups:
+    groups = length_groups(seq_lens_host, elements_per_position)
+    if groups is None:
+        return [(None, decode.decode_layout(block_tables, seq_lens, block_size))]
+    plan = []
+    for rows in groups:
+        rows = torch.from_numpy(rows).to(block_tables.device)
+        plan.append((rows, decode.decode_layout(block_tables.index_select(0, rows), seq_lens.index_select(0, rows),
+                                                block_size)))
+    return plan
+
+
+def _decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale):
+    """The decode reference run per group of similar lengths (padding only to each group's longest)."""
+    if groups[0][0] is None:
+        return decode.decode_attention_with_layout(q, k_cache, v_cache, groups[0][1], scale)
+    out = torch.empty_like(q)
+    for rows, layout in groups:
+        out.index_copy_(0, rows, decode.decode_attention_with_layout(q.index_select(0, rows), k_cache, v_cache,
+                                                                     layout, scale))
+    return out
+
+
 class TorchBackend(AttentionBackend):
     """The reference path (CPU). Mixed batches run decode rows vectorized and the rest per
-    sequence. The references' argument checks and layout work run once per step (TorchPlan),
-    not once per layer."""
+    sequence; decode rows run in groups of similar length. The references' argument checks and
+    layout work run once per step (TorchPlan), not once per layer."""
 
     name = "torch"
     split_decode = True
@@ -132,15 +167,14 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan = meta.torch_plan
         if plan is None:
-            plan = meta.torch_plan = TorchPlan.build(meta, k_cache.shape[1])
+            plan = meta.torch_plan = TorchPlan.build(meta, k_cache)
         kv_write.write_kv_rows(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
         if meta.all_decode:
-            return decode.decode_attention_with_layout(q, k_cache, v_cache, plan.decode, scale)
+            return _decode_attention(q, k_cache, v_cache, plan.decode, scale)
         if plan.decode is None:  # every sequence extends: the extend rows are all of q, in order
             return extend.extend_attention_with_layout(q, k_cache, v_cache, plan.extend, scale)
         out = torch.empty_like(q)
-        out[meta.decode_tokens] = decode.decode_attention_with_layout(
-            q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
+        out[meta.decode_tokens] = _decode_attention(q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
         out[meta.extend_tokens] = extend.extend_attention_with_layout(
             q[meta.extend_tokens], k_cache, v_cache, plan.extend, scale)
         return out

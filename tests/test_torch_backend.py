@@ -1,0 +1,85 @@
+"""The CPU attention path: decode rows split into groups of similar length, and the fp32 RMSNorm,
+against the plain references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from pyserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pyserve.model.attention import AttentionMetadata, make_backend
+from pyserve.model.decoder import RMSNorm
+from pyserve.model.length_groups import length_groups
+
+BLOCK, HKV, HQ, D = 4, 2, 4, 8
+
+
+def test_uniform_lengths_stay_one_group():
+    assert length_groups(np.full(64, 300), 2 * HKV * D) is None
+    assert length_groups(np.array([5]), 2 * HKV * D) is None
+
+
+def test_short_and_long_contexts_are_split_apart():
+    lens = np.array([1000, 3, 990, 5, 1010, 4, 995, 2])
+    groups = length_groups(lens, 2 * 8 * 64)
+    assert groups is not None and len(groups) == 2
+    assert sorted(np.concatenate(groups).tolist()) == list(range(8))
+    assert sorted(groups[0].tolist()) == [1, 3, 5, 7] and sorted(groups[1].tolist()) == [0, 2, 4, 6]
+    assert all((np.diff(lens[g]) >= 0).all() for g in groups)  # ascending within a group
+
+
+def _paged_batch(seq_lens, q_lens, seed=0):
+    """A random paged cache holding every sequence's context, and the step's layout: each
+    sequence's last `q_lens[i]` positions are this step's queries."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [(n + BLOCK - 1) // BLOCK for n in seq_lens]
+    num_blocks = 1 + sum(pages)
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = np.zeros((len(seq_lens), max(pages)), dtype=np.int32)
+    slots = []
+    for i, (n, q) in enumerate(zip(seq_lens, q_lens)):
+        tables[i, : pages[i]] = [ids.pop() for _ in range(pages[i])]
+        slots += [tables[i, p // BLOCK] * BLOCK + p % BLOCK for p in range(n - q, n)]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = AttentionMetadata.build(np.array(slots, dtype=np.int64), tables, np.array(seq_lens, dtype=np.int32),
+                                   qsl, torch.device("cpu"), split_decode=True)
+    n = int(qsl[-1])
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    return q, k, v, k_cache, v_cache, meta, torch.from_numpy(tables)
+
+
+def test_grouped_decode_equals_one_padded_call():
+    seq_lens = [3, 300, 5, 290, 7, 310, 2, 280, 150]
+    q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, [1] * len(seq_lens))
+    out = make_backend("torch").forward(q, k, v, kc, vc, meta, 0.3)
+    assert len(meta.torch_plan.decode) > 1  # the split happened
+    want = paged_decode_attention_ref(q, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+
+
+def test_grouped_decode_rows_of_a_mixed_batch_land_in_place():
+    seq_lens, q_lens = [3, 900, 40, 890, 2, 910, 4], [1, 1, 12, 1, 1, 1, 1]
+    q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, q_lens, seed=1)
+    out = make_backend("torch").forward(q, k, v, kc, vc, meta, 0.3)
+    assert len(meta.torch_plan.decode) > 1
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = meta.decode_tokens
+    want = paged_decode_attention_ref(q[rows], kc, vc, tables[decode],
+                                      torch.tensor([seq_lens[i] for i in decode], dtype=torch.int32), 0.3)
+    torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2048])
+def test_rms_norm_has_the_bits_of_transformers(dtype, rows):
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(512, 1e-5), LlamaRMSNorm(512, eps=1e-5)
+    theirs.weight.data = ours.weight.data = torch.randn(512)
+    ours.to(dtype), theirs.to(dtype)
+    x = torch.randn(rows, 512).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
