@@ -72,7 +72,11 @@ class EngineCore(Actor):
             return
         req_ids = out.req_ids.tolist()
         num_logits = out.num_logits
-        rows = [self.requests[rid] for rid, n in zip(req_ids, num_logits.tolist()) if n]
+        with_logits = num_logits > 0
+        if with_logits.all():  # a decode step: every request samples
+            rows = list(map(self.requests.__getitem__, req_ids))
+        else:
+            rows = [self.requests[rid] for rid, n in zip(req_ids, with_logits.tolist()) if n]
         adapter_ids = None
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
@@ -81,16 +85,22 @@ class EngineCore(Actor):
         seconds = time.perf_counter() - start
         self.last_progress = time.monotonic()
         # Read before `update`, which frees requests that finish on their first token.
-        cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
-        with_logits = num_logits > 0
+        cached = {}
+        if self.new_ids:
+            cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
         num_sampled = np.zeros(out.num_reqs, dtype=np.int64)
         num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
-        step = _step_output(out.req_ids[with_logits], result, update.num_appended[with_logits], finished)
+        appended = update.num_appended[with_logits]
+        step = _step_output(out.req_ids[with_logits], result, appended, finished)
         tokens, starts = step.token_ids, step.starts
-        for req, lo, hi in zip(rows, starts, starts[1:]):  # `rows`: the requests with logits, in order
-            req.output_token_ids += tokens[lo:hi]
+        if (appended == 1).all():
+            for req, token in zip(rows, tokens):
+                req.output_token_ids.append(token)
+        else:
+            for req, lo, hi in zip(rows, starts, starts[1:]):  # `rows`: the requests with logits, in order
+                req.output_token_ids += tokens[lo:hi]
         for rid in finished:
             self.requests.pop(rid, None)
         if cached:

@@ -106,13 +106,14 @@ class OutputProcessor(Actor):
         while True:
             msg: StepOutput = await self.receive()
             samples = self._samples
-            tokens, starts, finishing, first = msg.token_ids, msg.starts, msg.finish_reasons, msg.num_cached_tokens
-            for i, rid in enumerate(msg.internal_ids):
+            tokens, starts = msg.token_ids, msg.starts
+            special = msg.finish_reasons.keys() | msg.num_cached_tokens.keys()
+            for i, (rid, lo, hi) in enumerate(zip(msg.internal_ids, starts, starts[1:])):
                 sample = samples.get(rid)
                 if sample is None:
                     continue
-                if sample.ids_only and rid not in finishing and rid not in first:
-                    sample.completion.token_ids += tokens[starts[i] : starts[i + 1]]
+                if sample.ids_only and rid not in special:
+                    sample.completion.token_ids += tokens[lo:hi]
                 elif self._apply(sample, msg.delta(i)):
                     self._finish_if_done(sample.stream)
 

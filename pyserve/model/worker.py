@@ -146,10 +146,11 @@ class ModelWorker:
         if out.num_reqs == 0:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device
-        pairs = torch.from_numpy(out.block_copies).to(dev)
-        copy_blocks(self.kv_caches, pairs)
-        if self.proposer is not None:
-            self.proposer.copy_blocks(pairs)
+        if out.block_copies.size:
+            pairs = torch.from_numpy(out.block_copies).to(dev)
+            copy_blocks(self.kv_caches, pairs)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(pairs)
         self._set_lora_slots(out, adapter_ids)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev, self.backend.split_decode
@@ -162,14 +163,14 @@ class ModelWorker:
         if len(out.logits_indices) != len(out.input_ids):
             hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
         logits = self.model.compute_logits(hidden)  # else every token has logits, in order
-        counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
-        if (counts == 1).all():
+        if out.num_logits.max() == 1:  # one logits row per entry of `rows`
             return self._sample(logits, rows)
+        counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
         return self._sample_and_verify(out, logits, rows, counts)
 
     def _sample(self, logits: torch.Tensor, rows: list[EngineRequest]) -> StepResult:
         """One token per row of `logits`, row i for request rows[i]."""
-        if all(r.argmax_only() for r in rows):  # the common greedy batch: no sampling state
+        if all(r.argmax_from == 0 or r.argmax_only() for r in rows):  # the common greedy batch: no sampling state
             return StepResult(logits.argmax(dim=-1).cpu().numpy(), np.ones(len(rows), dtype=np.int64))
         sampling = SamplingRows.build(
             [r.params for r in rows],
