@@ -113,10 +113,11 @@ def test_write_kv_cache_matches_ref_and_skips_negative_slots(dtype):
 # --- references against dense attention -----------------------------------------------------
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
-def test_decode_ref_matches_dense_attention(num_q_heads, num_kv_heads):
-    k_cache, v_cache, tables, dense = make_paged_kv(SEQ_LENS, num_kv_heads, torch.float32)
-    q = randn(len(SEQ_LENS), num_q_heads, HEAD_DIM, dtype=torch.float32)
-    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(SEQ_LENS), 0.25)
+@pytest.mark.parametrize("seq_lens", [SEQ_LENS, [9, 9, 9]])  # equal lengths: the unmasked path
+def test_decode_ref_matches_dense_attention(num_q_heads, num_kv_heads, seq_lens):
+    k_cache, v_cache, tables, dense = make_paged_kv(seq_lens, num_kv_heads, torch.float32)
+    q = randn(len(seq_lens), num_q_heads, HEAD_DIM, dtype=torch.float32)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(seq_lens), 0.25)
     for i, (k, v) in enumerate(dense):
         want = dense_attention(q[i:i + 1].cpu(), k, v, [len(k) - 1], 0.25)
         torch.testing.assert_close(out[i:i + 1].cpu().double(), want, atol=1e-5, rtol=1e-5)

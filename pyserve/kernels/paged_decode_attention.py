@@ -16,6 +16,8 @@ sequence's keys for all the q heads of its group and writes a normalised partial
 log-sum-exp (base 2). Stage 2: one program per (sequence, q head) merges the splits.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -201,9 +203,18 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     return decode_attention_with_layout(q, k_cache, v_cache, layout, scale)
 
 
-def decode_layout(block_tables, seq_lens, block_size):
-    """What the reference derives from the block tables alone, the same for every layer of a step:
-    (pages [num_seqs, num_pages] int64, valid [num_seqs, max_len] bool)."""
+class DecodeLayout(NamedTuple):
+    """What the reference derives from the block tables alone, the same for every layer of a step."""
+
+    pages: torch.Tensor  # [num_seqs, num_pages] int64
+    valid: torch.Tensor | None  # [num_seqs, max_len] bool; None when every sequence is max_len long
+    max_len: int
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # gather buffers for K and V, or None
+
+
+def decode_layout(block_tables, seq_lens, block_size, cache=None) -> DecodeLayout:
+    """The step's layout; with `cache` (a layer's K cache), also the gather buffers every layer
+    reuses."""
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     num_pages = (max_len + block_size - 1) // block_size
     if num_pages > block_tables.shape[1]:
@@ -211,18 +222,26 @@ def decode_layout(block_tables, seq_lens, block_size):
                          f"{block_tables.shape[1]} blocks of {block_size}")
     pages = block_tables[:, :num_pages].long()
     valid = torch.arange(max_len, device=seq_lens.device) < seq_lens[:, None]
-    return pages, valid
+    if max_len and bool(valid.all()):
+        valid = None  # as transformers: no mask when no key is padding (same result, less work)
+    scratch = None
+    if cache is not None:
+        shape = (pages.numel(), *cache.shape[1:])
+        scratch = (cache.new_empty(shape), cache.new_empty(shape))
+    return DecodeLayout(pages, valid, max_len, scratch)
 
 
-def decode_attention_with_layout(q, k_cache, v_cache, layout, scale):
+def decode_attention_with_layout(q, k_cache, v_cache, layout: DecodeLayout, scale):
     """The reference's attention for one layer, given the step's `decode_layout` (unchecked)."""
-    pages, valid = layout
+    pages, valid, max_len, scratch = layout
     num_seqs, num_q_heads, head_dim = q.shape
-    max_len = valid.shape[1]
+    k_buf, v_buf = scratch if scratch is not None else (None, None)
     # [num_seqs, num_pages, block_size, H_kv, D] -> [num_seqs, H_kv, max_len, D]
-    k = gather_pages(k_cache, pages)[:, :max_len].transpose(1, 2)
-    v = gather_pages(v_cache, pages)[:, :max_len].transpose(1, 2)
+    k = gather_pages(k_cache, pages, k_buf)[:, :max_len].transpose(1, 2)
+    v = gather_pages(v_cache, pages, v_buf)[:, :max_len].transpose(1, 2)
+    mask = None if valid is None else valid[:, None, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
-    out = out.nan_to_num(0.0)                                                # seq_len 0 -> zeros
+        q.float().unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if valid is not None:
+        out = out.nan_to_num(0.0)                                            # seq_len 0 -> zeros
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

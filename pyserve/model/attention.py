@@ -103,7 +103,7 @@ class AttentionBackend:
 
 # A decode layout per group of sequences of similar length: (rows of the group, None for all
 # rows in order; decode_layout of the group).
-DecodeGroups = list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]
+DecodeGroups = list[tuple[torch.Tensor | None, decode.DecodeLayout]]
 
 
 @dataclass(slots=True)
@@ -118,30 +118,28 @@ class TorchPlan:
     @classmethod
     def build(cls, meta: AttentionMetadata, k_cache: torch.Tensor) -> TorchPlan:
         keep = None if meta.slots_valid else meta.slot_mapping >= 0
-        block_size, elements_per_position = k_cache.shape[1], 2 * k_cache.shape[2] * k_cache.shape[3]
         if meta.all_decode:
-            groups = _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, block_size,
-                                    elements_per_position)
-            return cls(keep, groups, None)
+            return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache), None)
         dec = None
         if meta.decode_seqs.numel():
             dec = _decode_groups(meta.block_tables[meta.decode_seqs], meta.seq_lens[meta.decode_seqs],
-                                 meta.seq_lens_host[meta.decode_seqs.numpy(force=True)], block_size,
-                                 elements_per_position)
+                                 meta.seq_lens_host[meta.decode_seqs.numpy(force=True)], k_cache)
         ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
-                                   meta.seq_lens[meta.extend_seqs], block_size)
+                                   meta.seq_lens[meta.extend_seqs], k_cache.shape[1])
         return cls(keep, dec, ext)
 
 
-def _decode_groups(block_tables, seq_lens, seq_lens_host, block_size, elements_per_position) -> DecodeGroups:
-    groups = length_groups(seq_lens_host, elements_per_position)
+def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGroups:
+    """Decode layouts (with gather buffers every layer reuses) per group of similar lengths."""
+    block_size = k_cache.shape[1]
+    groups = length_groups(seq_lens_host, 2 * k_cache.shape[2] * k_cache.shape[3])
     if groups is None:
-        return [(None, decode.decode_layout(block_tables, seq_lens, block_size))]
+        return [(None, decode.decode_layout(block_tables, seq_lens, block_size, k_cache))]
     plan = []
     for rows in groups:
         rows = torch.from_numpy(rows).to(block_tables.device)
         plan.append((rows, decode.decode_layout(block_tables.index_select(0, rows), seq_lens.index_select(0, rows),
-                                                block_size)))
+                                                block_size, k_cache)))
     return plan
 
 
