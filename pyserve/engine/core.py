@@ -1,7 +1,7 @@
 """EngineCore: the step loop, the one owner of the Rust scheduler.
 
 Each turn: drain the inbox (adds, aborts), `schedule`, run the model worker in a thread, `update`
-the scheduler with the sampled tokens, and send the step's per-sequence deltas to the
+the scheduler with the sampled tokens, and send the step's new tokens (column-wise) to the
 OutputProcessor. It never touches tensors.
 """
 
