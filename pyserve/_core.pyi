@@ -81,3 +81,17 @@ class Scheduler:
     def num_cached_tokens(self, request_id: int) -> int: ...
     def request_state(self, request_id: int) -> dict[str, object]: ...
     def check_invariants(self) -> None: ...
+
+def paged_decode_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    out: np.ndarray,
+) -> None:
+    """Decode attention on the CPU with the pages read in place: q and out [num_seqs, num_q_heads,
+    head_dim] f32, caches [num_blocks, block_size, num_kv_heads, head_dim] f32, block_tables
+    [num_seqs, width] int32, seq_lens [num_seqs] int32; all C-contiguous. Writes out; raises
+    ValueError naming the argument at fault."""

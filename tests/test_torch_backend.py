@@ -1,5 +1,6 @@
-"""The CPU attention path: decode rows split into groups of similar length, and the fp32 RMSNorm,
-against the plain references."""
+"""The CPU attention path against the plain references: the Rust decode kernel (pages read in
+place), decode rows split into groups of similar length on the reference path, and the fp32
+RMSNorm against transformers'."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pyserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pyserve.model.attention import AttentionMetadata, make_backend
+from pyserve import _core
+from pyserve.model.attention import AttentionMetadata, InPlaceDecode, TorchBackend
 from pyserve.model.decoder import RMSNorm
 from pyserve.model.length_groups import length_groups
 
@@ -55,7 +57,7 @@ def _paged_batch(seq_lens, q_lens, seed=0):
 def test_grouped_decode_equals_one_padded_call():
     seq_lens = [3, 300, 5, 290, 7, 310, 2, 280, 150]
     q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, [1] * len(seq_lens))
-    out = make_backend("torch").forward(q, k, v, kc, vc, meta, 0.3)
+    out = TorchBackend(cpu_kernel=False).forward(q, k, v, kc, vc, meta, 0.3)
     assert len(meta.torch_plan.decode) > 1  # the split happened
     want = paged_decode_attention_ref(q, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
@@ -64,13 +66,45 @@ def test_grouped_decode_equals_one_padded_call():
 def test_grouped_decode_rows_of_a_mixed_batch_land_in_place():
     seq_lens, q_lens = [3, 900, 40, 890, 2, 910, 4], [1, 1, 12, 1, 1, 1, 1]
     q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, q_lens, seed=1)
-    out = make_backend("torch").forward(q, k, v, kc, vc, meta, 0.3)
+    out = TorchBackend(cpu_kernel=False).forward(q, k, v, kc, vc, meta, 0.3)
     assert len(meta.torch_plan.decode) > 1
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     rows = meta.decode_tokens
     want = paged_decode_attention_ref(q[rows], kc, vc, tables[decode],
                                       torch.tensor([seq_lens[i] for i in decode], dtype=torch.int32), 0.3)
     torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 9, [1, 1, 12, 1, 5, 1, 1, 1, 1]])
+def test_cpu_kernel_matches_the_reference_in_decode_and_mixed_batches(q_lens):
+    seq_lens = [3, 300, 40, 290, 7, 310, 1, 64, 17]
+    q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, q_lens, seed=2)
+    kernel_caches = kc.clone(), vc.clone()
+    want = TorchBackend(cpu_kernel=False).forward(q, k, v, kc, vc, meta, 0.3)
+    meta.torch_plan = None
+    got = TorchBackend().forward(q, k, v, *kernel_caches, meta, 0.3)
+    assert isinstance(meta.torch_plan.decode, InPlaceDecode)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(kernel_caches[0], kc)  # both wrote the step's keys to the same slots
+
+
+def test_cpu_kernel_refuses_bad_arguments_naming_them():
+    q, _, _, kc, vc, meta, tables = _paged_batch([5, 9], [1, 1])
+    lens, out = np.array([5, 9], dtype=np.int32), np.empty(q.shape, dtype=np.float32)
+    args = dict(q=q.numpy(), k_cache=kc.numpy(), v_cache=vc.numpy(), block_tables=tables.numpy(), seq_lens=lens,
+                scale=1.0, out=out)
+    _core.paged_decode_attention(**args)
+    bad_tables = tables.numpy().copy()
+    bad_tables[1, 0] = 10_000
+    for field, value, words in [
+        ("block_tables", bad_tables, "block id 10000"),
+        ("seq_lens", np.array([5, 900], dtype=np.int32), "length 900"),
+        ("v_cache", vc.numpy()[:, :2].copy(), "v_cache"),
+        ("q", q.numpy()[:, :, :4].copy(), "q and out"),
+        ("k_cache", np.asfortranarray(kc.numpy()), "k_cache must be C-contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            _core.paged_decode_attention(**{**args, field: value})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

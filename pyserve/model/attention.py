@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, behind one interface with two backends.
 
-`torch` runs the kernels' torch references (the CPU path); `triton` runs the Triton kernels (the
-CUDA path). Both take the same paged arguments, so the model never branches on the device.
+`torch` is the CPU path: the kernels' torch references, and for fp32 decode a CPU kernel that reads
+the pages in place; `triton` runs the Triton kernels (the CUDA path). Both take the same paged arguments, so the model never branches on the device.
 Each forward first writes the step's new K/V through the slot mapping, then attends through the
 block tables; a batch where every sequence has one query token takes the decode kernel.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pyserve import _core
 from pyserve.kernels import extend_attention as extend
 from pyserve.kernels import kv_cache_write as kv_write
 from pyserve.kernels import paged_decode_attention as decode
@@ -107,26 +108,44 @@ DecodeGroups = list[tuple[torch.Tensor | None, decode.DecodeLayout]]
 
 
 @dataclass(slots=True)
+class InPlaceDecode:
+    """The decode rows' block tables and lengths on the host, for the CPU kernel that reads the
+    pages in place (fp32 caches on the CPU)."""
+
+    block_tables: np.ndarray  # int32 [num_seqs, width], C-contiguous
+    seq_lens: np.ndarray  # int32 [num_seqs]
+
+
+@dataclass(slots=True)
 class TorchPlan:
-    """What the references derive from the step's layout alone (pages to gather, masks), built
-    once per step instead of once per layer."""
+    """What the CPU path derives from the step's layout alone (pages to gather, masks, the CPU
+    kernel's host arrays), built once per step instead of once per layer."""
 
     keep: torch.Tensor | None  # rows whose slot is real (None: all)
-    decode: DecodeGroups | None  # the one-token sequences
+    decode: InPlaceDecode | DecodeGroups | None  # the one-token sequences
     extend: extend.ExtendLayout | None
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, k_cache: torch.Tensor) -> TorchPlan:
+    def build(cls, meta: AttentionMetadata, k_cache: torch.Tensor, cpu_kernel: bool) -> TorchPlan:
         keep = None if meta.slots_valid else meta.slot_mapping >= 0
+        in_place = cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
         if meta.all_decode:
-            return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache), None)
+            return cls(keep, _decode_plan(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache, in_place),
+                       None)
         dec = None
         if meta.decode_seqs.numel():
-            dec = _decode_groups(meta.block_tables[meta.decode_seqs], meta.seq_lens[meta.decode_seqs],
-                                 meta.seq_lens_host[meta.decode_seqs.numpy(force=True)], k_cache)
+            rows = meta.decode_seqs
+            dec = _decode_plan(meta.block_tables[rows], meta.seq_lens[rows], meta.seq_lens_host[rows.numpy(force=True)],
+                               k_cache, in_place)
         ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
                                    meta.seq_lens[meta.extend_seqs], k_cache.shape[1])
         return cls(keep, dec, ext)
+
+
+def _decode_plan(block_tables, seq_lens, seq_lens_host, k_cache, in_place: bool) -> InPlaceDecode | DecodeGroups:
+    if in_place:
+        return InPlaceDecode(np.ascontiguousarray(block_tables.numpy(force=True)), np.ascontiguousarray(seq_lens_host))
+    return _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache)
 
 
 def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGroups:
@@ -143,29 +162,40 @@ def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGrou
     return plan
 
 
-def _decode_attention(q, k_cache, v_cache, groups: DecodeGroups, scale):
-    """The decode reference run per group of similar lengths (padding only to each group's longest)."""
-    if groups[0][0] is None:
-        return decode.decode_attention_with_layout(q, k_cache, v_cache, groups[0][1], scale)
+def _decode_attention(q, k_cache, v_cache, plan: InPlaceDecode | DecodeGroups, scale):
+    """Decode attention: through the CPU kernel, or the reference run per group of similar lengths
+    (padding only to each group's longest)."""
+    if isinstance(plan, InPlaceDecode):
+        out = torch.empty(q.shape, dtype=q.dtype)
+        _core.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), plan.block_tables,
+                                     plan.seq_lens, scale, out.numpy())
+        return out
+    if plan[0][0] is None:
+        return decode.decode_attention_with_layout(q, k_cache, v_cache, plan[0][1], scale)
     out = torch.empty_like(q)
-    for rows, layout in groups:
+    for rows, layout in plan:
         out.index_copy_(0, rows, decode.decode_attention_with_layout(q.index_select(0, rows), k_cache, v_cache,
                                                                      layout, scale))
     return out
 
 
 class TorchBackend(AttentionBackend):
-    """The reference path (CPU). Mixed batches run decode rows vectorized and the rest per
-    sequence; decode rows run in groups of similar length. The references' argument checks and
-    layout work run once per step (TorchPlan), not once per layer."""
+    """The CPU path. Decode rows of an fp32 cache go through pyserve's CPU kernel (Rust, in
+    `pyserve._core`: pages read in place); other decode rows through the reference, in groups of
+    similar length; extending rows through the reference, short queries vectorized and the rest
+    per sequence. The references' argument checks and layout work run once per step (TorchPlan),
+    not once per layer. `cpu_kernel=False` keeps every row on the references."""
 
     name = "torch"
     split_decode = True
 
+    def __init__(self, cpu_kernel: bool = True):
+        self.cpu_kernel = cpu_kernel
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan = meta.torch_plan
         if plan is None:
-            plan = meta.torch_plan = TorchPlan.build(meta, k_cache)
+            plan = meta.torch_plan = TorchPlan.build(meta, k_cache, self.cpu_kernel)
         kv_write.write_kv_rows(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
         if meta.all_decode:
             return _decode_attention(q, k_cache, v_cache, plan.decode, scale)

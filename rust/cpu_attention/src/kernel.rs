@@ -1,0 +1,216 @@
+//! The kernel: checks, then each sequence in two passes over its rows, on the calling thread.
+//!
+//! One thread on purpose: it runs between torch ops, whose OpenMP workers keep spinning for a
+//! while after each op; a second pool of threads competing with them for the same cores made the
+//! kernel 2-3x slower inside the engine than alone (measured on 2 cores: 1.7-2.5 ms per call with
+//! two rayon threads, 0.86 ms on the calling thread, for 256 sequences of ~50 rows).
+
+use crate::{AttentionError, DecodeBatch, PagedCache};
+
+/// Writes softmax(q k^T * scale) v for every sequence's query heads into `out`.
+pub fn decode_attention(
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    check(cache, batch, out)?;
+    let (hq, d) = (batch.num_q_heads, cache.head_dim);
+    let avx2 = has_avx2_fma();
+    let mut scores = Vec::new();
+    for (seq, out_seq) in out.chunks_exact_mut(hq * d).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: has_avx2_fma found that the CPU supports AVX2 and FMA.
+            unsafe { sequence_avx2(cache, batch, scale, seq, &mut scores, out_seq) };
+            continue;
+        }
+        sequence(cache, batch, scale, seq, &mut scores, out_seq);
+    }
+    Ok(())
+}
+
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result<(), AttentionError> {
+    let shape = |msg: String| Err(AttentionError::Shape(msg));
+    let (bs, hkv, d, hq) = (cache.block_size, cache.num_kv_heads, cache.head_dim, batch.num_q_heads);
+    if bs == 0 || hkv == 0 || d == 0 || hq == 0 {
+        return shape("block_size, num_kv_heads, head_dim and num_q_heads must be positive".into());
+    }
+    if hq % hkv != 0 {
+        return shape(format!("num_q_heads {hq} is not a multiple of num_kv_heads {hkv}"));
+    }
+    let row = bs * hkv * d;
+    if cache.keys.len() % row != 0 || cache.values.len() != cache.keys.len() {
+        return shape("keys and values must both be [num_blocks, block_size, num_kv_heads, head_dim]".into());
+    }
+    let num_seqs = batch.seq_lens.len();
+    if batch.queries.len() != num_seqs * hq * d || out.len() != batch.queries.len() {
+        return shape(format!("queries and out must be [{num_seqs}, {hq}, {d}]"));
+    }
+    if batch.block_tables.len() != num_seqs * batch.table_width {
+        return shape(format!("block_tables must be [{num_seqs}, {}]", batch.table_width));
+    }
+    let num_blocks = cache.keys.len() / row;
+    let capacity = batch.table_width * bs;
+    for (seq, &len) in batch.seq_lens.iter().enumerate() {
+        if len < 0 || len as usize > capacity {
+            return Err(AttentionError::TooLong { seq, len: len.into(), capacity });
+        }
+        let table = &batch.block_tables[seq * batch.table_width..][..(len as usize).div_ceil(bs)];
+        if let Some(&block) = table.iter().find(|&&b| b < 0 || b as usize >= num_blocks) {
+            return Err(AttentionError::BlockOutOfRange { seq, block: block.into(), num_blocks });
+        }
+    }
+    Ok(())
+}
+
+/// `sequence` compiled for AVX2: its helpers are inlined into it, so its loops use 8-wide vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sequence_avx2(
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    seq: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    sequence(cache, batch, scale, seq, scores, out);
+}
+
+/// One sequence: scores of every row for every query head (keys read once), softmax per head,
+/// then the weighted sum of the values (values read once). `scores` is [num_q_heads, len].
+#[inline(always)]
+fn sequence<'a>(
+    cache: &PagedCache<'a>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    seq: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (bs, hkv, d, hq) = (cache.block_size, cache.num_kv_heads, cache.head_dim, batch.num_q_heads);
+    let group = hq / hkv;
+    let len = batch.seq_lens[seq] as usize;
+    out.fill(0.0);
+    if len == 0 {
+        return;
+    }
+    let q = &batch.queries[seq * hq * d..][..hq * d];
+    let table = &batch.block_tables[seq * batch.table_width..][..len.div_ceil(bs)];
+    let row = hkv * d;
+    // (first position, the block's rows) of each page: whole rows of the cache, no division per row.
+    let pages = |cache_rows: &'a [f32]| {
+        table.iter().enumerate().map(move |(p, &block)| {
+            let n = bs.min(len - p * bs);
+            (p * bs, &cache_rows[block as usize * bs * row..][..n * row])
+        })
+    };
+    scores.clear();
+    scores.resize(hq * len, 0.0);
+    for (first, rows) in pages(cache.keys) {
+        for (j, keys) in rows.chunks_exact(row).enumerate() {
+            for (h, k) in keys.chunks_exact(d).enumerate() {
+                for qh in h * group..(h + 1) * group {
+                    scores[qh * len + first + j] = dot(&q[qh * d..][..d], k) * scale;
+                }
+            }
+        }
+    }
+    for head in scores.chunks_exact_mut(len) {
+        let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        head.iter_mut().for_each(|s| *s = exp(*s - max));
+        let inv = 1.0 / sum(head);
+        head.iter_mut().for_each(|s| *s *= inv);
+    }
+    for (first, rows) in pages(cache.values) {
+        for (j, values) in rows.chunks_exact(row).enumerate() {
+            for (h, v) in values.chunks_exact(d).enumerate() {
+                for qh in h * group..(h + 1) * group {
+                    axpy(scores[qh * len + first + j], v, &mut out[qh * d..][..d]);
+                }
+            }
+        }
+    }
+}
+
+/// Eight partial sums, so the loop vectorizes without reordering a single accumulator.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        let c: &[f32; 8] = c.try_into().unwrap();
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// e^x for x <= 0 (a softmax's shifted scores), branch-free so a loop over it vectorizes (libm's
+/// expf is a call per element: most of the kernel's time when it was used). Cephes' expf: x =
+/// n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits;
+/// relative error about 1e-7. Below -87 (where e^x underflows f32's normal range) it returns
+/// e^-87, negligible next to the row's largest weight, 1.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 0.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[inline(always)]
+fn axpy(p: f32, v: &[f32], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += p * x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exp_is_within_a_few_ulp_of_libm_over_the_softmax_range() {
+        let mut worst = 0.0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let (got, want) = (super::exp(x) as f64, (x as f64).exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(super::exp(0.0), 1.0);
+        assert!(super::exp(-1000.0) < 1e-37);
+    }
+}

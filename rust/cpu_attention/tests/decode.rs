@@ -1,0 +1,146 @@
+//! The kernel against attention computed densely in f64 from the same rows.
+
+use pyserve_cpu_attention::{decode_attention, AttentionError, DecodeBatch, PagedCache};
+
+/// A small deterministic generator (xorshift), values in [-1, 1).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+struct Case {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    queries: Vec<f32>,
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+    width: usize,
+    bs: usize,
+    hkv: usize,
+    hq: usize,
+    d: usize,
+}
+
+fn case(lens: &[i32], bs: usize, hkv: usize, hq: usize, d: usize, seed: u64) -> Case {
+    let mut rng = Rng(seed);
+    let pages: Vec<usize> = lens.iter().map(|&n| (n as usize).div_ceil(bs)).collect();
+    let width = pages.iter().copied().max().unwrap_or(0) + 1;
+    let num_blocks = 1 + pages.iter().sum::<usize>();
+    // Blocks handed out back to front, so no sequence's pages are adjacent in order.
+    let mut free: Vec<i32> = (1..num_blocks as i32).collect();
+    let mut tables = vec![0i32; lens.len() * width];
+    for (s, &p) in pages.iter().enumerate() {
+        for j in 0..p {
+            tables[s * width + j] = free.pop().unwrap();
+        }
+    }
+    let row = bs * hkv * d;
+    Case {
+        keys: rng.vec(num_blocks * row),
+        values: rng.vec(num_blocks * row),
+        queries: rng.vec(lens.len() * hq * d),
+        tables,
+        lens: lens.to_vec(),
+        width,
+        bs,
+        hkv,
+        hq,
+        d,
+    }
+}
+
+fn run(c: &Case, scale: f32) -> Result<Vec<f32>, AttentionError> {
+    let cache =
+        PagedCache { keys: &c.keys, values: &c.values, block_size: c.bs, num_kv_heads: c.hkv, head_dim: c.d };
+    let batch = DecodeBatch {
+        queries: &c.queries,
+        num_q_heads: c.hq,
+        block_tables: &c.tables,
+        table_width: c.width,
+        seq_lens: &c.lens,
+    };
+    let mut out = vec![f32::NAN; c.queries.len()];
+    decode_attention(&cache, &batch, scale, &mut out)?;
+    Ok(out)
+}
+
+fn dense(c: &Case, scale: f32) -> Vec<f64> {
+    let mut out = vec![0.0; c.queries.len()];
+    for (s, &len) in c.lens.iter().enumerate() {
+        for qh in 0..c.hq {
+            let h = qh / (c.hq / c.hkv);
+            let q = &c.queries[(s * c.hq + qh) * c.d..][..c.d];
+            let row = |t: usize| {
+                let block = c.tables[s * c.width + t / c.bs] as usize;
+                ((block * c.bs + t % c.bs) * c.hkv + h) * c.d
+            };
+            let scores: Vec<f64> = (0..len as usize)
+                .map(|t| {
+                    (0..c.d).map(|i| q[i] as f64 * c.keys[row(t) + i] as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for i in 0..c.d {
+                out[(s * c.hq + qh) * c.d + i] =
+                    (0..len as usize).map(|t| weights[t] / total * c.values[row(t) + i] as f64).sum();
+            }
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f64]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((*g as f64 - w).abs() <= 1e-5 + 1e-5 * w.abs(), "element {i}: {g} vs {w}");
+    }
+}
+
+#[test]
+fn grouped_query_heads_over_shuffled_pages_match_dense_attention() {
+    // 0: a sequence with no keys yet; 5 and 17: partial last blocks; 64: several full blocks.
+    let c = case(&[5, 0, 17, 64, 1], 4, 2, 8, 16, 7);
+    let out = run(&c, 0.25).unwrap();
+    assert_close(&out, &dense(&c, 0.25));
+    let hq_d = c.hq * c.d;
+    assert!(out[hq_d..2 * hq_d].iter().all(|&x| x == 0.0), "an empty sequence gets zeros");
+}
+
+#[test]
+fn head_dims_that_are_not_a_multiple_of_eight_use_the_tail() {
+    for d in [1, 12, 20] {
+        let c = case(&[9, 30], 16, 1, 3, d, 11 + d as u64);
+        assert_close(&run(&c, 0.5).unwrap(), &dense(&c, 0.5));
+    }
+}
+
+#[test]
+fn large_scores_do_not_overflow_the_softmax() {
+    let mut c = case(&[40], 8, 2, 2, 8, 3);
+    c.keys.iter_mut().for_each(|k| *k *= 400.0);
+    let out = run(&c, 1.0).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()));
+    assert_close(&out, &dense(&c, 1.0));
+}
+
+#[test]
+fn bad_inputs_are_refused_naming_what_is_wrong() {
+    let mut c = case(&[5, 9], 4, 2, 4, 8, 5);
+    c.tables[c.width] = 999;
+    assert_eq!(run(&c, 1.0), Err(AttentionError::BlockOutOfRange { seq: 1, block: 999, num_blocks: 6 }));
+    let mut c = case(&[5, 9], 4, 2, 4, 8, 5);
+    c.lens[0] = 100;
+    assert!(matches!(run(&c, 1.0), Err(AttentionError::TooLong { seq: 0, len: 100, .. })));
+    let mut c = case(&[5], 4, 2, 3, 8, 5);
+    c.queries.truncate(10);
+    assert!(matches!(run(&c, 1.0), Err(AttentionError::Shape(m)) if m.contains("num_q_heads 3")));
+}
