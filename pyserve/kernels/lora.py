@@ -125,29 +125,28 @@ def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
 
 def group_tokens(token_slots, num_slots):
     """Per-step grouping for `add_lora_grouped`: (index [S * G] of the tokens of each slot, padded
-    with token 0 to G = the most tokens any slot has; valid [S * G] bool, False on padding)."""
+    with token 0 to G = the most tokens any slot has; rows: the real entries of index, in order;
+    tokens: index[rows], the token each real entry is). Shared by every projection of the step."""
     counts = torch.bincount(token_slots[token_slots >= 0], minlength=num_slots)
     width = max(1, int(counts.max()))
     order = torch.argsort(token_slots, stable=True)
     order = order[token_slots[order] >= 0]                 # tokens with a slot, grouped by slot
     starts = torch.cumsum(counts, 0) - counts
     slot = token_slots[order]
-    col = torch.arange(len(order), device=token_slots.device) - starts[slot]
+    rows = slot * width + torch.arange(len(order), device=token_slots.device) - starts[slot]
     index = torch.zeros(num_slots * width, dtype=torch.int64, device=token_slots.device)
-    valid = torch.zeros(num_slots * width, dtype=torch.bool, device=token_slots.device)
-    index[slot * width + col] = order
-    valid[slot * width + col] = True
-    return index, valid
+    index[rows] = order
+    return index, rows, order
 
 
-def add_lora_grouped(y, x, lora_a, b_scaled, index, valid):
+def add_lora_grouped(y, x, lora_a, b_scaled, index, rows, tokens):
     """The CPU serving path, same result as `add_lora_ref`: the step's tokens grouped by slot
     (`group_tokens`, shared by every projection), then two batched matmuls over the slots, so
     each token pays for its own adapter's rank only. b_scaled [S, R, out] is each slot's B
-    transposed and multiplied by its scaling. Few ops: on a CPU the per-op cost dominates at
-    decode sizes."""
+    transposed and multiplied by its scaling. Few ops, and index ops rather than masks: on a CPU
+    the per-op cost dominates at decode sizes."""
     num_slots = lora_a.shape[0]
-    xg = x[index].view(num_slots, -1, x.shape[1])                      # [S, G, in]
+    xg = x.index_select(0, index).view(num_slots, -1, x.shape[1])      # [S, G, in]
     delta = torch.bmm(torch.bmm(xg, lora_a.transpose(1, 2)), b_scaled)  # [S, G, out]
-    y.index_add_(0, index[valid], delta.view(-1, y.shape[1])[valid].to(y.dtype))
+    y.index_add_(0, tokens, delta.view(-1, y.shape[1]).index_select(0, rows).to(y.dtype))
     return y

@@ -20,7 +20,7 @@ class LoraBatch:
     """The current step's token -> slot map, shared by every LoRA projection; None = no adapter."""
 
     token_slots: torch.Tensor | None = None
-    groups: tuple[torch.Tensor, torch.Tensor] | None = None  # group_tokens of token_slots (the CPU path)
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # group_tokens of token_slots (CPU)
 
 
 class LoraLinear(nn.Module):
