@@ -75,8 +75,12 @@ def test_grouped_decode_rows_of_a_mixed_batch_land_in_place():
     torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_lens", [[1] * 9, [1, 1, 12, 1, 5, 1, 1, 1, 1]])
-def test_cpu_kernel_matches_the_reference_in_decode_and_mixed_batches(q_lens):
+@pytest.mark.parametrize("q_lens,kernel_rows", [
+    ([1] * 9, 9),  # decode
+    ([1, 1, 12, 1, 5, 1, 1, 1, 1], 24),  # verification-sized queries: causal row by row in the kernel
+    ([1, 1, 40, 1, 5, 1, 1, 1, 17], 11),  # longer queries (40, 17) go to the extend reference
+])
+def test_cpu_kernel_matches_the_reference_in_decode_and_mixed_batches(q_lens, kernel_rows):
     seq_lens = [3, 300, 40, 290, 7, 310, 1, 64, 17]
     q, k, v, kc, vc, meta, tables = _paged_batch(seq_lens, q_lens, seed=2)
     kernel_caches = kc.clone(), vc.clone()
@@ -84,6 +88,7 @@ def test_cpu_kernel_matches_the_reference_in_decode_and_mixed_batches(q_lens):
     meta.torch_plan = None
     got = TorchBackend().forward(q, k, v, *kernel_caches, meta, 0.3)
     assert isinstance(meta.torch_plan.decode, InPlaceDecode)
+    assert len(meta.torch_plan.decode.seq_lens) == kernel_rows
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(kernel_caches[0], kc)  # both wrote the step's keys to the same slots
 

@@ -109,43 +109,72 @@ DecodeGroups = list[tuple[torch.Tensor | None, decode.DecodeLayout]]
 
 @dataclass(slots=True)
 class InPlaceDecode:
-    """The decode rows' block tables and lengths on the host, for the CPU kernel that reads the
-    pages in place (fp32 caches on the CPU)."""
+    """Query rows for the CPU kernel (fp32 caches on the CPU), each attended as a one-token decode
+    over its own prefix: row r has block table `block_tables[r]` and `seq_lens[r]` keys. A short
+    query (up to extend.SHORT_QUERY tokens: a verification of drafts, a chunk's tail) is causal
+    row by row, its j-th token seeing seq_len - q_len + j + 1 keys."""
 
-    block_tables: np.ndarray  # int32 [num_seqs, width], C-contiguous
-    seq_lens: np.ndarray  # int32 [num_seqs]
+    block_tables: np.ndarray  # int32 [rows, width], C-contiguous
+    seq_lens: np.ndarray  # int32 [rows]
 
 
 @dataclass(slots=True)
 class TorchPlan:
     """What the CPU path derives from the step's layout alone (pages to gather, masks, the CPU
-    kernel's host arrays), built once per step instead of once per layer."""
+    kernel's host arrays), built once per step instead of once per layer. `decode_tokens` and
+    `extend_tokens` are the rows of q each part covers (None: all of them, in order)."""
 
     keep: torch.Tensor | None  # rows whose slot is real (None: all)
-    decode: InPlaceDecode | DecodeGroups | None  # the one-token sequences
+    decode: InPlaceDecode | DecodeGroups | None
+    decode_tokens: torch.Tensor | None
     extend: extend.ExtendLayout | None
+    extend_tokens: torch.Tensor | None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, k_cache: torch.Tensor, cpu_kernel: bool) -> TorchPlan:
         keep = None if meta.slots_valid else meta.slot_mapping >= 0
-        in_place = cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+        if cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32:
+            return cls._in_place(meta, k_cache, keep)
         if meta.all_decode:
-            return cls(keep, _decode_plan(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache, in_place),
-                       None)
+            return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache), None,
+                       None, None)
         dec = None
         if meta.decode_seqs.numel():
             rows = meta.decode_seqs
-            dec = _decode_plan(meta.block_tables[rows], meta.seq_lens[rows], meta.seq_lens_host[rows.numpy(force=True)],
-                               k_cache, in_place)
+            dec = _decode_groups(meta.block_tables[rows], meta.seq_lens[rows],
+                                 meta.seq_lens_host[rows.numpy(force=True)], k_cache)
         ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
                                    meta.seq_lens[meta.extend_seqs], k_cache.shape[1])
-        return cls(keep, dec, ext)
+        return cls(keep, dec, meta.decode_tokens, ext, meta.extend_tokens if dec is not None else None)
 
-
-def _decode_plan(block_tables, seq_lens, seq_lens_host, k_cache, in_place: bool) -> InPlaceDecode | DecodeGroups:
-    if in_place:
-        return InPlaceDecode(np.ascontiguousarray(block_tables.numpy(force=True)), np.ascontiguousarray(seq_lens_host))
-    return _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache)
+    @classmethod
+    def _in_place(cls, meta: AttentionMetadata, k_cache: torch.Tensor, keep) -> TorchPlan:
+        """Every token of a short query through the CPU kernel; longer queries (prefill chunks)
+        through the extend reference, which computes them blockwise."""
+        qsl = meta.query_start_loc.numpy(force=True).astype(np.int64)
+        q_lens = np.diff(qsl)
+        short = q_lens <= extend.SHORT_QUERY
+        seqs = np.flatnonzero(short)
+        n = q_lens[seqs]
+        seq_of_row = np.repeat(seqs, n)
+        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # each row's place in its query
+        lens = meta.seq_lens_host.astype(np.int64)
+        dec = None
+        if len(seq_of_row):
+            tables = np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row])
+            row_lens = (lens[seq_of_row] - q_lens[seq_of_row] + j + 1).astype(np.int32)
+            dec = InPlaceDecode(tables, row_lens)
+        if short.all():
+            return cls(keep, dec, None, None, None)
+        long = np.flatnonzero(~short)
+        ext_qsl = np.zeros(len(long) + 1, dtype=np.int32)
+        np.cumsum(q_lens[long], out=ext_qsl[1:])
+        rows = torch.from_numpy(long)
+        ext = extend.extend_layout(meta.block_tables[rows], torch.from_numpy(ext_qsl), meta.seq_lens[rows],
+                                   k_cache.shape[1])
+        ext_tokens = torch.from_numpy(np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in long]))
+        dec_tokens = torch.from_numpy(qsl[seq_of_row] + j) if dec is not None else None
+        return cls(keep, dec, dec_tokens, ext, ext_tokens)
 
 
 def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGroups:
@@ -197,14 +226,14 @@ class TorchBackend(AttentionBackend):
         if plan is None:
             plan = meta.torch_plan = TorchPlan.build(meta, k_cache, self.cpu_kernel)
         kv_write.write_kv_rows(k, v, k_cache, v_cache, meta.slot_mapping, plan.keep)
-        if meta.all_decode:
+        if plan.extend is None:  # every row through decode attention, in order
             return _decode_attention(q, k_cache, v_cache, plan.decode, scale)
-        if plan.decode is None:  # every sequence extends: the extend rows are all of q, in order
+        if plan.decode is None:  # every row extends, in order
             return extend.extend_attention_with_layout(q, k_cache, v_cache, plan.extend, scale)
         out = torch.empty_like(q)
-        out[meta.decode_tokens] = _decode_attention(q[meta.decode_tokens], k_cache, v_cache, plan.decode, scale)
-        out[meta.extend_tokens] = extend.extend_attention_with_layout(
-            q[meta.extend_tokens], k_cache, v_cache, plan.extend, scale)
+        out[plan.decode_tokens] = _decode_attention(q[plan.decode_tokens], k_cache, v_cache, plan.decode, scale)
+        out[plan.extend_tokens] = extend.extend_attention_with_layout(
+            q[plan.extend_tokens], k_cache, v_cache, plan.extend, scale)
         return out
 
 
