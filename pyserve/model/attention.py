@@ -1,9 +1,10 @@
 """Attention over the paged KV cache, behind one interface with two backends.
 
-`torch` is the CPU path: the kernels' torch references, and for fp32 decode a CPU kernel that reads
-the pages in place; `triton` runs the Triton kernels (the CUDA path). Both take the same paged arguments, so the model never branches on the device.
-Each forward first writes the step's new K/V through the slot mapping, then attends through the
-block tables; a batch where every sequence has one query token takes the decode kernel.
+`torch` is the CPU path: the kernels' torch references, and for fp32 caches a CPU kernel (Rust)
+that attends decode rows and short queries with the pages read in place; `triton` runs the Triton
+kernels (the CUDA path). Both take the same paged arguments, so the model never branches on the
+device. Each forward first writes the step's new K/V through the slot mapping, then attends
+through the block tables; a batch where every sequence has one query token takes the decode kernel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Groups of decode sequences of similar length, for the torch backend.
+"""Groups of decode sequences of similar length, for the torch backend's reference decode path
+(caches the CPU kernel does not take: bf16/fp16, or `TorchBackend(cpu_kernel=False)`).
 
-The CPU decode path gathers every sequence's keys padded to the longest one in its call, so a
+That path gathers every sequence's keys padded to the longest one in its call, so a
 batch mixing short and long contexts spends most of its gather and attention on padding. Split
 into groups of neighbouring lengths, each call pads only to its own longest; a group costs a fixed
 overhead (a gather, an attention call, a scatter), so the split is chosen by a cost model.
