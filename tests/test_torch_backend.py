@@ -48,7 +48,7 @@ def _paged_batch(seq_lens, q_lens, seed=0):
         slots += [tables[i, p // BLOCK] * BLOCK + p % BLOCK for p in range(n - q, n)]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = AttentionMetadata.build(np.array(slots, dtype=np.int64), tables, np.array(seq_lens, dtype=np.int32),
-                                   qsl, torch.device("cpu"), split_decode=True)
+                                   qsl, torch.device("cpu"))
     n = int(qsl[-1])
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
     return q, k, v, k_cache, v_cache, meta, torch.from_numpy(tables)
@@ -69,7 +69,7 @@ def test_grouped_decode_rows_of_a_mixed_batch_land_in_place():
     out = TorchBackend(cpu_kernel=False).forward(q, k, v, kc, vc, meta, 0.3)
     assert len(meta.torch_plan.decode) > 1
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    rows = meta.decode_tokens
+    rows = torch.tensor(np.cumsum([0] + q_lens)[decode])  # each decode sequence's one q row
     want = paged_decode_attention_ref(q[rows], kc, vc, tables[decode],
                                       torch.tensor([seq_lens[i] for i in decode], dtype=torch.int32), 0.3)
     torch.testing.assert_close(out[rows], want, atol=1e-6, rtol=1e-5)

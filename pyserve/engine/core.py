@@ -16,7 +16,7 @@ import structlog
 
 from pyserve import _core
 from pyserve.actors import Actor
-from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput
+from pyserve.engine.request import LOGPROB_FIELDS, Abort, Add, EngineRequest, RequestRefused, StepOutput
 from pyserve.engine.worker_call import WorkerCall, worker_call
 
 if TYPE_CHECKING:
@@ -175,8 +175,6 @@ class EngineCore(Actor):
             }),
         }
 
-
-LOGPROB_FIELDS = ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks")
 
 
 def _step_output(req_ids: np.ndarray, result: StepResult, num_appended: np.ndarray,

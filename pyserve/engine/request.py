@@ -70,6 +70,11 @@ class Abort:
     internal_id: int
 
 
+# The per-token logprob arrays a step may carry (StepResult, StepOutput, SampleDelta), row-aligned
+# with its tokens.
+LOGPROB_FIELDS = ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks")
+
+
 @dataclass(slots=True)
 class SampleDelta:
     """New tokens of one sequence from one step."""
@@ -106,8 +111,6 @@ class StepOutput:
         rid = self.internal_ids[i]
         delta = SampleDelta(rid, self.token_ids[lo:hi], self.finish_reasons.get(rid), self.num_cached_tokens.get(rid))
         if self.logprobs is not None:
-            delta.logprobs = self.logprobs[lo:hi]
-            delta.logprob_token_ids = self.logprob_token_ids[lo:hi]
-            delta.sampled_logprobs = self.sampled_logprobs[lo:hi]
-            delta.sampled_ranks = self.sampled_ranks[lo:hi]
+            for name in LOGPROB_FIELDS:
+                setattr(delta, name, getattr(self, name)[lo:hi])
         return delta

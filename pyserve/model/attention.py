@@ -30,14 +30,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs], context length after this step
     seq_lens_host: np.ndarray  # the same, on the host
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    query_start_loc_host: np.ndarray  # the same, on the host
     max_query_len: int
     all_decode: bool
-    # For the torch backend's mixed batches: the one-token sequences and the rest, split apart.
-    decode_seqs: torch.Tensor | None = None  # int64 indices of one-token sequences
-    decode_tokens: torch.Tensor | None = None  # int64 token rows of those sequences
-    extend_seqs: torch.Tensor | None = None
-    extend_tokens: torch.Tensor | None = None
-    extend_query_start_loc: torch.Tensor | None = None
     slots_valid: bool = True  # no negative (padding) slot in slot_mapping
     torch_plan: TorchPlan | None = None  # the torch backend's per-step layout, built by its first layer
 
@@ -49,46 +44,29 @@ class AttentionMetadata:
         seq_lens: np.ndarray,
         query_start_loc: np.ndarray,
         device: torch.device,
-        split_decode: bool,
     ) -> AttentionMetadata:
         query_lens = np.diff(query_start_loc)
-        all_decode = bool((query_lens == 1).all())
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
-        meta = cls(
+        return cls(
             slots_valid=bool((slot_mapping >= 0).all()),
             slot_mapping=dev(slot_mapping),
             block_tables=dev(block_tables),
             seq_lens=dev(seq_lens),
             seq_lens_host=seq_lens,
             query_start_loc=dev(query_start_loc),
+            query_start_loc_host=query_start_loc,
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
-            all_decode=all_decode,
+            all_decode=bool((query_lens == 1).all()),
         )
-        if split_decode and not all_decode:
-            is_decode = query_lens == 1
-            dec = np.flatnonzero(is_decode)
-            ext = np.flatnonzero(~is_decode)
-            ext_tokens = np.concatenate(
-                [np.arange(query_start_loc[i], query_start_loc[i + 1]) for i in ext]
-            )
-            meta.decode_seqs = dev(dec.astype(np.int64))
-            meta.decode_tokens = dev(query_start_loc[dec].astype(np.int64))
-            meta.extend_seqs = dev(ext.astype(np.int64))
-            meta.extend_tokens = dev(ext_tokens.astype(np.int64))
-            qsl = np.zeros(len(ext) + 1, dtype=np.int32)
-            np.cumsum(query_lens[ext], out=qsl[1:])
-            meta.extend_query_start_loc = dev(qsl)
-        return meta
 
 
 class AttentionBackend:
     """Writes new K/V into the cache and attends through the block tables."""
 
     name = "base"
-    split_decode = False
 
     def forward(
         self,
@@ -139,43 +117,59 @@ class TorchPlan:
         if meta.all_decode:
             return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache), None,
                        None, None)
+        qsl = meta.query_start_loc_host
+        q_lens = np.diff(qsl)
         dec = None
-        if meta.decode_seqs.numel():
-            rows = meta.decode_seqs
-            dec = _decode_groups(meta.block_tables[rows], meta.seq_lens[rows],
-                                 meta.seq_lens_host[rows.numpy(force=True)], k_cache)
-        ext = extend.extend_layout(meta.block_tables[meta.extend_seqs], meta.extend_query_start_loc,
-                                   meta.seq_lens[meta.extend_seqs], k_cache.shape[1])
-        return cls(keep, dec, meta.decode_tokens, ext, meta.extend_tokens if dec is not None else None)
+        dec_tokens = None
+        dec_seqs = np.flatnonzero(q_lens == 1)
+        if len(dec_seqs):
+            rows = torch.from_numpy(dec_seqs).to(meta.block_tables.device)
+            dec = _decode_groups(meta.block_tables[rows], meta.seq_lens[rows], meta.seq_lens_host[dec_seqs], k_cache)
+            dec_tokens = _on(meta, _query_rows(qsl, dec_seqs)[0])
+        ext, ext_tokens = _extend_plan(meta, np.flatnonzero(q_lens != 1), k_cache.shape[1])
+        return cls(keep, dec, dec_tokens, ext, ext_tokens if dec is not None else None)
 
     @classmethod
     def _in_place(cls, meta: AttentionMetadata, k_cache: torch.Tensor, keep) -> TorchPlan:
         """Every token of a short query through the CPU kernel; longer queries (prefill chunks)
         through the extend reference, which computes them blockwise."""
-        qsl = meta.query_start_loc.numpy(force=True).astype(np.int64)
+        qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
         short = q_lens <= extend.SHORT_QUERY
         seqs = np.flatnonzero(short)
-        n = q_lens[seqs]
-        seq_of_row = np.repeat(seqs, n)
-        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # each row's place in its query
-        lens = meta.seq_lens_host.astype(np.int64)
+        rows, _ = _query_rows(qsl, seqs)
+        seq_of_row = np.repeat(seqs, q_lens[seqs])
         dec = None
-        if len(seq_of_row):
+        if len(rows):
+            j = rows - qsl[seq_of_row]  # each row's place in its query
             tables = np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row])
-            row_lens = (lens[seq_of_row] - q_lens[seq_of_row] + j + 1).astype(np.int32)
+            row_lens = (meta.seq_lens_host[seq_of_row] - q_lens[seq_of_row] + j + 1).astype(np.int32)
             dec = InPlaceDecode(tables, row_lens)
         if short.all():
             return cls(keep, dec, None, None, None)
-        long = np.flatnonzero(~short)
-        ext_qsl = np.zeros(len(long) + 1, dtype=np.int32)
-        np.cumsum(q_lens[long], out=ext_qsl[1:])
-        rows = torch.from_numpy(long)
-        ext = extend.extend_layout(meta.block_tables[rows], torch.from_numpy(ext_qsl), meta.seq_lens[rows],
-                                   k_cache.shape[1])
-        ext_tokens = torch.from_numpy(np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in long]))
-        dec_tokens = torch.from_numpy(qsl[seq_of_row] + j) if dec is not None else None
-        return cls(keep, dec, dec_tokens, ext, ext_tokens)
+        ext, ext_tokens = _extend_plan(meta, np.flatnonzero(~short), k_cache.shape[1])
+        return cls(keep, dec, torch.from_numpy(rows) if dec is not None else None, ext, ext_tokens)
+
+
+def _query_rows(qsl: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The q rows of sequences `seqs` (in order), int64, and their own query_start_loc, int32."""
+    n = np.diff(qsl)[seqs]
+    sub_qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(n, out=sub_qsl[1:])
+    rows = np.repeat(qsl[seqs].astype(np.int64) - sub_qsl[:-1], n) + np.arange(int(sub_qsl[-1]))
+    return rows, sub_qsl
+
+
+def _on(meta: AttentionMetadata, a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a).to(meta.block_tables.device)
+
+
+def _extend_plan(meta: AttentionMetadata, seqs: np.ndarray, block_size: int):
+    """(extend_layout of sequences `seqs`, their q rows)."""
+    rows, sub_qsl = _query_rows(meta.query_start_loc_host, seqs)
+    idx = _on(meta, seqs)
+    layout = extend.extend_layout(meta.block_tables[idx], _on(meta, sub_qsl), meta.seq_lens[idx], block_size)
+    return layout, _on(meta, rows)
 
 
 def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGroups:
@@ -217,7 +211,6 @@ class TorchBackend(AttentionBackend):
     not once per layer. `cpu_kernel=False` keeps every row on the references."""
 
     name = "torch"
-    split_decode = True
 
     def __init__(self, cpu_kernel: bool = True):
         self.cpu_kernel = cpu_kernel

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyserve.engine.request import EngineRequest
+from pyserve.engine.request import LOGPROB_FIELDS, EngineRequest
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.lora.adapter import LoraAdapter, LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
@@ -153,7 +153,7 @@ class ModelWorker:
                 self.proposer.copy_blocks(pairs)
         self._set_lora_slots(out, adapter_ids)
         meta = AttentionMetadata.build(
-            out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev, self.backend.split_decode
+            out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
         )
         input_ids = torch.from_numpy(out.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(out.positions).to(dev, non_blocking=True)
@@ -215,7 +215,7 @@ class ModelWorker:
         if plain_result is not None and plain_result.logprobs is not None:
             flat = np.concatenate([[0], np.cumsum(num_sampled)])[plain]  # where each plain row's token sits
             n = int(num_sampled.sum())
-            for name in ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks"):
+            for name in LOGPROB_FIELDS:
                 src = getattr(plain_result, name)
                 full = np.zeros((n, *src.shape[1:]), dtype=src.dtype)  # spec rows never ask for logprobs
                 full[flat] = src

@@ -122,8 +122,7 @@ class DraftModelProposer:
     def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
         bs = self.block_size
         slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), seq_lens, qsl, self.device,
-                                       self.backend.split_decode)
+        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), seq_lens, qsl, self.device)
         hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device),
                             self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden[torch.from_numpy(np.asarray(last, dtype=np.int64)).to(self.device)])
