@@ -44,7 +44,7 @@ class LoraLinear(nn.Module):
             self.b_scaled[slot] = self.lora_b[slot].T * self.scaling[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.base.weight, self.base.bias)
+        y = self.base(x)
         slots = self.batch.token_slots
         if slots is None:
             return y

@@ -147,7 +147,6 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head_t: torch.Tensor | None = None  # set by transpose_lm_head
 
     def forward(
         self,
@@ -169,14 +168,5 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def transpose_lm_head(self) -> None:
-        """Logits through a [hidden, vocab] copy of the head. With one row per forward (a draft
-        guessing), CPUs read it 2-3x faster than the [vocab, hidden] weight F.linear takes, but
-        the rounding differs from F.linear: a model whose tokens must equal transformers' keeps
-        the head as it is."""
-        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_t is not None:
-            return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()

@@ -21,6 +21,7 @@ from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
+from pyserve.model.packed_linear import can_pack, pack_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.spec.draft_model import DraftModelProposer
 from pyserve.spec.proposer import ModelProposer, ProposalBatch
@@ -95,6 +96,8 @@ class ModelWorker:
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:
             self.model.fuse_projections()
+        if can_pack(self.device, self.dtype):
+            pack_linears(self.model)  # after LoRA wrapped its base projections: those get packed too
         self.max_lora_rank = max_lora_rank
         # Adapters added (or None: removed) since the last step; applied by the next step, in the
         # worker thread, so the slots never change under a running forward.
