@@ -6,12 +6,19 @@ on a weight reordered once into its blocked layout reaches 40-125 there, and 1.1
 2048-row prefill chunks. Its rows also come out the same bits whatever the number of rows in the
 call (MKL's do not below 6 rows). torch exposes the pair as `mkldnn::_reorder_linear_weight` and
 `mkldnn::_linear_pointwise`, the ops its compiler emits for CPU linears.
+
+Each oneDNN call costs ~25 us more than MKL's (primitive lookup, wrapping), which small weights
+never earn back: measured, a 128x256 weight is slower packed at every batch size, a 512x512 one
+takes 79 vs 43 us for one row, and from 512x1024 up packed wins or ties at every size. So only
+weights of at least MIN_PACKED_ELEMENTS (2 MiB of fp32) are packed.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+MIN_PACKED_ELEMENTS = 1 << 19
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,11 +43,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear inside `model` by a PackedLinear; returns how many. A head tied to
-    the embedding gets its own packed copy (the embedding keeps the plain one)."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+def pack_linears(model: nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> int:
+    """Replaces every nn.Linear inside `model` whose weight has at least `min_elements` entries by a
+    PackedLinear; returns how many. A head tied to the embedding gets its own packed copy (the
+    embedding keeps the plain one)."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.weight.numel() >= min_elements]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
