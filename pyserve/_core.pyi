@@ -95,3 +95,15 @@ def paged_decode_attention(
     head_dim] f32, caches [num_blocks, block_size, num_kv_heads, head_dim] f32, block_tables
     [num_seqs, width] int32, seq_lens [num_seqs] int32; all C-contiguous. Writes out; raises
     ValueError naming the argument at fault."""
+
+def lora_add(
+    y: np.ndarray,
+    x: np.ndarray,
+    token_slots: np.ndarray,
+    lora_a: np.ndarray,
+    b_scaled: np.ndarray,
+) -> None:
+    """Multi-LoRA on the CPU, in place: y [tokens, fan_out] += for each token with a slot (token_slots
+    [tokens] int64, -1 = none) b_scaled[slot]^T (lora_a[slot] x[token]); x [tokens, fan_in],
+    lora_a [num_slots, rank, fan_in], b_scaled [num_slots, rank, fan_out] (B transposed, times the
+    adapter's scaling), all f32 and C-contiguous. Raises ValueError naming the argument at fault."""

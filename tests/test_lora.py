@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from pyserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pyserve.default_model import ADAPTER_DIRS  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
-from pyserve.kernels.lora import add_lora, add_lora_grouped, add_lora_ref, group_tokens  # noqa: E402
+from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref  # noqa: E402
 from pyserve.lora.adapter import LoraError, load_adapter  # noqa: E402
 from tests.test_model_parity import assert_parity, hf_greedy, prompts  # noqa: E402
 
@@ -47,9 +47,10 @@ def test_lora_kernels_match_reference_and_dense(gather, monkeypatch):
     torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
     got = add_lora(y0.clone(), x, a, b, scaling, token_slots)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    b_scaled = b.transpose(1, 2) * scaling[:, None, None]
-    grouped = add_lora_grouped(y0.clone(), x, a, b_scaled, *group_tokens(token_slots, slots))
-    torch.testing.assert_close(grouped.double(), want, atol=1e-4, rtol=1e-4)
+    b_scaled = (b.transpose(1, 2) * scaling[:, None, None]).contiguous()
+    cpu = add_lora_cpu(y0.clone(), x, a, b_scaled, token_slots.numpy())
+    torch.testing.assert_close(cpu.double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpu[1], y0[1])
     assert torch.equal(got[1], y0[1]) and torch.equal(ref[6], y0[6])  # base tokens untouched
 
 

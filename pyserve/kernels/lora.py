@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pyserve import _core
 from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 
 GATHER_LIMIT = 1 << 22  # the reference gathers per-token matrices up to this many elements
@@ -104,7 +105,7 @@ def add_lora(y, x, lora_a, lora_b, scaling, token_slots):
 
 
 def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
-    """Torch reference and CPU path: per-token gathered matrices and two batched matmuls for
+    """Torch reference (and the CPU path for caches other than fp32): per-token gathered matrices and two batched matmuls for
     small batches; one matmul pair per slot in use for large ones."""
     _check(x, lora_a, lora_b, scaling, token_slots, y)
     used = token_slots >= 0
@@ -123,30 +124,10 @@ def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
     return y
 
 
-def group_tokens(token_slots, num_slots):
-    """Per-step grouping for `add_lora_grouped`: (index [S * G] of the tokens of each slot, padded
-    with token 0 to G = the most tokens any slot has; rows: the real entries of index, in order;
-    tokens: index[rows], the token each real entry is). Shared by every projection of the step."""
-    counts = torch.bincount(token_slots[token_slots >= 0], minlength=num_slots)
-    width = max(1, int(counts.max()))
-    order = torch.argsort(token_slots, stable=True)
-    order = order[token_slots[order] >= 0]                 # tokens with a slot, grouped by slot
-    starts = torch.cumsum(counts, 0) - counts
-    slot = token_slots[order]
-    rows = slot * width + torch.arange(len(order), device=token_slots.device) - starts[slot]
-    index = torch.zeros(num_slots * width, dtype=torch.int64, device=token_slots.device)
-    index[rows] = order
-    return index, rows, order
-
-
-def add_lora_grouped(y, x, lora_a, b_scaled, index, rows, tokens):
-    """The CPU serving path, same result as `add_lora_ref`: the step's tokens grouped by slot
-    (`group_tokens`, shared by every projection), then two batched matmuls over the slots, so
-    each token pays for its own adapter's rank only. b_scaled [S, R, out] is each slot's B
-    transposed and multiplied by its scaling. Few ops, and index ops rather than masks: on a CPU
-    the per-op cost dominates at decode sizes."""
-    num_slots = lora_a.shape[0]
-    xg = x.index_select(0, index).view(num_slots, -1, x.shape[1])      # [S, G, in]
-    delta = torch.bmm(torch.bmm(xg, lora_a.transpose(1, 2)), b_scaled)  # [S, G, out]
-    y.index_add_(0, tokens, delta.view(-1, y.shape[1]).index_select(0, rows).to(y.dtype))
+def add_lora_cpu(y, x, lora_a, b_scaled, token_slots):
+    """The CPU serving path for fp32, same result as `add_lora_ref`: the Rust kernel
+    (`pyserve._core.lora_add`): the tokens grouped by slot, each group's adapter read once per
+    four tokens, on the tensors' memory in place. b_scaled [S, R, out] is each slot's B transposed and multiplied by
+    its scaling; token_slots is the step's slot per token as an int64 numpy array."""
+    _core.lora_add(y.numpy(), x.contiguous().numpy(), token_slots, lora_a.numpy(), b_scaled.numpy())
     return y

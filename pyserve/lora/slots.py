@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from pyserve.kernels.lora import add_lora, add_lora_grouped, group_tokens
+from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref
 from pyserve.lora.adapter import TARGETS, LoraAdapter
 
 
@@ -20,7 +21,7 @@ class LoraBatch:
     """The current step's token -> slot map, shared by every LoRA projection; None = no adapter."""
 
     token_slots: torch.Tensor | None = None
-    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # group_tokens of token_slots (CPU)
+    slots_host: np.ndarray | None = None  # token_slots as numpy, for the fp32 CPU kernel
 
 
 class LoraLinear(nn.Module):
@@ -34,13 +35,14 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
         self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
         self.use_triton = use_triton
-        # The CPU path's layout: each slot's B transposed and scaled.
-        b_shape = (0, 0, 0) if use_triton else (num_slots, max_rank, w.shape[0])
+        self.use_cpu_kernel = not use_triton and w.device.type == "cpu" and w.dtype == torch.float32
+        # The CPU kernel's layout: each slot's B transposed and scaled.
+        b_shape = (num_slots, max_rank, w.shape[0]) if self.use_cpu_kernel else (0, 0, 0)
         self.register_buffer("b_scaled", torch.zeros(b_shape, dtype=w.dtype, device=w.device))
         self.batch = batch
 
     def slot_written(self, slot: int) -> None:
-        if not self.use_triton:
+        if self.use_cpu_kernel:
             self.b_scaled[slot] = self.lora_b[slot].T * self.scaling[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,9 @@ class LoraLinear(nn.Module):
             return y
         if self.use_triton:
             return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots)
-        return add_lora_grouped(y, x, self.lora_a, self.b_scaled, *self.batch.groups)
+        if self.use_cpu_kernel:
+            return add_lora_cpu(y, x, self.lora_a, self.b_scaled, self.batch.slots_host)
+        return add_lora_ref(y, x, self.lora_a, self.lora_b, self.scaling, slots)
 
 
 class LoraSlots:
@@ -74,8 +78,8 @@ class LoraSlots:
     def set_tokens(self, token_slots: torch.Tensor | None) -> None:
         """The step's token -> slot map (None: no token uses an adapter)."""
         self.batch.token_slots = token_slots
-        grouped = token_slots is not None and not self.use_triton
-        self.batch.groups = group_tokens(token_slots, self.num_slots) if grouped else None
+        on_cpu = token_slots is not None and token_slots.device.type == "cpu"
+        self.batch.slots_host = token_slots.numpy() if on_cpu else None
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features) of the base model."""

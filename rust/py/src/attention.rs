@@ -1,25 +1,12 @@
-//! `paged_decode_attention`: the CPU decode kernel of `pyserve-cpu-attention` over numpy views of
+//! `paged_decode_attention`: the CPU decode kernel of `pyserve-cpu-kernels` over numpy views of
 //! the step's tensors (no copies), with the GIL released while it runs.
 
-use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
-    PyUntypedArrayMethods,
-};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_attention::{decode_attention, DecodeBatch, PagedCache};
+use pyserve_cpu_kernels::{decode_attention, DecodeBatch, PagedCache};
 
-/// The array's elements in row-major order (numpy's `as_slice` also accepts Fortran order).
-fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
-    name: &str,
-    array: &'a numpy::PyReadonlyArray<'_, T, D>,
-) -> PyResult<&'a [T]> {
-    let err = || PyValueError::new_err(format!("{name} must be C-contiguous"));
-    if !array.is_c_contiguous() {
-        return Err(err());
-    }
-    array.as_slice().map_err(|_| err())
-}
+use crate::arrays::{contiguous, contiguous_mut};
 
 /// q [num_seqs, num_q_heads, head_dim] f32; k_cache, v_cache [num_blocks, block_size,
 /// num_kv_heads, head_dim] f32; block_tables [num_seqs, width] int32; seq_lens [num_seqs] int32
@@ -73,10 +60,7 @@ pub fn paged_decode_attention(
         table_width,
         seq_lens: contiguous("seq_lens", &seq_lens)?,
     };
-    if !out.is_c_contiguous() {
-        return Err(PyValueError::new_err("out must be C-contiguous"));
-    }
-    let out = out.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let out = contiguous_mut("out", &mut out)?;
     py.detach(|| decode_attention(&cache, &batch, scale, out))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }

@@ -1,10 +1,12 @@
-//! `pyserve._core`: PyO3 bindings of `pyserve-core` and of the CPU attention kernel. Only declares
+//! `pyserve._core`: PyO3 bindings of `pyserve-core` and of the CPU kernels. Only declares
 //! the module; each wrapped module has its own file.
 
 use pyo3::prelude::*;
 
+mod arrays;
 mod attention;
 mod error;
+mod lora;
 mod output;
 mod scheduler;
 
@@ -15,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PySchedulerOutput>()?;
     m.add_class::<output::PyUpdateResult>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(lora::lora_add, m)?)?;
     Ok(())
 }

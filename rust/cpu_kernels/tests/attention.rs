@@ -1,20 +1,9 @@
 //! The kernel against attention computed densely in f64 from the same rows.
 
-use pyserve_cpu_attention::{decode_attention, AttentionError, DecodeBatch, PagedCache};
+mod common;
 
-/// A small deterministic generator (xorshift), values in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
+use common::Rng;
+use pyserve_cpu_kernels::{decode_attention, AttentionError, DecodeBatch, PagedCache};
 
 struct Case {
     keys: Vec<f32>,

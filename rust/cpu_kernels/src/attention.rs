@@ -1,11 +1,52 @@
-//! The kernel: checks, then each sequence in two passes over its rows, on the calling thread.
+//! Paged decode attention for CPUs.
 //!
+//! One query token per sequence attends to the sequence's cached keys and values, read in place
+//! from a paged cache through its block table: each cached row is read once, where a gather into
+//! a padded dense tensor followed by a dense attention reads it twice and writes it once. On
+//! CPUs, whose decode attention is bound by memory bandwidth, that is the whole cost. It runs on
+//! the calling thread, with AVX2 where the CPU has it.
+//!
+//! Layouts (row-major, f32): cache `[num_blocks, block_size, num_kv_heads, head_dim]` for keys
+//! and values alike; queries and output `[num_seqs, num_q_heads, head_dim]`; block tables
+//! `[num_seqs, table_width]`. Query head `h` reads kv head `h / (num_q_heads / num_kv_heads)`
+//! (grouped-query attention). A sequence of length 0 gets zeros.
+//!
+//! The kernel: checks, then each sequence in two passes over its rows, on the calling thread.
 //! One thread on purpose: it runs between torch ops, whose OpenMP workers keep spinning for a
 //! while after each op; a second pool of threads competing with them for the same cores made the
 //! kernel 2-3x slower inside the engine than alone (measured on 2 cores: 1.7-2.5 ms per call with
 //! two rayon threads, 0.86 ms on the calling thread, for 256 sequences of ~50 rows).
 
-use crate::{AttentionError, DecodeBatch, PagedCache};
+use crate::vector::{axpy, dot, has_avx2_fma, sum};
+
+/// The paged KV cache of one layer.
+pub struct PagedCache<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// One decode step's sequences.
+pub struct DecodeBatch<'a> {
+    pub queries: &'a [f32],
+    pub num_q_heads: usize,
+    pub block_tables: &'a [i32],
+    pub table_width: usize,
+    pub seq_lens: &'a [i32],
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AttentionError {
+    #[error("{0}")]
+    Shape(String),
+    #[error("sequence {seq}: length {len} needs more than the {capacity} slots of its block table")]
+    TooLong { seq: usize, len: i64, capacity: usize },
+    #[error("sequence {seq}: block id {block} is outside the cache's {num_blocks} blocks")]
+    BlockOutOfRange { seq: usize, block: i64, num_blocks: usize },
+}
+
 
 /// Writes softmax(q k^T * scale) v for every sequence's query heads into `out`.
 pub fn decode_attention(
@@ -28,13 +69,6 @@ pub fn decode_attention(
         sequence(cache, batch, scale, seq, &mut scores, out_seq);
     }
     Ok(())
-}
-
-fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result<(), AttentionError> {
@@ -141,35 +175,6 @@ fn sequence<'a>(
     }
 }
 
-/// Eight partial sums, so the loop vectorizes without reordering a single accumulator.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-#[inline(always)]
-fn sum(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        let c: &[f32; 8] = c.try_into().unwrap();
-        for i in 0..8 {
-            acc[i] += c[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 /// e^x for x <= 0 (a softmax's shifted scores), branch-free so a loop over it vectorizes (libm's
 /// expf is a call per element: most of the kernel's time when it was used). Cephes' expf: x =
 /// n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits;
@@ -190,13 +195,6 @@ fn exp(x: f32) -> f32 {
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
-#[inline(always)]
-fn axpy(p: f32, v: &[f32], out: &mut [f32]) {
-    for (o, x) in out.iter_mut().zip(v) {
-        *o += p * x;
-    }
 }
 
 #[cfg(test)]
