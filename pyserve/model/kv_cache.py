@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from pyserve.model.config import ModelConfig
@@ -34,10 +36,28 @@ def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if device.type == "cpu":
+        return [(_huge_page_zeros(shape, dtype), _huge_page_zeros(shape, dtype)) for _ in range(cfg.num_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_layers)
     ]
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in anonymous memory the kernel is asked to back with huge pages. A
+    step's blocks lie scattered over the whole cache; on 4 KiB pages each block read missed the
+    TLB, and the decode attention kernel took 2x longer on torch's allocation than on the same
+    rows in huge pages (measured with 256 sequences of 26-66 tokens). Where the system allows no
+    transparent huge pages, the advice is ignored and the memory is plain pages."""
+    count = torch.Size(shape).numel()
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: shared anonymous memory is shmem, which takes huge pages under another setting.
+    buffer = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:

@@ -4,6 +4,8 @@
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_avx2;
 mod lora;
 #[cfg(target_arch = "x86_64")]
 mod lora_avx2;

@@ -7,6 +7,7 @@
 use std::arch::x86_64::*;
 
 use crate::lora::LoraWeights;
+use crate::vector::avx2::hsum;
 
 /// Tokens per block: four tokens by sixteen outputs is eight independent vector sums, enough to
 /// keep both FMA units busy.
@@ -81,13 +82,6 @@ unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
         *o = hsum(acc[j]) + tail;
     }
     out
-}
-
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
 }
 
 /// y[tokens[t]] += sum over r of xa[t][r] * b[r] for the T tokens of a block, sixteen outputs at

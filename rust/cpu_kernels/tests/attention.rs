@@ -105,6 +105,16 @@ fn grouped_query_heads_over_shuffled_pages_match_dense_attention() {
 }
 
 #[test]
+fn pages_of_sixteen_keys_match_dense_attention() {
+    // blocks of 16: keys scored eight at a time, with partial blocks of 5, 3 and 4 keys after
+    // them; head dims of 24 and 64 take one block of three vectors and two of four in the values
+    for d in [24, 64] {
+        let c = case(&[37, 16, 3, 100], 16, 2, 4, d, 13);
+        assert_close(&run(&c, 0.125).unwrap(), &dense(&c, 0.125));
+    }
+}
+
+#[test]
 fn head_dims_that_are_not_a_multiple_of_eight_use_the_tail() {
     for d in [1, 12, 20] {
         let c = case(&[9, 30], 16, 1, 3, d, 11 + d as u64);
