@@ -150,7 +150,7 @@ fn sequence<'a, const AVX2: bool>(
     scores.clear();
     scores.resize(hq * len, 0.0);
     #[cfg(target_arch = "x86_64")]
-    if AVX2 && d % 8 == 0 {
+    if AVX2 && d % 8 == 0 && d <= 32 {
         let shape = crate::attention_avx2::Shape { row, head_dim: d, group, len, scale };
         // SAFETY: only sequence_avx2 sets AVX2, and it runs where the CPU has AVX2 and FMA.
         unsafe { crate::attention_avx2::attend(&shape, q, pages(cache.keys), pages(cache.values), scores, out) };

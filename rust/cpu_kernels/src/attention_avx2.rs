@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 
 use crate::attention::exp;
 use crate::vector::avx2::{hsum, hsum8};
+use crate::vector::axpy;
 
 /// A sequence's layout: cache rows of `row` floats (all kv heads), `group` query heads per kv
 /// head, `len` keys.
@@ -24,28 +25,35 @@ pub struct Shape {
     pub scale: f32,
 }
 
-/// out [num_q_heads, head_dim] = softmax(q k^T * scale) v over the pages (first position, rows);
-/// `scores` is [num_q_heads, len] scratch. Each query head reads its kv head's keys and values
-/// (a group's second head finds them in cache).
+/// out [num_q_heads, head_dim] += softmax(q k^T * scale) v over the pages (first position,
+/// rows); `scores` is [num_q_heads, len] scratch. Scores and softmax on vectors, each query head
+/// over its kv head's keys; the values in cache order, every row once, into each query head's
+/// output row (which stays in L1).
 #[inline(always)]
 pub unsafe fn attend<'a>(
     shape: &Shape,
     q: &[f32],
     keys: impl Iterator<Item = (usize, &'a [f32])>,
-    values: impl Iterator<Item = (usize, &'a [f32])> + Clone,
+    values: impl Iterator<Item = (usize, &'a [f32])>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let (d, len, row) = (shape.head_dim, shape.len, shape.row);
+    let (d, len, row, group) = (shape.head_dim, shape.len, shape.row, shape.group);
     for (first, rows) in keys {
         for (qh, qv) in q.chunks_exact(d).enumerate() {
             let dst = &mut scores[qh * len + first..][..rows.len() / row];
-            page_scores(qv, &rows[qh / shape.group * d..], row, shape.scale, dst);
+            page_scores(qv, &rows[qh / group * d..], row, shape.scale, dst);
         }
     }
     scores.chunks_exact_mut(len).for_each(|head| softmax(head));
-    for (qh, o) in out.chunks_exact_mut(d).enumerate() {
-        head_values(values.clone(), &scores[qh * len..][..len], row, qh / shape.group * d, o);
+    for (first, rows) in values {
+        for (j, vals) in rows.chunks_exact(row).enumerate() {
+            for (h, v) in vals.chunks_exact(d).enumerate() {
+                for qh in h * group..(h + 1) * group {
+                    axpy(scores[qh * len + first + j], v, &mut out[qh * d..][..d]);
+                }
+            }
+        }
     }
 }
 
@@ -116,61 +124,4 @@ unsafe fn exp8(x: __m256) -> __m256 {
     let y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0));
     let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
-}
-
-/// out = sum over keys j of weights[j] * v_j (v_j at `offset` in each row of the pages), in
-/// blocks of up to 32 lanes held in registers across all keys.
-#[inline(always)]
-unsafe fn head_values<'a>(
-    pages: impl Iterator<Item = (usize, &'a [f32])> + Clone,
-    weights: &[f32],
-    row: usize,
-    offset: usize,
-    out: &mut [f32],
-) {
-    let (d, mut lane) = (out.len(), 0);
-    while lane < d {
-        let block = &mut out[lane..][..(d - lane).min(32)];
-        match block.len() / 8 {
-            4 => lanes_values::<4>(pages.clone(), weights, row, offset + lane, block),
-            3 => lanes_values::<3>(pages.clone(), weights, row, offset + lane, block),
-            2 => lanes_values::<2>(pages.clone(), weights, row, offset + lane, block),
-            _ => lanes_values::<1>(pages.clone(), weights, row, offset + lane, block),
-        }
-        lane += block.len();
-    }
-}
-
-/// `head_values` for 8 * C lanes: keys taken in pairs, each into its own C sums (2C in flight).
-#[inline(always)]
-unsafe fn lanes_values<'a, const C: usize>(
-    pages: impl Iterator<Item = (usize, &'a [f32])>,
-    weights: &[f32],
-    row: usize,
-    offset: usize,
-    out: &mut [f32],
-) {
-    let mut acc = [[_mm256_setzero_ps(); C]; 2];
-    let add = |acc: &mut [__m256; C], w: f32, v: *const f32| {
-        let w = _mm256_set1_ps(w);
-        for (c, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * c)), *a);
-        }
-    };
-    for (first, rows) in pages {
-        let (n, v) = (rows.len() / row, rows.as_ptr().add(offset));
-        let mut j = 0;
-        while j + 2 <= n {
-            let [even, odd] = &mut acc;
-            add(even, weights[first + j], v.add(j * row));
-            add(odd, weights[first + j + 1], v.add((j + 1) * row));
-            j += 2;
-        }
-        if j < n {
-            add(&mut acc[0], weights[first + j], v.add(j * row));
-        }
-    }
-    for (c, o) in out.chunks_exact_mut(8).enumerate() {
-        _mm256_storeu_ps(o.as_mut_ptr(), _mm256_add_ps(acc[0][c], acc[1][c]));
-    }
 }

@@ -106,8 +106,8 @@ fn grouped_query_heads_over_shuffled_pages_match_dense_attention() {
 
 #[test]
 fn pages_of_sixteen_keys_match_dense_attention() {
-    // blocks of 16: keys scored eight at a time, with partial blocks of 5, 3 and 4 keys after
-    // them; head dims of 24 and 64 take one block of three vectors and two of four in the values
+    // blocks of 16 with partial blocks of 5, 3 and 4 keys after them; at head dim 24 (the AVX2
+    // path, where the CPU has it) keys are scored eight at a time, 64 takes the portable loops
     for d in [24, 64] {
         let c = case(&[37, 16, 3, 100], 16, 2, 4, d, 13);
         assert_close(&run(&c, 0.125).unwrap(), &dense(&c, 0.125));
