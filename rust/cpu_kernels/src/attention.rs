@@ -47,7 +47,6 @@ pub enum AttentionError {
     BlockOutOfRange { seq: usize, block: i64, num_blocks: usize },
 }
 
-
 /// Writes softmax(q k^T * scale) v for every sequence's query heads into `out`.
 pub fn decode_attention(
     cache: &PagedCache<'_>,
@@ -153,7 +152,9 @@ fn sequence<'a, const AVX2: bool>(
     if AVX2 && d % 8 == 0 && d <= 32 {
         let shape = crate::attention_avx2::Shape { row, head_dim: d, group, len, scale };
         // SAFETY: only sequence_avx2 sets AVX2, and it runs where the CPU has AVX2 and FMA.
-        unsafe { crate::attention_avx2::attend(&shape, q, pages(cache.keys), pages(cache.values), scores, out) };
+        unsafe {
+            crate::attention_avx2::attend(&shape, q, pages(cache.keys), pages(cache.values), scores, out)
+        };
         return;
     }
     for (first, rows) in pages(cache.keys) {
@@ -211,11 +212,21 @@ mod tests {
     #[test]
     fn the_portable_path_agrees_with_the_dispatched_one() {
         let (bs, hkv, hq, d, lens) = (8, 2, 4, 16, [19i32, 8, 1]);
-        let gen = |n: usize, k: usize| (0..n).map(|i| ((i * 7919 + k) % 89) as f32 / 44.5 - 1.0).collect::<Vec<_>>();
-        let (keys, values, queries) = (gen(9 * bs * hkv * d, 1), gen(9 * bs * hkv * d, 2), gen(3 * hq * d, 3));
+        let gen = |n: usize, k: usize| {
+            (0..n).map(|i| ((i * 7919 + k) % 89) as f32 / 44.5 - 1.0).collect::<Vec<_>>()
+        };
+        let (keys, values, queries) =
+            (gen(9 * bs * hkv * d, 1), gen(9 * bs * hkv * d, 2), gen(3 * hq * d, 3));
         let tables = [5, 1, 7, 2, 0, 0, 8, 0, 0];
-        let cache = PagedCache { keys: &keys, values: &values, block_size: bs, num_kv_heads: hkv, head_dim: d };
-        let batch = DecodeBatch { queries: &queries, num_q_heads: hq, block_tables: &tables, table_width: 3, seq_lens: &lens };
+        let cache =
+            PagedCache { keys: &keys, values: &values, block_size: bs, num_kv_heads: hkv, head_dim: d };
+        let batch = DecodeBatch {
+            queries: &queries,
+            num_q_heads: hq,
+            block_tables: &tables,
+            table_width: 3,
+            seq_lens: &lens,
+        };
         let mut dispatched = vec![0.0; queries.len()];
         decode_attention(&cache, &batch, 0.3, &mut dispatched).unwrap();
         let mut scores = Vec::new();

@@ -31,7 +31,12 @@ pub enum LoraError {
 }
 
 /// Adds each token's LoRA delta to its row of `y`.
-pub fn add_lora(x: &[f32], token_slots: &[i64], weights: &LoraWeights<'_>, y: &mut [f32]) -> Result<(), LoraError> {
+pub fn add_lora(
+    x: &[f32],
+    token_slots: &[i64],
+    weights: &LoraWeights<'_>,
+    y: &mut [f32],
+) -> Result<(), LoraError> {
     check(x, token_slots, weights, y)?;
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
@@ -141,7 +146,9 @@ mod tests {
     fn the_portable_kernel_agrees_with_the_dispatched_one() {
         // slot 1 has five tokens (a block of four, then one), slot 0 two, slot 2 one
         let (slots, r, fi, fo) = ([1i64, -1, 0, 1, 1, 1, 0, 1, 2], 6, 19, 53);
-        let gen = |n: usize, k: usize| (0..n).map(|i| ((i * 7919 + k) % 97) as f32 / 48.5 - 1.0).collect::<Vec<_>>();
+        let gen = |n: usize, k: usize| {
+            (0..n).map(|i| ((i * 7919 + k) % 97) as f32 / 48.5 - 1.0).collect::<Vec<_>>()
+        };
         let (x, a, b, y0) = (gen(9 * fi, 1), gen(3 * r * fi, 2), gen(3 * r * fo, 3), gen(9 * fo, 4));
         let w = LoraWeights { a: &a, b_scaled: &b, num_slots: 3, rank: r, fan_in: fi, fan_out: fo };
         let (mut portable, mut dispatched) = (y0.clone(), y0.clone());

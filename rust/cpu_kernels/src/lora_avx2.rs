@@ -87,7 +87,14 @@ unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
 /// y[tokens[t]] += sum over r of xa[t][r] * b[r] for the T tokens of a block, sixteen outputs at
 /// a time summed over r in registers; the outputs past the last sixteen one by one.
 #[inline(always)]
-unsafe fn expand<const T: usize>(xa: &[f32], tokens: &[usize], b: &[f32], y: &mut [f32], rank: usize, n: usize) {
+unsafe fn expand<const T: usize>(
+    xa: &[f32],
+    tokens: &[usize],
+    b: &[f32],
+    y: &mut [f32],
+    rank: usize,
+    n: usize,
+) {
     let body = n - n % 16;
     let (bp, yp) = (b.as_ptr(), y.as_mut_ptr());
     let mut o = 0;

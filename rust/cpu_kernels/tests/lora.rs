@@ -60,7 +60,8 @@ impl Case {
             let s = s as usize;
             for k in 0..r {
                 let a_row = &self.a[(s * r + k) * fi..][..fi];
-                let xa: f64 = a_row.iter().zip(&self.x[t * fi..][..fi]).map(|(&a, &x)| a as f64 * x as f64).sum();
+                let xa: f64 =
+                    a_row.iter().zip(&self.x[t * fi..][..fi]).map(|(&a, &x)| a as f64 * x as f64).sum();
                 for o in 0..fo {
                     y[t * fo + o] += xa * self.b[(s * r + k) * fo + o] as f64;
                 }

@@ -1,7 +1,10 @@
 //! `paged_decode_attention`: the CPU decode kernel of `pyserve-cpu-kernels` over numpy views of
 //! the step's tensors (no copies), with the GIL released while it runs.
 
-use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyserve_cpu_kernels::{decode_attention, DecodeBatch, PagedCache};
