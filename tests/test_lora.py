@@ -8,13 +8,14 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pyserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pyserve import LLM, LoRARequest, SamplingParams, _core  # noqa: E402
 from pyserve.default_model import ADAPTER_DIRS  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref  # noqa: E402
@@ -52,6 +53,18 @@ def test_lora_kernels_match_reference_and_dense(gather, monkeypatch):
     torch.testing.assert_close(cpu.double(), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(cpu[1], y0[1])
     assert torch.equal(got[1], y0[1]) and torch.equal(ref[6], y0[6])  # base tokens untouched
+
+
+def test_cpu_kernel_refuses_bad_arguments_naming_them():
+    x, y = np.zeros((2, 8), np.float32), np.zeros((2, 4), np.float32)
+    a, b = np.zeros((3, 2, 8), np.float32), np.zeros((3, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="token 1: slot 5 is outside the 3 slots"):
+        _core.lora_add(y, x, np.array([0, 5]), a, b)
+    with pytest.raises(ValueError, match="x must be"):
+        _core.lora_add(y, np.zeros((2, 9), np.float32), np.array([0, 1]), a, b)
+    with pytest.raises(ValueError, match="b_scaled must be C-contiguous"):
+        _core.lora_add(y, x, np.array([0, 1]), a, np.zeros((3, 4, 2), np.float32).transpose(0, 2, 1))
+    assert not y.any()  # nothing written by a refused call
 
 
 def make_adapter(base_dir, out, rank, targets, seed, alpha=None, rslora=False):

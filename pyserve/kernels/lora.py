@@ -105,8 +105,8 @@ def add_lora(y, x, lora_a, lora_b, scaling, token_slots):
 
 
 def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
-    """Torch reference (and the CPU path for caches other than fp32): per-token gathered matrices and two batched matmuls for
-    small batches; one matmul pair per slot in use for large ones."""
+    """Torch reference (and the CPU path for dtypes other than fp32): per-token gathered matrices
+    and two batched matmuls for small batches; one matmul pair per slot in use for large ones."""
     _check(x, lora_a, lora_b, scaling, token_slots, y)
     used = token_slots >= 0
     num_tokens, (_, rank, fan_in), fan_out = x.shape[0], lora_a.shape, lora_b.shape[1]
@@ -126,8 +126,8 @@ def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
 
 def add_lora_cpu(y, x, lora_a, b_scaled, token_slots):
     """The CPU serving path for fp32, same result as `add_lora_ref`: the Rust kernel
-    (`pyserve._core.lora_add`): the tokens grouped by slot, each group's adapter read once per
-    four tokens, on the tensors' memory in place. b_scaled [S, R, out] is each slot's B transposed and multiplied by
-    its scaling; token_slots is the step's slot per token as an int64 numpy array."""
+    (`pyserve._core.lora_add`), tokens grouped by slot and each adapter's B read once per four
+    tokens, on the tensors' memory in place. b_scaled [S, R, out] is each slot's B transposed and
+    multiplied by its scaling; token_slots is the step's slot per token as an int64 numpy array."""
     _core.lora_add(y.numpy(), x.contiguous().numpy(), token_slots, lora_a.numpy(), b_scaled.numpy())
     return y
