@@ -176,7 +176,6 @@ class EngineCore(Actor):
         }
 
 
-
 def _step_output(req_ids: np.ndarray, result: StepResult, num_appended: np.ndarray,
                  finished: dict[int, str]) -> StepOutput:
     """The step's tokens column-wise: for each request with logits, the tokens the scheduler

@@ -123,7 +123,7 @@ class TorchPlan:
         dec_tokens = None
         dec_seqs = np.flatnonzero(q_lens == 1)
         if len(dec_seqs):
-            rows = torch.from_numpy(dec_seqs).to(meta.block_tables.device)
+            rows = _on(meta, dec_seqs)
             dec = _decode_groups(meta.block_tables[rows], meta.seq_lens[rows], meta.seq_lens_host[dec_seqs], k_cache)
             dec_tokens = _on(meta, _query_rows(qsl, dec_seqs)[0])
         ext, ext_tokens = _extend_plan(meta, np.flatnonzero(q_lens != 1), k_cache.shape[1])

@@ -10,7 +10,7 @@
 //! [num_slots, rank, fan_out]`, each slot's B transposed and multiplied by its adapter's scaling;
 //! `y [tokens, fan_out]`. An adapter of a smaller rank than `rank` has zero rows past its own.
 
-use crate::vector::{dot, has_avx2_fma};
+use crate::vector::{axpy, dot, has_avx2_fma};
 
 /// The stacked adapters of one projection, one per slot.
 pub struct LoraWeights<'a> {
@@ -69,9 +69,10 @@ fn check(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &[f32]) -> Resu
     Ok(())
 }
 
-/// The portable kernel, one token at a time (see `lora_avx2` for the vector one).
+/// The portable kernel, one token at a time: `rank` dot products, then `rank` rows of B added.
+/// (Blocked loops measured no faster: 16-18 GFLOP/s either way, compiled for AVX2, before
+/// `lora_avx2`'s intrinsics.)
 fn tokens(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &mut [f32]) {
-    let mut xa = vec![0.0f32; w.rank];
     let rows = x.chunks_exact(w.fan_in).zip(y.chunks_exact_mut(w.fan_out));
     for ((x, y), &slot) in rows.zip(token_slots) {
         if slot < 0 {
@@ -80,61 +81,9 @@ fn tokens(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &mut [f32]) {
         let s = slot as usize;
         let a = &w.a[s * w.rank * w.fan_in..][..w.rank * w.fan_in];
         let b = &w.b_scaled[s * w.rank * w.fan_out..][..w.rank * w.fan_out];
-        shrink(a, x, &mut xa);
-        expand(&xa, b, y);
-    }
-}
-
-/// xa[r] = a[r] . x for each row r of `a`, four rows at a time: four independent sums in flight
-/// (one sum alone waits on each add's latency) and each load of `x` serves four rows.
-#[inline(always)]
-fn shrink(a: &[f32], x: &[f32], xa: &mut [f32]) {
-    let n = x.len();
-    let done = xa.len() - xa.len() % 4;
-    for (r, out) in xa[..done].chunks_exact_mut(4).enumerate() {
-        let rows = &a[4 * r * n..][..4 * n];
-        let mut acc = [[0.0f32; 8]; 4];
-        for (k, xs) in x.chunks_exact(8).enumerate() {
-            let xs: &[f32; 8] = xs.try_into().unwrap();
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let row: &[f32; 8] = rows[j * n + 8 * k..][..8].try_into().unwrap();
-                for i in 0..8 {
-                    acc[i] += row[i] * xs[i];
-                }
-            }
+        for (a_row, b_row) in a.chunks_exact(w.fan_in).zip(b.chunks_exact(w.fan_out)) {
+            axpy(dot(a_row, x), b_row, y);
         }
-        let tail = n - n % 8;
-        for (j, o) in out.iter_mut().enumerate() {
-            let row = &rows[j * n..][..n];
-            *o = acc[j].iter().sum::<f32>() + dot(&row[tail..], &x[tail..]);
-        }
-    }
-    for (r, o) in xa.iter_mut().enumerate().skip(done) {
-        *o = dot(&a[r * n..][..n], x);
-    }
-}
-
-/// y += sum over r of xa[r] * b[r], 32 outputs at a time summed over r in registers (four
-/// independent vector sums), so y is read and written once rather than once per r.
-#[inline(always)]
-fn expand(xa: &[f32], b: &[f32], y: &mut [f32]) {
-    const W: usize = 32;
-    let n = y.len();
-    let done = n - n % W;
-    for (c, out) in y[..done].chunks_exact_mut(W).enumerate() {
-        let mut acc = [0.0f32; W];
-        for (r, &v) in xa.iter().enumerate() {
-            let row: &[f32; W] = b[r * n + c * W..][..W].try_into().unwrap();
-            for i in 0..W {
-                acc[i] += v * row[i];
-            }
-        }
-        for i in 0..W {
-            out[i] += acc[i];
-        }
-    }
-    for o in done..n {
-        y[o] += xa.iter().enumerate().map(|(r, &v)| v * b[r * n + o]).sum::<f32>();
     }
 }
 
