@@ -149,12 +149,11 @@ fn sequence<'a, const AVX2: bool>(
     scores.clear();
     scores.resize(hq * len, 0.0);
     #[cfg(target_arch = "x86_64")]
-    if AVX2 && d % 8 == 0 && d <= 32 {
+    if AVX2 && crate::attention_avx2::serves(d) {
         let shape = crate::attention_avx2::Shape { row, head_dim: d, group, len, scale };
+        let both = pages(cache.keys).zip(pages(cache.values)).map(|((first, k), (_, v))| (first, k, v));
         // SAFETY: only sequence_avx2 sets AVX2, and it runs where the CPU has AVX2 and FMA.
-        unsafe {
-            crate::attention_avx2::attend(&shape, q, pages(cache.keys), pages(cache.values), scores, out)
-        };
+        unsafe { crate::attention_avx2::attend(&shape, q, both, scores, out) };
         return;
     }
     for (first, rows) in pages(cache.keys) {

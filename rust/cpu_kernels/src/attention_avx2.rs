@@ -1,10 +1,10 @@
-//! The decode attention of one sequence with AVX2 and FMA, for head dims that are a multiple of
-//! 8: scores eight keys at a time (`hsum8`), the softmax on whole vectors, and each head's
-//! weighted sum of values kept in registers across all keys. (Reading keys and values in blocks
-//! of eight rows for all query heads at once measured no better at head dim 64 and 1.5x slower at
-//! 16.) The portable loops spent ~60 cycles
-//! a score at head dim 16: one dot's horizontal sum is a chain of dependent adds, the max and the
-//! exp ran a lane at a time, and the output row was loaded and stored again for every key.
+//! The decode attention of one sequence with AVX2 and FMA, for head dims of 8 to 128 in steps of
+//! 8. Each instance is compiled for one head dim (`V` vectors of 8 lanes), so a query or an
+//! output row lives in registers and every loop over it is unrolled: scores eight keys at a time
+//! (eight independent sums, reduced together by `hsum8`), the softmax on whole vectors, and the
+//! weighted sum of the values in `U` sets of accumulators (U keys in flight, so short rows are
+//! not bound by the latency of one chain of fused multiply-adds). The previous version, written
+//! with iterators over slices, ran ~90 instructions a score at head dim 16; this one ~12.
 //!
 //! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `decode_attention`
 //! checked.
@@ -13,7 +13,6 @@ use std::arch::x86_64::*;
 
 use crate::attention::exp;
 use crate::vector::avx2::{hsum, hsum8};
-use crate::vector::axpy;
 
 /// A sequence's layout: cache rows of `row` floats (all kv heads), `group` query heads per kv
 /// head, `len` keys.
@@ -25,59 +24,136 @@ pub struct Shape {
     pub scale: f32,
 }
 
-/// out [num_q_heads, head_dim] += softmax(q k^T * scale) v over the pages (first position,
-/// rows); `scores` is [num_q_heads, len] scratch. Scores and softmax on vectors, each query head
-/// over its kv head's keys; the values in cache order, every row once, into each query head's
-/// output row (which stays in L1).
+/// The head dims this path serves.
+pub fn serves(head_dim: usize) -> bool {
+    head_dim % 8 == 0 && (8..=128).contains(&head_dim)
+}
+
+/// out [num_q_heads, head_dim] = softmax(q k^T * scale) v over the pages (first position, rows);
+/// `scores` is [num_q_heads, len] scratch, `out` starts zeroed. `serves(shape.head_dim)` holds.
 #[inline(always)]
 pub unsafe fn attend<'a>(
     shape: &Shape,
     q: &[f32],
-    keys: impl Iterator<Item = (usize, &'a [f32])>,
-    values: impl Iterator<Item = (usize, &'a [f32])>,
+    pages: impl Iterator<Item = (usize, &'a [f32], &'a [f32])> + Clone,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let (d, len, row, group) = (shape.head_dim, shape.len, shape.row, shape.group);
-    for (first, rows) in keys {
-        for (qh, qv) in q.chunks_exact(d).enumerate() {
-            let dst = &mut scores[qh * len + first..][..rows.len() / row];
-            page_scores(qv, &rows[qh / group * d..], row, shape.scale, dst);
+    macro_rules! by_head_dim {
+        ($($v:literal => $u:literal),*) => {
+            match shape.head_dim / 8 {
+                $($v => attend_with::<$v, $u>(shape, q, pages, scores, out),)*
+                _ => unreachable!("serves() admits head dims of 8 to 128"),
+            }
+        };
+    }
+    by_head_dim!(1 => 8, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1, 9 => 1, 10 => 1, 11 => 1,
+                 12 => 1, 13 => 1, 14 => 1, 15 => 1, 16 => 1)
+}
+
+#[inline(always)]
+unsafe fn attend_with<'a, const V: usize, const U: usize>(
+    shape: &Shape,
+    q: &[f32],
+    pages: impl Iterator<Item = (usize, &'a [f32], &'a [f32])> + Clone,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let (d, len, row, group) = (8 * V, shape.len, shape.row, shape.group);
+    let heads = q.len() / d;
+    for (first, keys, _) in pages.clone() {
+        let n = keys.len() / row;
+        for qh in 0..heads {
+            let mut qv = [_mm256_setzero_ps(); V];
+            for (c, qc) in qv.iter_mut().enumerate() {
+                *qc = _mm256_loadu_ps(q.as_ptr().add(qh * d + 8 * c));
+            }
+            let k = keys.as_ptr().add(qh / group * d);
+            page_scores::<V>(&qv, k, row, n, shape.scale, scores.as_mut_ptr().add(qh * len + first));
         }
     }
-    scores.chunks_exact_mut(len).for_each(|head| softmax(head));
-    for (first, rows) in values {
-        for (j, vals) in rows.chunks_exact(row).enumerate() {
-            for (h, v) in vals.chunks_exact(d).enumerate() {
-                for qh in h * group..(h + 1) * group {
-                    axpy(scores[qh * len + first + j], v, &mut out[qh * d..][..d]);
-                }
-            }
+    for head in scores.chunks_exact_mut(len) {
+        softmax(head); // NOTE: not in a closure, which would compile without AVX2 (intrinsics as calls)
+    }
+    for (first, _, values) in pages {
+        let n = values.len() / row;
+        for qh in 0..heads {
+            let v = values.as_ptr().add(qh / group * d);
+            let weights = scores.as_ptr().add(qh * len + first);
+            page_values::<V, U>(weights, v, row, n, out.as_mut_ptr().add(qh * d));
         }
     }
 }
 
-/// dst[j] = q . k_j * scale for the keys starting `row` floats apart in `keys`, eight keys at a
-/// time: eight vector sums in flight, reduced together by `hsum8`.
+/// dst[j] = q . k_j * scale for the n keys starting `row` floats apart at `k`.
 #[inline(always)]
-unsafe fn page_scores(q: &[f32], keys: &[f32], row: usize, scale: f32, dst: &mut [f32]) {
-    let n = dst.len();
-    let part = |j: usize| {
-        let k = keys.as_ptr().add(j * row);
-        let mut acc = _mm256_setzero_ps();
-        for c in (0..q.len()).step_by(8) {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), _mm256_loadu_ps(k.add(c)), acc);
-        }
-        acc
-    };
+unsafe fn page_scores<const V: usize>(
+    q: &[__m256; V],
+    k: *const f32,
+    row: usize,
+    n: usize,
+    scale: f32,
+    dst: *mut f32,
+) {
+    let scale8 = _mm256_set1_ps(scale);
     let mut j = 0;
     while j + 8 <= n {
-        let parts = std::array::from_fn(|i| part(j + i));
-        _mm256_storeu_ps(dst.as_mut_ptr().add(j), _mm256_mul_ps(hsum8(&parts), _mm256_set1_ps(scale)));
+        let mut parts = [_mm256_setzero_ps(); 8];
+        for (c, qc) in q.iter().enumerate() {
+            for (i, part) in parts.iter_mut().enumerate() {
+                *part = _mm256_fmadd_ps(*qc, _mm256_loadu_ps(k.add((j + i) * row + 8 * c)), *part);
+            }
+        }
+        _mm256_storeu_ps(dst.add(j), _mm256_mul_ps(hsum8(&parts), scale8));
         j += 8;
     }
-    for (j, s) in dst.iter_mut().enumerate().skip(j) {
-        *s = hsum(part(j)) * scale;
+    while j < n {
+        let mut acc = _mm256_setzero_ps();
+        for (c, qc) in q.iter().enumerate() {
+            acc = _mm256_fmadd_ps(*qc, _mm256_loadu_ps(k.add(j * row + 8 * c)), acc);
+        }
+        *dst.add(j) = hsum(acc) * scale;
+        j += 1;
+    }
+}
+
+/// out[..8V] += sum_j w[j] v_j for the n value rows starting `row` floats apart at `v`, U keys
+/// at a time into U sets of accumulators.
+#[inline(always)]
+unsafe fn page_values<const V: usize, const U: usize>(
+    w: *const f32,
+    v: *const f32,
+    row: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    let mut acc = [[_mm256_setzero_ps(); V]; U];
+    for (c, a) in acc[0].iter_mut().enumerate() {
+        *a = _mm256_loadu_ps(out.add(8 * c));
+    }
+    let mut j = 0;
+    while j + U <= n {
+        for (u, set) in acc.iter_mut().enumerate() {
+            let p = _mm256_set1_ps(*w.add(j + u));
+            for (c, a) in set.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add((j + u) * row + 8 * c)), *a);
+            }
+        }
+        j += U;
+    }
+    while j < n {
+        let p = _mm256_set1_ps(*w.add(j));
+        for (c, a) in acc[0].iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(j * row + 8 * c)), *a);
+        }
+        j += 1;
+    }
+    for c in 0..V {
+        let mut total = acc[0][c];
+        for set in &acc[1..] {
+            total = _mm256_add_ps(total, set[c]);
+        }
+        _mm256_storeu_ps(out.add(8 * c), total);
     }
 }
 

@@ -106,10 +106,12 @@ fn grouped_query_heads_over_shuffled_pages_match_dense_attention() {
 
 #[test]
 fn pages_of_sixteen_keys_match_dense_attention() {
-    // blocks of 16 with partial blocks of 5, 3 and 4 keys after them; at head dim 24 (the AVX2
-    // path, where the CPU has it) keys are scored eight at a time, 64 takes the portable loops
-    for d in [24, 64] {
-        let c = case(&[37, 16, 3, 100], 16, 2, 4, d, 13);
+    // blocks of 16 with partial blocks of 5, 3 and 4 keys after them. Head dims 8 to 128 in steps
+    // of 8 take the AVX2 path where the CPU has it (one compiled instance per head dim, values
+    // taken 8, 4, 2 or 1 keys at a time): 8, 16, 24 and 32 cover the four, 64 and 128 the common
+    // sizes; 136 takes the portable loops.
+    for d in [8, 16, 24, 32, 64, 128, 136] {
+        let c = case(&[37, 16, 3, 100], 16, 2, 4, d, 13 + d as u64);
         assert_close(&run(&c, 0.125).unwrap(), &dense(&c, 0.125));
     }
 }
