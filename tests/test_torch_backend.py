@@ -112,6 +112,22 @@ def test_cpu_kernel_refuses_bad_arguments_naming_them():
             _core.paged_decode_attention(**{**args, field: value})
 
 
+def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
+    # 64 sequences of 2-317 keys: enough work that, with threads=2, the kernel splits the batch
+    # over the calling thread's OpenMP team (torch's libgomp)
+    seq_lens = [2 + i * 61 % 316 for i in range(64)]
+    q, _, _, kc, vc, _, tables = _paged_batch(seq_lens, [1] * 64, seed=5)
+    lens = np.array(seq_lens, dtype=np.int32)
+    outs = []
+    for threads in (1, 2):
+        out = np.full(q.shape, np.nan, dtype=np.float32)
+        _core.paged_decode_attention(q.numpy(), kc.numpy(), vc.numpy(), tables.numpy(), lens, 0.3, out, threads=threads)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = paged_decode_attention_ref(q, kc, vc, tables, torch.from_numpy(lens), 0.3)
+    torch.testing.assert_close(torch.from_numpy(outs[1]), want, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2048])
 def test_rms_norm_has_the_bits_of_transformers(dtype, rows):

@@ -187,12 +187,12 @@ def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGrou
 
 
 def _decode_attention(q, k_cache, v_cache, plan: InPlaceDecode | DecodeGroups, scale):
-    """Decode attention: through the CPU kernel, or the reference run per group of similar lengths
-    (padding only to each group's longest)."""
+    """Decode attention: through the CPU kernel (on torch's intra-op threads), or the reference run
+    per group of similar lengths (padding only to each group's longest)."""
     if isinstance(plan, InPlaceDecode):
         out = torch.empty(q.shape, dtype=q.dtype)
         _core.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), plan.block_tables,
-                                     plan.seq_lens, scale, out.numpy())
+                                     plan.seq_lens, scale, out.numpy(), threads=torch.get_num_threads())
         return out
     if plan[0][0] is None:
         return decode.decode_attention_with_layout(q, k_cache, v_cache, plan[0][1], scale)

@@ -11,13 +11,22 @@
 //! `[num_seqs, table_width]`. Query head `h` reads kv head `h / (num_q_heads / num_kv_heads)`
 //! (grouped-query attention). A sequence of length 0 gets zeros.
 //!
-//! The kernel: checks, then each sequence in two passes over its rows, on the calling thread.
-//! One thread on purpose: it runs between torch ops, whose OpenMP workers keep spinning for a
-//! while after each op; a second pool of threads competing with them for the same cores made the
-//! kernel 2-3x slower inside the engine than alone (measured on 2 cores: 1.7-2.5 ms per call with
-//! two rayon threads, 0.86 ms on the calling thread, for 256 sequences of ~50 rows).
+//! The kernel: checks, then each sequence in two passes over its rows. `decode_attention` runs
+//! on the calling thread; `decode_attention_on` splits the sequences into ranges of about equal
+//! numbers of keys and runs them on the threads of a `ForkJoin` the caller lends. Not a pool of
+//! its own: between torch ops, torch's OpenMP workers keep spinning on the other cores, and
+//! threads competing with them made the kernel 2-3x slower inside the engine than alone
+//! (measured on 2 cores with two rayon threads).
 
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
+
+use crate::parallel::{ForkJoin, OnCallingThread};
 use crate::vector::{axpy, dot, has_avx2_fma, sum};
+
+/// Below this many multiply-adds (keys x query heads x head dim) a step runs on one thread: a
+/// fork and join costs a few microseconds even when the other threads are awake.
+const MIN_PARALLEL_WORK: usize = 1 << 17;
 
 /// The paged KV cache of one layer.
 pub struct PagedCache<'a> {
@@ -54,11 +63,73 @@ pub fn decode_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    decode_attention_on(&OnCallingThread, cache, batch, scale, out)
+}
+
+/// `decode_attention` with the sequences spread over the threads of `pool`: each thread takes
+/// ranges of sequences (about four per thread, of about equal numbers of keys) and writes their
+/// rows of `out`. The result is the same bits as on one thread.
+pub fn decode_attention_on(
+    pool: &dyn ForkJoin,
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
     check(cache, batch, out)?;
-    let (hq, d) = (batch.num_q_heads, cache.head_dim);
+    let per_seq = batch.num_q_heads * cache.head_dim;
+    let keys: usize = batch.seq_lens.iter().map(|&n| n as usize).sum();
+    let parts = if keys * per_seq < MIN_PARALLEL_WORK { 1 } else { 4 * pool.threads() };
+    let ranges = balanced_ranges(batch.seq_lens, parts);
+    if ranges.len() <= 1 {
+        sequences(cache, batch, scale, 0..batch.seq_lens.len(), out);
+        return Ok(());
+    }
+    let mut rest = out;
+    let mut outs = Vec::with_capacity(ranges.len());
+    for r in &ranges {
+        let (head, tail) = rest.split_at_mut(r.len() * per_seq);
+        outs.push(Mutex::new(head));
+        rest = tail;
+    }
+    pool.run(ranges.len(), &|i| {
+        let mut out = outs[i].lock().unwrap_or_else(PoisonError::into_inner);
+        sequences(cache, batch, scale, ranges[i].clone(), &mut out);
+    });
+    Ok(())
+}
+
+/// Sequences 0..lens.len() in at most `parts` contiguous, non-empty ranges of about equal total
+/// length.
+fn balanced_ranges(lens: &[i32], parts: usize) -> Vec<Range<usize>> {
+    let total: usize = lens.iter().map(|&n| n as usize).sum();
+    let mut ranges = Vec::with_capacity(parts);
+    let (mut start, mut acc) = (0, 0);
+    for (i, &n) in lens.iter().enumerate() {
+        acc += n as usize;
+        if ranges.len() + 1 < parts && acc * parts >= total * (ranges.len() + 1) {
+            ranges.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    if start < lens.len() {
+        ranges.push(start..lens.len());
+    }
+    ranges
+}
+
+/// The sequences of `seqs`, in order, on the calling thread; `out` holds their rows only.
+fn sequences(
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    seqs: Range<usize>,
+    out: &mut [f32],
+) {
+    let per_seq = batch.num_q_heads * cache.head_dim;
     let avx2 = has_avx2_fma();
     let mut scores = Vec::new();
-    for (seq, out_seq) in out.chunks_exact_mut(hq * d).enumerate() {
+    for (seq, out_seq) in seqs.zip(out.chunks_exact_mut(per_seq)) {
         #[cfg(target_arch = "x86_64")]
         if avx2 {
             // SAFETY: has_avx2_fma found that the CPU supports AVX2 and FMA.
@@ -67,7 +138,6 @@ pub fn decode_attention(
         }
         sequence::<false>(cache, batch, scale, seq, &mut scores, out_seq);
     }
-    Ok(())
 }
 
 fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result<(), AttentionError> {
@@ -249,5 +319,21 @@ mod tests {
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!(super::exp(0.0), 1.0);
         assert!(super::exp(-1000.0) < 1e-37);
+    }
+
+    #[test]
+    fn ranges_cover_every_sequence_once_with_about_equal_keys() {
+        assert_eq!(balanced_ranges(&[10, 10, 10, 10], 2), vec![0..2, 2..4]);
+        assert_eq!(balanced_ranges(&[100, 1, 1, 1], 2), vec![0..1, 1..4]);
+        assert_eq!(balanced_ranges(&[5, 5], 8), vec![0..1, 1..2]); // never an empty range
+        assert_eq!(balanced_ranges(&[0, 0, 0], 2), vec![0..1, 1..3]);
+        assert_eq!(balanced_ranges(&[], 4), vec![]);
+        let lens: Vec<i32> = (0..256).map(|i| 16 + i % 64).collect();
+        let ranges = balanced_ranges(&lens, 8);
+        assert_eq!((ranges.len(), ranges[0].start, ranges[7].end), (8, 0, 256));
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        let keys: Vec<i32> = ranges.iter().map(|r| lens[r.clone()].iter().sum()).collect();
+        let (least, most) = (keys.iter().min().unwrap(), keys.iter().max().unwrap());
+        assert!(most - least <= 2 * 79, "{keys:?}"); // within two sequences' keys of each other
     }
 }

@@ -3,7 +3,12 @@
 mod common;
 
 use common::Rng;
-use pyserve_cpu_kernels::{decode_attention, AttentionError, DecodeBatch, PagedCache};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use pyserve_cpu_kernels::{
+    decode_attention, decode_attention_on, AttentionError, DecodeBatch, ForkJoin, PagedCache,
+};
 
 struct Case {
     keys: Vec<f32>,
@@ -47,6 +52,10 @@ fn case(lens: &[i32], bs: usize, hkv: usize, hq: usize, d: usize, seed: u64) -> 
 }
 
 fn run(c: &Case, scale: f32) -> Result<Vec<f32>, AttentionError> {
+    run_on(None, c, scale)
+}
+
+fn run_on(pool: Option<&dyn ForkJoin>, c: &Case, scale: f32) -> Result<Vec<f32>, AttentionError> {
     let cache =
         PagedCache { keys: &c.keys, values: &c.values, block_size: c.bs, num_kv_heads: c.hkv, head_dim: c.d };
     let batch = DecodeBatch {
@@ -57,7 +66,10 @@ fn run(c: &Case, scale: f32) -> Result<Vec<f32>, AttentionError> {
         seq_lens: &c.lens,
     };
     let mut out = vec![f32::NAN; c.queries.len()];
-    decode_attention(&cache, &batch, scale, &mut out)?;
+    match pool {
+        Some(pool) => decode_attention_on(pool, &cache, &batch, scale, &mut out)?,
+        None => decode_attention(&cache, &batch, scale, &mut out)?,
+    }
     Ok(out)
 }
 
@@ -144,4 +156,62 @@ fn bad_inputs_are_refused_naming_what_is_wrong() {
     let mut c = case(&[5], 4, 2, 3, 8, 5);
     c.queries.truncate(10);
     assert!(matches!(run(&c, 1.0), Err(AttentionError::Shape(m)) if m.contains("num_q_heads 3")));
+}
+
+/// Parts taken from a shared counter by `threads` scoped threads; records each call's part count
+/// and which threads ran parts.
+struct ScopedThreads {
+    threads: usize,
+    calls: Mutex<Vec<usize>>,
+    workers: Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+}
+
+impl ForkJoin for ScopedThreads {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+        self.calls.lock().unwrap().push(parts);
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..self.threads {
+                s.spawn(|| loop {
+                    let part = next.fetch_add(1, Ordering::Relaxed);
+                    if part >= parts {
+                        return;
+                    }
+                    self.workers.lock().unwrap().insert(std::thread::current().id());
+                    task(part);
+                    std::thread::sleep(std::time::Duration::from_millis(1)); // let the other thread take parts
+                });
+            }
+        });
+    }
+
+    fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+#[test]
+fn sequences_spread_over_lent_threads_give_the_same_bits() {
+    // 40 sequences of 0-300 keys, 8 query heads of 32: over the work threshold, so the batch is
+    // split (four ranges per thread) and each range written by whichever thread took it.
+    let lens: Vec<i32> = (0..40).map(|i| (i * 37 % 301) as i32).collect();
+    let c = case(&lens, 16, 2, 8, 32, 21);
+    let pool = ScopedThreads { threads: 2, calls: Mutex::default(), workers: Mutex::default() };
+    let spread = run_on(Some(&pool), &c, 0.2).unwrap();
+    assert_eq!(*pool.calls.lock().unwrap(), vec![8]);
+    assert_eq!(pool.workers.lock().unwrap().len(), 2);
+    let alone = run(&c, 0.2).unwrap();
+    assert_eq!(
+        spread.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    assert_close(&spread, &dense(&c, 0.2));
+}
+
+#[test]
+fn a_small_batch_stays_on_the_calling_thread() {
+    let c = case(&[30, 12, 7], 16, 2, 4, 16, 4);
+    let pool = ScopedThreads { threads: 2, calls: Mutex::default(), workers: Mutex::default() };
+    assert_close(&run_on(Some(&pool), &c, 0.5).unwrap(), &dense(&c, 0.5));
+    assert!(pool.calls.lock().unwrap().is_empty());
 }

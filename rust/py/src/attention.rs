@@ -7,15 +7,18 @@ use numpy::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{decode_attention, DecodeBatch, PagedCache};
+use pyserve_cpu_kernels::{decode_attention, decode_attention_on, DecodeBatch, PagedCache};
 
 use crate::arrays::{contiguous, contiguous_mut};
+use crate::openmp;
 
 /// q [num_seqs, num_q_heads, head_dim] f32; k_cache, v_cache [num_blocks, block_size,
 /// num_kv_heads, head_dim] f32; block_tables [num_seqs, width] int32; seq_lens [num_seqs] int32
 /// (keys per sequence, the new one included); `out` like q, overwritten. ValueError names the
-/// argument at fault.
+/// argument at fault. With `threads` > 1 the sequences are spread over the calling thread's
+/// OpenMP team (torch's), where one is loaded.
 #[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -26,6 +29,7 @@ pub fn paged_decode_attention(
     seq_lens: PyReadonlyArray1<'_, i32>,
     scale: f32,
     mut out: PyReadwriteArray3<'_, f32>,
+    threads: usize,
 ) -> PyResult<()> {
     let cache_shape = k_cache.shape().to_vec();
     if v_cache.shape() != cache_shape.as_slice() {
@@ -64,6 +68,9 @@ pub fn paged_decode_attention(
         seq_lens: contiguous("seq_lens", &seq_lens)?,
     };
     let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| decode_attention(&cache, &batch, scale, out))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| match openmp::team(threads) {
+        Some(team) => decode_attention_on(&team, &cache, &batch, scale, out),
+        None => decode_attention(&cache, &batch, scale, out),
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
 }

@@ -7,6 +7,7 @@ mod arrays;
 mod attention;
 mod error;
 mod lora;
+mod openmp;
 mod output;
 mod scheduler;
 

@@ -1,0 +1,24 @@
+//! How a kernel spreads its work over threads it does not own. The caller passes a `ForkJoin`:
+//! in pyserve, torch's own OpenMP team, whose threads spin between torch ops (a second pool of
+//! threads would compete with them for the same cores).
+
+/// Runs `task(0)`, ..., `task(parts - 1)`, each exactly once, possibly on several threads at
+/// once, and returns when all have run.
+pub trait ForkJoin: Sync {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync));
+    /// The most threads `run` uses at once.
+    fn threads(&self) -> usize;
+}
+
+/// Every part in turn on the calling thread.
+pub struct OnCallingThread;
+
+impl ForkJoin for OnCallingThread {
+    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+        (0..parts).for_each(task);
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+}
