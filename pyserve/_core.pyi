@@ -104,9 +104,11 @@ def lora_add(
     token_slots: np.ndarray,
     lora_a: np.ndarray,
     b_scaled: np.ndarray,
+    threads: int = 1,
 ) -> None:
     """Multi-LoRA on the CPU, in place: for each token with a slot (token_slots [tokens] int64,
     -1 = none), y[token] += b_scaled[slot]^T (lora_a[slot] x[token]). y [tokens, fan_out], x
     [tokens, fan_in], lora_a [num_slots, rank, fan_in], b_scaled [num_slots, rank, fan_out] (B
     transposed, times the adapter's scaling), all f32 and C-contiguous. Raises ValueError naming
-    the argument at fault."""
+    the argument at fault. With `threads` > 1 the work is spread over the calling thread's OpenMP
+    team (torch's libgomp), where one is loaded."""

@@ -67,6 +67,28 @@ def test_cpu_kernel_refuses_bad_arguments_naming_them():
     assert not y.any()  # nothing written by a refused call
 
 
+def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
+    # 64 tokens over 8 slots at rank 16: enough work that, with threads=2, the blocks are spread
+    # over the calling thread's OpenMP team (torch's libgomp)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 96), dtype=np.float32)
+    a = rng.standard_normal((8, 16, 96), dtype=np.float32)
+    b = rng.standard_normal((8, 16, 200), dtype=np.float32)
+    slots = np.array([-1 if t % 9 == 4 else t % 8 for t in range(64)], dtype=np.int64)
+    y0 = rng.standard_normal((64, 200), dtype=np.float32)
+    outs = []
+    for threads in (1, 2):
+        y = y0.copy()
+        _core.lora_add(y, x, slots, a, b, threads=threads)
+        outs.append(y)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = y0.astype(np.float64)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[t] += b[s].astype(np.float64).T @ (a[s].astype(np.float64) @ x[t])
+    np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-3)
+
+
 def make_adapter(base_dir, out, rank, targets, seed, alpha=None, rslora=False):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -127,7 +127,9 @@ def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):
 def add_lora_cpu(y, x, lora_a, b_scaled, token_slots):
     """The CPU serving path for fp32, same result as `add_lora_ref`: the Rust kernel
     (`pyserve._core.lora_add`), tokens grouped by slot and each adapter's B read once per four
-    tokens, on the tensors' memory in place. b_scaled [S, R, out] is each slot's B transposed and
-    multiplied by its scaling; token_slots is the step's slot per token as an int64 numpy array."""
-    _core.lora_add(y.numpy(), x.contiguous().numpy(), token_slots, lora_a.numpy(), b_scaled.numpy())
+    tokens, on the tensors' memory in place and on torch's intra-op threads. b_scaled [S, R, out] is
+    each slot's B transposed and multiplied by its scaling; token_slots is the step's slot per
+    token as an int64 numpy array."""
+    _core.lora_add(y.numpy(), x.contiguous().numpy(), token_slots, lora_a.numpy(), b_scaled.numpy(),
+                   threads=torch.get_num_threads())
     return y

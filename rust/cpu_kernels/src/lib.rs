@@ -13,5 +13,5 @@ mod parallel;
 mod vector;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
-pub use lora::{add_lora, LoraError, LoraWeights};
+pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};

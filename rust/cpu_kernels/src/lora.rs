@@ -9,8 +9,25 @@
 //! Layouts (row-major, f32): `x [tokens, fan_in]`; `a [num_slots, rank, fan_in]`; `b_scaled
 //! [num_slots, rank, fan_out]`, each slot's B transposed and multiplied by its adapter's scaling;
 //! `y [tokens, fan_out]`. An adapter of a smaller rank than `rank` has zero rows past its own.
+//!
+//! The work: tokens grouped by slot, in blocks of up to `BLOCK` tokens of one slot (the AVX2
+//! path reads each vector of B once per block). `add_lora_on` spreads the blocks over the threads
+//! of a `ForkJoin`; every token is in at most one block, so each row of `y` has one writer.
 
+use std::ops::Range;
+
+use crate::parallel::{ForkJoin, OnCallingThread};
 use crate::vector::{axpy, dot, has_avx2_fma};
+
+/// Tokens of one slot per block: four tokens by sixteen outputs is eight independent vector sums
+/// in the AVX2 path, enough to keep both FMA units busy.
+pub(crate) const BLOCK: usize = 4;
+
+/// Below this many multiply-adds a call runs on one thread (a fork and join costs microseconds).
+const MIN_PARALLEL_WORK: usize = 1 << 17;
+
+/// A slot and up to `BLOCK` of its tokens.
+pub(crate) type Block<'a> = (usize, &'a [usize]);
 
 /// The stacked adapters of one projection, one per slot.
 pub struct LoraWeights<'a> {
@@ -37,15 +54,79 @@ pub fn add_lora(
     weights: &LoraWeights<'_>,
     y: &mut [f32],
 ) -> Result<(), LoraError> {
+    add_lora_on(&OnCallingThread, x, token_slots, weights, y)
+}
+
+/// `add_lora` with the blocks spread over the threads of `pool` (about four ranges of blocks per
+/// thread). The result is the same bits as on one thread.
+pub fn add_lora_on(
+    pool: &dyn ForkJoin,
+    x: &[f32],
+    token_slots: &[i64],
+    weights: &LoraWeights<'_>,
+    y: &mut [f32],
+) -> Result<(), LoraError> {
     check(x, token_slots, weights, y)?;
+    let groups = by_slot(token_slots, weights.num_slots);
+    let blocks = blocks(&groups);
+    let tokens: usize = groups.iter().map(Vec::len).sum();
+    let work = tokens * weights.rank * (weights.fan_in + weights.fan_out);
+    let parts = if work < MIN_PARALLEL_WORK { 1 } else { blocks.len().min(4 * pool.threads()) };
+    let rows = SharedRows { ptr: y.as_mut_ptr(), len: y.len() };
+    let run = |range: Range<usize>| blocks_here(x, &blocks[range], weights, &rows);
+    if parts <= 1 {
+        run(0..blocks.len());
+    } else {
+        let n = blocks.len();
+        pool.run(parts, &|i| run(i * n / parts..(i + 1) * n / parts));
+    }
+    Ok(())
+}
+
+/// The tokens of each slot, in order; tokens with a negative slot are in none.
+fn by_slot(token_slots: &[i64], num_slots: usize) -> Vec<Vec<usize>> {
+    let mut groups = vec![Vec::new(); num_slots];
+    for (t, &s) in token_slots.iter().enumerate() {
+        if s >= 0 {
+            groups[s as usize].push(t);
+        }
+    }
+    groups
+}
+
+/// Each slot's tokens in blocks of up to `BLOCK`.
+fn blocks(groups: &[Vec<usize>]) -> Vec<Block<'_>> {
+    groups.iter().enumerate().flat_map(|(s, g)| g.chunks(BLOCK).map(move |b| (s, b))).collect()
+}
+
+/// The rows of `y`, written by several threads at once, each only the rows of its own blocks'
+/// tokens (no two blocks share a token).
+pub(crate) struct SharedRows {
+    pub ptr: *mut f32,
+    pub len: usize,
+}
+
+// SAFETY: the threads sharing it write disjoint rows (see above).
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    /// Row `t` of `n` floats. Safety: no other reference to that row is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn row(&self, t: usize, n: usize) -> &mut [f32] {
+        assert!((t + 1) * n <= self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(t * n), n)
+    }
+}
+
+/// The blocks of one range, on the calling thread.
+fn blocks_here(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        // SAFETY: has_avx2_fma found that the CPU supports AVX2 and FMA; `check` the shapes.
-        unsafe { crate::lora_avx2::tokens(x, token_slots, weights, y) };
-        return Ok(());
+        // SAFETY: has_avx2_fma found AVX2 and FMA; `check` the shapes; the blocks' rows are ours.
+        unsafe { crate::lora_avx2::blocks(x, blocks, w, y) };
+        return;
     }
-    tokens(x, token_slots, weights, y);
-    Ok(())
+    portable_blocks(x, blocks, w, y);
 }
 
 fn check(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &[f32]) -> Result<(), LoraError> {
@@ -72,17 +153,17 @@ fn check(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &[f32]) -> Resu
 /// The portable kernel, one token at a time: `rank` dot products, then `rank` rows of B added.
 /// (Blocked loops measured no faster: 16-18 GFLOP/s either way, compiled for AVX2, before
 /// `lora_avx2`'s intrinsics.)
-fn tokens(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &mut [f32]) {
-    let rows = x.chunks_exact(w.fan_in).zip(y.chunks_exact_mut(w.fan_out));
-    for ((x, y), &slot) in rows.zip(token_slots) {
-        if slot < 0 {
-            continue;
-        }
-        let s = slot as usize;
-        let a = &w.a[s * w.rank * w.fan_in..][..w.rank * w.fan_in];
-        let b = &w.b_scaled[s * w.rank * w.fan_out..][..w.rank * w.fan_out];
-        for (a_row, b_row) in a.chunks_exact(w.fan_in).zip(b.chunks_exact(w.fan_out)) {
-            axpy(dot(a_row, x), b_row, y);
+fn portable_blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
+    for &(slot, tokens) in blocks {
+        let a = &w.a[slot * w.rank * w.fan_in..][..w.rank * w.fan_in];
+        let b = &w.b_scaled[slot * w.rank * w.fan_out..][..w.rank * w.fan_out];
+        for &t in tokens {
+            let x = &x[t * w.fan_in..][..w.fan_in];
+            // SAFETY: token t is in this block only, and this block in one range.
+            let y = unsafe { y.row(t, w.fan_out) };
+            for (a_row, b_row) in a.chunks_exact(w.fan_in).zip(b.chunks_exact(w.fan_out)) {
+                axpy(dot(a_row, x), b_row, y);
+            }
         }
     }
 }
@@ -101,7 +182,9 @@ mod tests {
         let (x, a, b, y0) = (gen(9 * fi, 1), gen(3 * r * fi, 2), gen(3 * r * fo, 3), gen(9 * fo, 4));
         let w = LoraWeights { a: &a, b_scaled: &b, num_slots: 3, rank: r, fan_in: fi, fan_out: fo };
         let (mut portable, mut dispatched) = (y0.clone(), y0.clone());
-        tokens(&x, &slots, &w, &mut portable);
+        let groups = by_slot(&slots, 3);
+        let rows = SharedRows { ptr: portable.as_mut_ptr(), len: portable.len() };
+        portable_blocks(&x, &blocks(&groups), &w, &rows);
         add_lora(&x, &slots, &w, &mut dispatched).unwrap();
         for (p, d) in portable.iter().zip(&dispatched) {
             assert!((p - d).abs() <= 1e-4 * (1.0 + p.abs()), "{p} vs {d}");

@@ -1,4 +1,4 @@
-//! The LoRA kernel with AVX2 and FMA: tokens grouped by slot and taken four at a time, so each
+//! The LoRA kernel with AVX2 and FMA over blocks of up to four tokens of one slot, so each
 //! vector of an adapter's B, read from cache once, serves four tokens (B is most of the bytes:
 //! reading it once per token held the portable loops to ~17 GFLOP/s).
 //!
@@ -6,43 +6,27 @@
 
 use std::arch::x86_64::*;
 
-use crate::lora::LoraWeights;
+use crate::lora::{Block, LoraWeights, SharedRows, BLOCK};
 use crate::vector::avx2::hsum;
 
-/// Tokens per block: four tokens by sixteen outputs is eight independent vector sums, enough to
-/// keep both FMA units busy.
-const BLOCK: usize = 4;
-
+/// Each block's tokens: their shrunk inputs (`rank` each), then B expanded into their rows.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tokens(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &mut [f32]) {
+pub unsafe fn blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
     let (rank, fan_in, fan_out) = (w.rank, w.fan_in, w.fan_out);
     let mut xa = vec![0.0f32; BLOCK * rank];
-    for (slot, group) in by_slot(token_slots, w.num_slots).iter().enumerate() {
+    for &(slot, block) in blocks {
         let a = &w.a[slot * rank * fan_in..][..rank * fan_in];
         let b = &w.b_scaled[slot * rank * fan_out..][..rank * fan_out];
-        for block in group.chunks(BLOCK) {
-            for (i, &t) in block.iter().enumerate() {
-                shrink(a, &x[t * fan_in..][..fan_in], &mut xa[i * rank..][..rank]);
-            }
-            match block.len() {
-                4 => expand::<4>(&xa, block, b, y, rank, fan_out),
-                3 => expand::<3>(&xa, block, b, y, rank, fan_out),
-                2 => expand::<2>(&xa, block, b, y, rank, fan_out),
-                _ => expand::<1>(&xa, block, b, y, rank, fan_out),
-            }
+        for (i, &t) in block.iter().enumerate() {
+            shrink(a, &x[t * fan_in..][..fan_in], &mut xa[i * rank..][..rank]);
+        }
+        match block.len() {
+            4 => expand::<4>(&xa, block, b, y, rank, fan_out),
+            3 => expand::<3>(&xa, block, b, y, rank, fan_out),
+            2 => expand::<2>(&xa, block, b, y, rank, fan_out),
+            _ => expand::<1>(&xa, block, b, y, rank, fan_out),
         }
     }
-}
-
-/// The tokens of each slot, in order; tokens with a negative slot are in none.
-fn by_slot(token_slots: &[i64], num_slots: usize) -> Vec<Vec<usize>> {
-    let mut groups = vec![Vec::new(); num_slots];
-    for (t, &s) in token_slots.iter().enumerate() {
-        if s >= 0 {
-            groups[s as usize].push(t);
-        }
-    }
-    groups
 }
 
 /// xa[r] = a[r] . x for each row r of `a`, four rows at a time (four sums in flight, each load
@@ -85,18 +69,19 @@ unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
 }
 
 /// y[tokens[t]] += sum over r of xa[t][r] * b[r] for the T tokens of a block, sixteen outputs at
-/// a time summed over r in registers; the outputs past the last sixteen one by one.
+/// a time summed over r in registers; the outputs past the last sixteen one by one. The block's
+/// rows of `y` are written by this thread only.
 #[inline(always)]
 unsafe fn expand<const T: usize>(
     xa: &[f32],
     tokens: &[usize],
     b: &[f32],
-    y: &mut [f32],
+    y: &SharedRows,
     rank: usize,
     n: usize,
 ) {
     let body = n - n % 16;
-    let (bp, yp) = (b.as_ptr(), y.as_mut_ptr());
+    let (bp, yp) = (b.as_ptr(), y.ptr);
     let mut o = 0;
     while o < body {
         let mut acc = [[_mm256_setzero_ps(); 2]; T];
@@ -116,9 +101,10 @@ unsafe fn expand<const T: usize>(
         }
         o += 16;
     }
-    for o in body..n {
-        for (t, &token) in tokens.iter().enumerate() {
-            y[token * n + o] += (0..rank).map(|r| xa[t * rank + r] * b[r * n + o]).sum::<f32>();
+    for (t, &token) in tokens.iter().enumerate() {
+        let row = y.row(token, n);
+        for (o, out) in row.iter_mut().enumerate().skip(body) {
+            *out += (0..rank).map(|r| xa[t * rank + r] * b[r * n + o]).sum::<f32>();
         }
     }
 }

@@ -2,10 +2,7 @@
 
 mod common;
 
-use common::Rng;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
-
+use common::{Rng, ScopedThreads};
 use pyserve_cpu_kernels::{
     decode_attention, decode_attention_on, AttentionError, DecodeBatch, ForkJoin, PagedCache,
 };
@@ -158,45 +155,13 @@ fn bad_inputs_are_refused_naming_what_is_wrong() {
     assert!(matches!(run(&c, 1.0), Err(AttentionError::Shape(m)) if m.contains("num_q_heads 3")));
 }
 
-/// Parts taken from a shared counter by `threads` scoped threads; records each call's part count
-/// and which threads ran parts.
-struct ScopedThreads {
-    threads: usize,
-    calls: Mutex<Vec<usize>>,
-    workers: Mutex<std::collections::HashSet<std::thread::ThreadId>>,
-}
-
-impl ForkJoin for ScopedThreads {
-    fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
-        self.calls.lock().unwrap().push(parts);
-        let next = AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..self.threads {
-                s.spawn(|| loop {
-                    let part = next.fetch_add(1, Ordering::Relaxed);
-                    if part >= parts {
-                        return;
-                    }
-                    self.workers.lock().unwrap().insert(std::thread::current().id());
-                    task(part);
-                    std::thread::sleep(std::time::Duration::from_millis(1)); // let the other thread take parts
-                });
-            }
-        });
-    }
-
-    fn threads(&self) -> usize {
-        self.threads
-    }
-}
-
 #[test]
 fn sequences_spread_over_lent_threads_give_the_same_bits() {
     // 40 sequences of 0-300 keys, 8 query heads of 32: over the work threshold, so the batch is
     // split (four ranges per thread) and each range written by whichever thread took it.
-    let lens: Vec<i32> = (0..40).map(|i| (i * 37 % 301) as i32).collect();
+    let lens: Vec<i32> = (0..40).map(|i| i * 37 % 301).collect();
     let c = case(&lens, 16, 2, 8, 32, 21);
-    let pool = ScopedThreads { threads: 2, calls: Mutex::default(), workers: Mutex::default() };
+    let pool = ScopedThreads::new(2);
     let spread = run_on(Some(&pool), &c, 0.2).unwrap();
     assert_eq!(*pool.calls.lock().unwrap(), vec![8]);
     assert_eq!(pool.workers.lock().unwrap().len(), 2);
@@ -211,7 +176,7 @@ fn sequences_spread_over_lent_threads_give_the_same_bits() {
 #[test]
 fn a_small_batch_stays_on_the_calling_thread() {
     let c = case(&[30, 12, 7], 16, 2, 4, 16, 4);
-    let pool = ScopedThreads { threads: 2, calls: Mutex::default(), workers: Mutex::default() };
+    let pool = ScopedThreads::new(2);
     assert_close(&run_on(Some(&pool), &c, 0.5).unwrap(), &dense(&c, 0.5));
     assert!(pool.calls.lock().unwrap().is_empty());
 }

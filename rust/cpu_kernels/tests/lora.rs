@@ -2,8 +2,8 @@
 
 mod common;
 
-use common::Rng;
-use pyserve_cpu_kernels::{add_lora, LoraError, LoraWeights};
+use common::{Rng, ScopedThreads};
+use pyserve_cpu_kernels::{add_lora, add_lora_on, LoraError, LoraWeights};
 
 struct Case {
     x: Vec<f32>,
@@ -114,4 +114,33 @@ fn bad_shapes_and_slots_are_errors() {
     let mut c = case(&[0, 1], 2, 4, 8, 8, 1);
     c.b.truncate(8);
     assert!(matches!(c.run(), Err(LoraError::Shape(m)) if m == "b_scaled must be [2, 4, 8]"));
+}
+
+#[test]
+fn blocks_spread_over_lent_threads_give_the_same_bits() {
+    // 64 tokens over 8 slots (and some base tokens): 16 blocks, over the work threshold, so
+    // they are split into eight ranges and each written by whichever thread took it.
+    let slots: Vec<i64> = (0..64).map(|t| if t % 9 == 4 { -1 } else { t % 8 }).collect();
+    let c = case(&slots, 8, 16, 96, 200, 17);
+    let pool = ScopedThreads::new(2);
+    let mut spread = c.y.clone();
+    add_lora_on(&pool, &c.x, &c.slots, &c.weights(), &mut spread).unwrap();
+    assert_eq!(*pool.calls.lock().unwrap(), vec![8]);
+    assert_eq!(pool.workers.lock().unwrap().len(), 2);
+    let alone = c.run().unwrap();
+    assert_eq!(
+        spread.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    assert_close(&spread, &c.dense());
+}
+
+#[test]
+fn a_small_call_stays_on_the_calling_thread() {
+    let c = case(&[0, 1, -1, 1], 2, 4, 16, 24, 3);
+    let pool = ScopedThreads::new(2);
+    let mut y = c.y.clone();
+    add_lora_on(&pool, &c.x, &c.slots, &c.weights(), &mut y).unwrap();
+    assert!(pool.calls.lock().unwrap().is_empty());
+    assert_close(&y, &c.dense());
 }
