@@ -21,12 +21,8 @@
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
-use crate::parallel::{ForkJoin, OnCallingThread};
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK};
 use crate::vector::{axpy, dot, has_avx2_fma, sum};
-
-/// Below this many multiply-adds (keys x query heads x head dim) a step runs on one thread: a
-/// fork and join costs a few microseconds even when the other threads are awake.
-const MIN_PARALLEL_WORK: usize = 1 << 17;
 
 /// The paged KV cache of one layer.
 pub struct PagedCache<'a> {

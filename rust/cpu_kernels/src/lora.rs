@@ -16,15 +16,12 @@
 
 use std::ops::Range;
 
-use crate::parallel::{ForkJoin, OnCallingThread};
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK};
 use crate::vector::{axpy, dot, has_avx2_fma};
 
 /// Tokens of one slot per block: four tokens by sixteen outputs is eight independent vector sums
 /// in the AVX2 path, enough to keep both FMA units busy.
 pub(crate) const BLOCK: usize = 4;
-
-/// Below this many multiply-adds a call runs on one thread (a fork and join costs microseconds).
-const MIN_PARALLEL_WORK: usize = 1 << 17;
 
 /// A slot and up to `BLOCK` of its tokens.
 pub(crate) type Block<'a> = (usize, &'a [usize]);

@@ -2,6 +2,10 @@
 //! in pyserve, torch's own OpenMP team, whose threads spin between torch ops (a second pool of
 //! threads would compete with them for the same cores).
 
+/// Below this many multiply-adds a kernel call runs on the calling thread: a fork and join
+/// costs a few microseconds even when the other threads are awake.
+pub(crate) const MIN_PARALLEL_WORK: usize = 1 << 17;
+
 /// Runs `task(0)`, ..., `task(parts - 1)`, each exactly once, possibly on several threads at
 /// once, and returns when all have run.
 pub trait ForkJoin: Sync {
