@@ -37,3 +37,32 @@ async def test_an_endless_loop_is_interrupted_and_its_thread_ends():
     stopped_at = state["iterations"]
     time.sleep(0.05)
     assert state["iterations"] == stopped_at > 0
+
+
+@pytest.mark.asyncio
+async def test_the_gil_changes_hands_every_millisecond_while_work_runs():
+    # a spinning render held the event loop waiting for the GIL for up to 0.9 s at the default
+    # 5 ms switch interval; the interval is lowered while any worker runs, then restored
+    import asyncio
+    import sys
+
+    before = sys.getswitchinterval()
+    seen = []
+    release = threading.Event()
+
+    def work():
+        seen.append(sys.getswitchinterval())
+        release.wait(5)
+        return "done"
+
+    first = asyncio.ensure_future(run_with_deadline(work, timeout=5))
+    second = asyncio.ensure_future(run_with_deadline(sum, [1], timeout=5))
+    assert await second == 1  # one worker ended while another runs: still lowered
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    release.set()
+    assert await first == "done"
+    assert seen == [pytest.approx(0.001)]
+    deadline = time.perf_counter() + 5
+    while sys.getswitchinterval() != before:  # the last worker restores it as its thread ends
+        assert time.perf_counter() < deadline
+        await asyncio.sleep(0.01)
