@@ -233,11 +233,16 @@ fn sequence<'a, const AVX2: bool>(
             }
         }
     }
+    // Loops, not closures: a closure would not be compiled for AVX2 inside sequence_avx2.
     for head in scores.chunks_exact_mut(len) {
         let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        head.iter_mut().for_each(|s| *s = exp(*s - max));
+        for s in head.iter_mut() {
+            *s = exp(*s - max);
+        }
         let inv = 1.0 / sum(head);
-        head.iter_mut().for_each(|s| *s *= inv);
+        for s in head.iter_mut() {
+            *s *= inv;
+        }
     }
     for (first, rows) in pages(cache.values) {
         for (j, values) in rows.chunks_exact(row).enumerate() {

@@ -7,7 +7,7 @@ use numpy::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{decode_attention, decode_attention_on, DecodeBatch, PagedCache};
+use pyserve_cpu_kernels::{decode_attention_on, DecodeBatch, PagedCache};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
@@ -68,9 +68,6 @@ pub fn paged_decode_attention(
         seq_lens: contiguous("seq_lens", &seq_lens)?,
     };
     let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| match openmp::team(threads) {
-        Some(team) => decode_attention_on(&team, &cache, &batch, scale, out),
-        None => decode_attention(&cache, &batch, scale, out),
-    })
-    .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| openmp::on_team(threads, |pool| decode_attention_on(pool, &cache, &batch, scale, out)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }

@@ -4,7 +4,7 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{add_lora, add_lora_on, LoraWeights};
+use pyserve_cpu_kernels::{add_lora_on, LoraWeights};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
@@ -42,9 +42,6 @@ pub fn lora_add(
     };
     let (x, token_slots) = (contiguous("x", &x)?, contiguous("token_slots", &token_slots)?);
     let y = contiguous_mut("y", &mut y)?;
-    py.detach(|| match openmp::team(threads) {
-        Some(team) => add_lora_on(&team, x, token_slots, &weights, y),
-        None => add_lora(x, token_slots, &weights, y),
-    })
-    .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| openmp::on_team(threads, |pool| add_lora_on(pool, x, token_slots, &weights, y)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }

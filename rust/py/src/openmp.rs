@@ -2,26 +2,33 @@
 //! torch loaded, looked up among the libraries already in the process (never loaded here). The
 //! team's threads spin between torch ops, so they take a kernel's parts at once; a pool of our
 //! own would compete with them for the same cores. Where no libgomp is loaded (torch built with
-//! another OpenMP, or not imported), `team` returns None and kernels run on the calling thread.
+//! another OpenMP, or not imported), `on_team` runs kernels on the calling thread.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use pyserve_cpu_kernels::ForkJoin;
+use pyserve_cpu_kernels::{ForkJoin, OnCallingThread};
 
 /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags)`:
 /// runs fn(data) on every thread of the calling thread's team and returns when all have.
 type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, u32, u32);
 
-pub struct OpenMpTeam {
+struct OpenMpTeam {
     parallel: GompParallel,
     threads: usize,
 }
 
-/// The calling thread's OpenMP team of `threads` threads (itself included), if there is one to
-/// borrow and more than one thread is asked for.
-pub fn team(threads: usize) -> Option<OpenMpTeam> {
+/// Runs `kernel` on the calling thread's OpenMP team of `threads` threads (itself included), or
+/// on the calling thread alone where there is no team to borrow or one thread is asked for.
+pub fn on_team<R>(threads: usize, kernel: impl FnOnce(&dyn ForkJoin) -> R) -> R {
+    match team(threads) {
+        Some(team) => kernel(&team),
+        None => kernel(&OnCallingThread),
+    }
+}
+
+fn team(threads: usize) -> Option<OpenMpTeam> {
     static FOUND: OnceLock<GompParallel> = OnceLock::new();
     if threads < 2 {
         return None;
