@@ -3,10 +3,9 @@
 //! One query token per sequence attends to the sequence's cached keys and values, read in place
 //! from a paged cache through its block table: each cached row is read once, where a gather into
 //! a padded dense tensor followed by a dense attention reads it twice and writes it once. On
-//! CPUs, whose decode attention is bound by memory bandwidth, that is the whole cost (inside the
-//! engine a step's rows are mostly out of cache: 256 sequences of 75 keys took ~1.2 ms there
-//! against ~0.5 ms called again on warm rows, which is why spreading the sequences over threads
-//! pays). AVX2 where the CPU has it.
+//! CPUs, whose decode attention is bound by memory bandwidth, that is the whole cost; inside the
+//! engine a step's rows are mostly out of cache, so spreading the sequences over threads pays.
+//! AVX2 where the CPU has it (`attention_avx2`).
 //!
 //! Layouts (row-major, f32): cache `[num_blocks, block_size, num_kv_heads, head_dim]` for keys
 //! and values alike; queries and output `[num_seqs, num_q_heads, head_dim]`; block tables
@@ -15,16 +14,14 @@
 //!
 //! The kernel: checks, then each sequence in two passes over its rows. `decode_attention` runs
 //! on the calling thread; `decode_attention_on` splits the sequences into ranges of about equal
-//! numbers of keys and runs them on the threads of a `ForkJoin` the caller lends. Not a pool of
-//! its own: between torch ops, torch's OpenMP workers keep spinning on the other cores, and
-//! threads competing with them made the kernel 2-3x slower inside the engine than alone
-//! (measured on 2 cores with two rayon threads).
+//! numbers of keys and runs them on the threads of a `ForkJoin` the caller lends, never on a pool
+//! of its own (see `parallel`).
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
-use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK};
-use crate::vector::{axpy, dot, has_avx2_fma, sum};
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+use crate::vector::{axpy, dot, exp, sum};
 
 /// The paged KV cache of one layer.
 pub struct PagedCache<'a> {
@@ -65,8 +62,8 @@ pub fn decode_attention(
 }
 
 /// `decode_attention` with the sequences spread over the threads of `pool`: each thread takes
-/// ranges of sequences (about four per thread, of about equal numbers of keys) and writes their
-/// rows of `out`. The result is the same bits as on one thread.
+/// ranges of sequences (`PARTS_PER_THREAD` per thread, of about equal numbers of keys) and writes
+/// their rows of `out`. The result is the same bits as on one thread.
 pub fn decode_attention_on(
     pool: &dyn ForkJoin,
     cache: &PagedCache<'_>,
@@ -77,10 +74,10 @@ pub fn decode_attention_on(
     check(cache, batch, out)?;
     let per_seq = batch.num_q_heads * cache.head_dim;
     let keys: usize = batch.seq_lens.iter().map(|&n| n as usize).sum();
-    let parts = if keys * per_seq < MIN_PARALLEL_WORK { 1 } else { 4 * pool.threads() };
+    let parts = if keys * per_seq < MIN_PARALLEL_WORK { 1 } else { PARTS_PER_THREAD * pool.threads() };
     let ranges = balanced_ranges(batch.seq_lens, parts);
     if ranges.len() <= 1 {
-        sequences(cache, batch, scale, 0..batch.seq_lens.len(), out);
+        run_sequences(cache, batch, scale, 0..batch.seq_lens.len(), out);
         return Ok(());
     }
     let mut rest = out;
@@ -92,7 +89,7 @@ pub fn decode_attention_on(
     }
     pool.run(ranges.len(), &|i| {
         let mut out = outs[i].lock().unwrap_or_else(PoisonError::into_inner);
-        sequences(cache, batch, scale, ranges[i].clone(), &mut out);
+        run_sequences(cache, batch, scale, ranges[i].clone(), &mut out);
     });
     Ok(())
 }
@@ -117,24 +114,37 @@ fn balanced_ranges(lens: &[i32], parts: usize) -> Vec<Range<usize>> {
 }
 
 /// The sequences of `seqs`, in order, on the calling thread; `out` holds their rows only.
-fn sequences(
+fn run_sequences(
     cache: &PagedCache<'_>,
     batch: &DecodeBatch<'_>,
     scale: f32,
     seqs: Range<usize>,
     out: &mut [f32],
 ) {
-    let per_seq = batch.num_q_heads * cache.head_dim;
-    let avx2 = has_avx2_fma();
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::avx2_fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA; `check` passed.
+        return unsafe { crate::attention_avx2::run_sequences(cache, batch, scale, seqs, out) };
+    }
+    run_sequences_portable(cache, batch, scale, seqs, out)
+}
+
+/// `run_sequences` without intrinsics. `attention_avx2::run_sequences` runs it too, compiled for
+/// AVX2, for the head dims its intrinsics do not serve.
+#[inline(always)]
+pub(crate) fn run_sequences_portable(
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    seqs: Range<usize>,
+    out: &mut [f32],
+) {
     let mut scores = Vec::new();
-    for (seq, out_seq) in seqs.zip(out.chunks_exact_mut(per_seq)) {
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: has_avx2_fma found that the CPU supports AVX2 and FMA.
-            unsafe { sequence_avx2(cache, batch, scale, seq, &mut scores, out_seq) };
-            continue;
+    for (i, out) in seqs.zip(out.chunks_exact_mut(batch.num_q_heads * cache.head_dim)) {
+        out.fill(0.0);
+        if let Some(seq) = Sequence::new(cache, batch, i) {
+            attend(&seq, cache, scale, &mut scores, out);
         }
-        sequence::<false>(cache, batch, scale, seq, &mut scores, out_seq);
     }
 }
 
@@ -172,59 +182,70 @@ fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result
     Ok(())
 }
 
-/// `sequence` compiled for AVX2: its helpers are inlined into it, so its loops use 8-wide vectors.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn sequence_avx2(
-    cache: &PagedCache<'_>,
-    batch: &DecodeBatch<'_>,
-    scale: f32,
-    seq: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    sequence::<true>(cache, batch, scale, seq, scores, out);
+/// One sequence as both halves of the kernel read it: its query heads, and its rows of the cache
+/// page by page through its block table.
+pub(crate) struct Sequence<'b> {
+    /// [num_q_heads, head_dim]
+    pub q: &'b [f32],
+    /// Its keys, at least one.
+    pub len: usize,
+    pub head_dim: usize,
+    /// Query heads per kv head.
+    pub group: usize,
+    /// Floats in a row of the cache: one position's keys (or values) of all kv heads.
+    pub row: usize,
+    block_size: usize,
+    table: &'b [i32],
+}
+
+impl<'b> Sequence<'b> {
+    /// Sequence `seq` of the batch, or None while it has no keys.
+    #[inline(always)]
+    pub fn new(cache: &PagedCache<'_>, batch: &DecodeBatch<'b>, seq: usize) -> Option<Self> {
+        let (bs, hkv, d, hq) = (cache.block_size, cache.num_kv_heads, cache.head_dim, batch.num_q_heads);
+        let len = batch.seq_lens[seq] as usize;
+        if len == 0 {
+            return None;
+        }
+        Some(Sequence {
+            q: &batch.queries[seq * hq * d..][..hq * d],
+            len,
+            head_dim: d,
+            group: hq / hkv,
+            row: hkv * d,
+            block_size: bs,
+            table: &batch.block_tables[seq * batch.table_width..][..len.div_ceil(bs)],
+        })
+    }
+
+    /// (first position, the block's rows) of each page of `rows`, the cache's keys or values:
+    /// whole rows of the cache, no division per row.
+    #[inline(always)]
+    pub fn pages<'a>(
+        &self,
+        rows: &'a [f32],
+    ) -> impl Iterator<Item = (usize, &'a [f32])> + Clone + use<'a, 'b> {
+        let (bs, len, row) = (self.block_size, self.len, self.row);
+        self.table.iter().enumerate().map(
+            #[inline(always)]
+            move |(p, &block)| {
+                let n = bs.min(len - p * bs);
+                (p * bs, &rows[block as usize * bs * row..][..n * row])
+            },
+        )
+    }
 }
 
 /// One sequence: scores of every row for every query head (keys read once), softmax per head,
-/// then the weighted sum of the values (values read once). `scores` is [num_q_heads, len].
+/// then the weighted sum of the values (values read once) into `out`, which starts zeroed.
+/// `scores` is scratch, [num_q_heads, len] here.
 #[inline(always)]
-fn sequence<'a, const AVX2: bool>(
-    cache: &PagedCache<'a>,
-    batch: &DecodeBatch<'_>,
-    scale: f32,
-    seq: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let (bs, hkv, d, hq) = (cache.block_size, cache.num_kv_heads, cache.head_dim, batch.num_q_heads);
-    let group = hq / hkv;
-    let len = batch.seq_lens[seq] as usize;
-    out.fill(0.0);
-    if len == 0 {
-        return;
-    }
-    let q = &batch.queries[seq * hq * d..][..hq * d];
-    let table = &batch.block_tables[seq * batch.table_width..][..len.div_ceil(bs)];
-    let row = hkv * d;
-    // (first position, the block's rows) of each page: whole rows of the cache, no division per row.
-    let pages = |cache_rows: &'a [f32]| {
-        table.iter().enumerate().map(move |(p, &block)| {
-            let n = bs.min(len - p * bs);
-            (p * bs, &cache_rows[block as usize * bs * row..][..n * row])
-        })
-    };
+fn attend(seq: &Sequence<'_>, cache: &PagedCache<'_>, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let (d, group, len, row) = (seq.head_dim, seq.group, seq.len, seq.row);
+    let q = seq.q;
     scores.clear();
-    scores.resize(hq * len, 0.0);
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 && crate::attention_avx2::serves(d) {
-        let shape = crate::attention_avx2::Shape { row, head_dim: d, group, len, scale };
-        let both = pages(cache.keys).zip(pages(cache.values)).map(|((first, k), (_, v))| (first, k, v));
-        // SAFETY: only sequence_avx2 sets AVX2, and it runs where the CPU has AVX2 and FMA.
-        unsafe { crate::attention_avx2::attend(&shape, q, both, scores, out) };
-        return;
-    }
-    for (first, rows) in pages(cache.keys) {
+    scores.resize(q.len() / d * len, 0.0);
+    for (first, rows) in seq.pages(cache.keys) {
         for (j, keys) in rows.chunks_exact(row).enumerate() {
             for (h, k) in keys.chunks_exact(d).enumerate() {
                 for qh in h * group..(h + 1) * group {
@@ -233,7 +254,6 @@ fn sequence<'a, const AVX2: bool>(
             }
         }
     }
-    // Loops, not closures: a closure would not be compiled for AVX2 inside sequence_avx2.
     for head in scores.chunks_exact_mut(len) {
         let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         for s in head.iter_mut() {
@@ -244,7 +264,7 @@ fn sequence<'a, const AVX2: bool>(
             *s *= inv;
         }
     }
-    for (first, rows) in pages(cache.values) {
+    for (first, rows) in seq.pages(cache.values) {
         for (j, values) in rows.chunks_exact(row).enumerate() {
             for (h, v) in values.chunks_exact(d).enumerate() {
                 for qh in h * group..(h + 1) * group {
@@ -253,28 +273,6 @@ fn sequence<'a, const AVX2: bool>(
             }
         }
     }
-}
-
-/// e^x for x <= 0 (a softmax's shifted scores), branch-free so a loop over it vectorizes (libm's
-/// expf is a call per element: most of the kernel's time when it was used). Cephes' expf: x =
-/// n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits;
-/// relative error about 1e-7. Below -87 (where e^x underflows f32's normal range) it returns
-/// e^-87, negligible next to the row's largest weight, 1.
-#[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = x.clamp(-87.0, 0.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 #[cfg(test)]
@@ -299,29 +297,16 @@ mod tests {
             table_width: 3,
             seq_lens: &lens,
         };
-        let mut dispatched = vec![0.0; queries.len()];
+        let (mut portable, mut dispatched) = (vec![0.0; queries.len()], vec![0.0; queries.len()]);
+        run_sequences_portable(&cache, &batch, 0.3, 0..lens.len(), &mut portable);
         decode_attention(&cache, &batch, 0.3, &mut dispatched).unwrap();
-        let mut scores = Vec::new();
-        for (seq, want) in dispatched.chunks_exact(hq * d).enumerate() {
-            let mut got = vec![0.0; hq * d];
-            sequence::<false>(&cache, &batch, 0.3, seq, &mut scores, &mut got);
+        for (seq, (got, want)) in
+            portable.chunks_exact(hq * d).zip(dispatched.chunks_exact(hq * d)).enumerate()
+        {
             for (g, w) in got.iter().zip(want) {
                 assert!((g - w).abs() <= 1e-5, "sequence {seq}: {g} vs {w}");
             }
         }
-    }
-
-    #[test]
-    fn exp_is_within_a_few_ulp_of_libm_over_the_softmax_range() {
-        let mut worst = 0.0f64;
-        for i in 0..=870_000 {
-            let x = -(i as f32) * 1e-4;
-            let (got, want) = (super::exp(x) as f64, (x as f64).exp());
-            worst = worst.max((got - want).abs() / want);
-        }
-        assert!(worst < 3e-7, "worst relative error {worst}");
-        assert_eq!(super::exp(0.0), 1.0);
-        assert!(super::exp(-1000.0) < 1e-37);
     }
 
     #[test]

@@ -2,25 +2,26 @@
 //!
 //! For a token `t` whose slot `s = token_slots[t]` is not negative, `y[t] += b_scaled[s]^T (a[s]
 //! x[t])`: `rank` dot products over the input, then `rank` scaled rows of `b_scaled` added to the
-//! output row. Tokens with a negative slot are left alone. One call per projection and no
-//! grouping: on a CPU, the torch version of this (gather by slot, two batched matmuls, scatter
-//! back) spent most of its time in per-op costs at decode sizes.
+//! output row. Tokens with a negative slot are left alone. One call per projection, where torch
+//! would gather by slot, run two batched matmuls and scatter back: at decode sizes those ops cost
+//! a CPU mostly their per-op overhead.
 //!
 //! Layouts (row-major, f32): `x [tokens, fan_in]`; `a [num_slots, rank, fan_in]`; `b_scaled
 //! [num_slots, rank, fan_out]`, each slot's B transposed and multiplied by its adapter's scaling;
 //! `y [tokens, fan_out]`. An adapter of a smaller rank than `rank` has zero rows past its own.
 //!
 //! The work: tokens grouped by slot, in blocks of up to `BLOCK` tokens of one slot (the AVX2
-//! path reads each vector of B once per block). `add_lora_on` spreads the blocks over the threads
-//! of a `ForkJoin`; every token is in at most one block, so each row of `y` has one writer.
+//! half, `lora_avx2`, reads each vector of B once per block). `add_lora_on` spreads the blocks
+//! over the threads of a `ForkJoin`; every token is in at most one block, so each row of `y` has
+//! one writer.
 
 use std::ops::Range;
 
-use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK};
-use crate::vector::{axpy, dot, has_avx2_fma};
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+use crate::vector::{axpy, dot};
 
 /// Tokens of one slot per block: four tokens by sixteen outputs is eight independent vector sums
-/// in the AVX2 path, enough to keep both FMA units busy.
+/// in the AVX2 half, enough to keep both FMA units busy.
 pub(crate) const BLOCK: usize = 4;
 
 /// A slot and up to `BLOCK` of its tokens.
@@ -54,8 +55,8 @@ pub fn add_lora(
     add_lora_on(&OnCallingThread, x, token_slots, weights, y)
 }
 
-/// `add_lora` with the blocks spread over the threads of `pool` (about four ranges of blocks per
-/// thread). The result is the same bits as on one thread.
+/// `add_lora` with the blocks spread over the threads of `pool` (`PARTS_PER_THREAD` ranges of
+/// blocks per thread). The result is the same bits as on one thread.
 pub fn add_lora_on(
     pool: &dyn ForkJoin,
     x: &[f32],
@@ -68,9 +69,10 @@ pub fn add_lora_on(
     let blocks = blocks(&groups);
     let tokens: usize = groups.iter().map(Vec::len).sum();
     let work = tokens * weights.rank * (weights.fan_in + weights.fan_out);
-    let parts = if work < MIN_PARALLEL_WORK { 1 } else { blocks.len().min(4 * pool.threads()) };
+    let parts =
+        if work < MIN_PARALLEL_WORK { 1 } else { blocks.len().min(PARTS_PER_THREAD * pool.threads()) };
     let rows = SharedRows { ptr: y.as_mut_ptr(), len: y.len() };
-    let run = |range: Range<usize>| blocks_here(x, &blocks[range], weights, &rows);
+    let run = |range: Range<usize>| run_blocks(x, &blocks[range], weights, &rows);
     if parts <= 1 {
         run(0..blocks.len());
     } else {
@@ -116,14 +118,13 @@ impl SharedRows {
 }
 
 /// The blocks of one range, on the calling thread.
-fn blocks_here(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
+fn run_blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: has_avx2_fma found AVX2 and FMA; `check` the shapes; the blocks' rows are ours.
-        unsafe { crate::lora_avx2::blocks(x, blocks, w, y) };
-        return;
+    if crate::vector::avx2_fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA; `check` passed; the blocks' rows of `y` are ours.
+        return unsafe { crate::lora_avx2::run_blocks(x, blocks, w, y) };
     }
-    portable_blocks(x, blocks, w, y);
+    run_blocks_portable(x, blocks, w, y)
 }
 
 fn check(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &[f32]) -> Result<(), LoraError> {
@@ -147,10 +148,9 @@ fn check(x: &[f32], token_slots: &[i64], w: &LoraWeights<'_>, y: &[f32]) -> Resu
     Ok(())
 }
 
-/// The portable kernel, one token at a time: `rank` dot products, then `rank` rows of B added.
-/// (Blocked loops measured no faster: 16-18 GFLOP/s either way, compiled for AVX2, before
-/// `lora_avx2`'s intrinsics.)
-fn portable_blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
+/// `run_blocks` without intrinsics, one token at a time: `rank` dot products, then `rank` rows of
+/// B added.
+fn run_blocks_portable(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
     for &(slot, tokens) in blocks {
         let a = &w.a[slot * w.rank * w.fan_in..][..w.rank * w.fan_in];
         let b = &w.b_scaled[slot * w.rank * w.fan_out..][..w.rank * w.fan_out];
@@ -181,7 +181,7 @@ mod tests {
         let (mut portable, mut dispatched) = (y0.clone(), y0.clone());
         let groups = by_slot(&slots, 3);
         let rows = SharedRows { ptr: portable.as_mut_ptr(), len: portable.len() };
-        portable_blocks(&x, &blocks(&groups), &w, &rows);
+        run_blocks_portable(&x, &blocks(&groups), &w, &rows);
         add_lora(&x, &slots, &w, &mut dispatched).unwrap();
         for (p, d) in portable.iter().zip(&dispatched) {
             assert!((p - d).abs() <= 1e-4 * (1.0 + p.abs()), "{p} vs {d}");

@@ -1,6 +1,6 @@
-//! The LoRA kernel with AVX2 and FMA over blocks of up to four tokens of one slot, so each
-//! vector of an adapter's B, read from cache once, serves four tokens (B is most of the bytes:
-//! reading it once per token held the portable loops to ~17 GFLOP/s).
+//! The AVX2 half of `lora` (dispatch and its rules: `vector`), over blocks of up to `BLOCK`
+//! tokens of one slot, so each vector of an adapter's B, read from cache once, serves every token
+//! of the block (B is most of the bytes).
 //!
 //! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `add_lora` checked.
 
@@ -8,10 +8,17 @@ use std::arch::x86_64::*;
 
 use crate::lora::{Block, LoraWeights, SharedRows, BLOCK};
 use crate::vector::avx2::hsum;
+use crate::vector::LANES;
 
-/// Each block's tokens: their shrunk inputs (`rank` each), then B expanded into their rows.
+/// Outputs `expand` sums in registers at a time: two vectors.
+const OUTPUTS: usize = 2 * LANES;
+
+const _: () = assert!(BLOCK == 4, "run_blocks has an `expand` for blocks of 1 to 4 tokens");
+
+/// `lora::run_blocks` with AVX2 and FMA: each block's tokens get their shrunk inputs (`rank`
+/// each), then B expanded into their rows.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
+pub unsafe fn run_blocks(x: &[f32], blocks: &[Block<'_>], w: &LoraWeights<'_>, y: &SharedRows) {
     let (rank, fan_in, fan_out) = (w.rank, w.fan_in, w.fan_out);
     let mut xa = vec![0.0f32; BLOCK * rank];
     for &(slot, block) in blocks {
@@ -49,7 +56,7 @@ unsafe fn shrink(a: &[f32], x: &[f32], xa: &mut [f32]) {
 #[inline(always)]
 unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
     let n = x.len();
-    let body = n - n % 8;
+    let body = n - n % LANES;
     let (xp, ap) = (x.as_ptr(), rows.as_ptr());
     let mut acc = [_mm256_setzero_ps(); R];
     let mut k = 0;
@@ -58,7 +65,7 @@ unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
         for (j, acc) in acc.iter_mut().enumerate() {
             *acc = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j * n + k)), xv, *acc);
         }
-        k += 8;
+        k += LANES;
     }
     let mut out = [0.0f32; R];
     for (j, o) in out.iter_mut().enumerate() {
@@ -68,9 +75,9 @@ unsafe fn dots<const R: usize>(rows: &[f32], x: &[f32]) -> [f32; R] {
     out
 }
 
-/// y[tokens[t]] += sum over r of xa[t][r] * b[r] for the T tokens of a block, sixteen outputs at
-/// a time summed over r in registers; the outputs past the last sixteen one by one. The block's
-/// rows of `y` are written by this thread only.
+/// y[tokens[t]] += sum over r of xa[t][r] * b[r] for the T tokens of a block, `OUTPUTS` outputs
+/// at a time summed over r in registers; the outputs past the last of those one by one. The
+/// block's rows of `y` are written by this thread only.
 #[inline(always)]
 unsafe fn expand<const T: usize>(
     xa: &[f32],
@@ -80,14 +87,14 @@ unsafe fn expand<const T: usize>(
     rank: usize,
     n: usize,
 ) {
-    let body = n - n % 16;
+    let body = n - n % OUTPUTS;
     let (bp, yp) = (b.as_ptr(), y.ptr);
     let mut o = 0;
     while o < body {
         let mut acc = [[_mm256_setzero_ps(); 2]; T];
         for r in 0..rank {
             let b0 = _mm256_loadu_ps(bp.add(r * n + o));
-            let b1 = _mm256_loadu_ps(bp.add(r * n + o + 8));
+            let b1 = _mm256_loadu_ps(bp.add(r * n + o + LANES));
             for (t, acc) in acc.iter_mut().enumerate() {
                 let v = _mm256_set1_ps(xa[t * rank + r]);
                 acc[0] = _mm256_fmadd_ps(v, b0, acc[0]);
@@ -97,9 +104,9 @@ unsafe fn expand<const T: usize>(
         for (t, acc) in acc.iter().enumerate() {
             let row = yp.add(tokens[t] * n + o);
             _mm256_storeu_ps(row, _mm256_add_ps(_mm256_loadu_ps(row), acc[0]));
-            _mm256_storeu_ps(row.add(8), _mm256_add_ps(_mm256_loadu_ps(row.add(8)), acc[1]));
+            _mm256_storeu_ps(row.add(LANES), _mm256_add_ps(_mm256_loadu_ps(row.add(LANES)), acc[1]));
         }
-        o += 16;
+        o += OUTPUTS;
     }
     for (t, &token) in tokens.iter().enumerate() {
         let row = y.row(token, n);

@@ -1,23 +1,47 @@
-//! Vector helpers the kernels share: portable ones, written so that inside a function compiled for
-//! AVX2 (see `attention::sequence_avx2`) they inline into 8-wide vector loops, and `avx2`'s
-//! intrinsics for the kernels' AVX2 paths.
+//! What the kernels share: the one way a kernel picks its AVX2 half, the portable vector helpers,
+//! `exp` with its constants, and (`avx2`) the intrinsics helpers.
+//!
+//! Each kernel is a pair of files, `k.rs` and `k_avx2.rs`, and one function of `k.rs` dispatches
+//! (`attention::run_sequences`, `lora::run_blocks`), in this shape:
+//!
+//! ```text
+//! fn run(args) {
+//!     #[cfg(target_arch = "x86_64")]
+//!     if crate::vector::avx2_fma_available() {
+//!         // SAFETY: the CPU has AVX2 and FMA; <what else the AVX2 half relies on>.
+//!         return unsafe { crate::k_avx2::run(args) };
+//!     }
+//!     run_portable(args)
+//! }
+//! ```
+//!
+//! `k_avx2::run` is the pair's only `#[target_feature(enable = "avx2,fma")]` function. Everything
+//! it calls is `#[inline(always)]`, so it is compiled into it with AVX2 and FMA, the portable
+//! helpers here included: their loops become 8-wide vector loops there. A closure is not: it is a
+//! function of its own, with no more target features than the function it is written in, so its
+//! intrinsics may compile to calls and its loops to scalar code. Hence, in everything an AVX2
+//! half runs, intrinsics and the loops meant to vectorize are never written in closures; closures
+//! there do only scalar work (tails, page offsets).
 
-pub fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+/// f32 lanes of an AVX2 vector. The portable helpers keep this many partial sums, so that
+/// compiled for AVX2 each set of them is one vector.
+pub const LANES: usize = 8;
+
+/// Whether the AVX2 half of a kernel may run: the CPU has AVX2 and FMA (std caches the answer).
+#[cfg(target_arch = "x86_64")]
+pub fn avx2_fma_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// Eight partial sums, so the loop vectorizes without reordering a single accumulator.
+/// `LANES` partial sums, so the loop vectorizes without reordering a single accumulator.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ca.zip(cb) {
-        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
-        for i in 0..8 {
+        let (x, y): (&[f32; LANES], &[f32; LANES]) = (x.try_into().unwrap(), y.try_into().unwrap());
+        for i in 0..LANES {
             acc[i] += x[i] * y[i];
         }
     }
@@ -26,12 +50,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[inline(always)]
 pub fn sum(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = x.chunks_exact(8);
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
     let tail: f32 = chunks.remainder().iter().sum();
     for c in chunks {
-        let c: &[f32; 8] = c.try_into().unwrap();
-        for i in 0..8 {
+        let c: &[f32; LANES] = c.try_into().unwrap();
+        for i in 0..LANES {
             acc[i] += c[i];
         }
     }
@@ -45,12 +69,42 @@ pub fn axpy(p: f32, v: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Horizontal sums with AVX2 intrinsics. Safety: callers run on a CPU with AVX2.
+// Cephes' expf, for `exp` and `avx2::exp8` alike: x = n ln 2 + r with |r| <= ln 2 / 2, ln 2 in two
+// parts (`LN2_HI` has few mantissa bits, so n * LN2_HI is exact), a degree-6 polynomial for e^r,
+// 2^n built from the exponent bits.
+/// About where e^x leaves f32's normal range; `exp` clamps its argument to it.
+const EXP_MIN: f32 = -87.0;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// e^r = 1 + r + r^2 p(r), p's coefficients from the highest power down (Horner's order).
+const EXP_POLY: [f32; 6] =
+    [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+/// f32's exponent bias and the position of its exponent field.
+const F32_EXP_BIAS: i32 = 127;
+const F32_EXP_SHIFT: u32 = f32::MANTISSA_DIGITS - 1;
+
+/// e^x for x <= 0 (a softmax's shifted scores), relative error under 3e-7. Branch-free, so a loop
+/// over it vectorizes, where libm's expf is a call per element. Below `EXP_MIN` it returns
+/// e^EXP_MIN, negligible next to the row's largest weight, 1.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    let x = x.clamp(EXP_MIN, 0.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let [c0, c1, c2, c3, c4, c5] = EXP_POLY;
+    let p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5;
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + F32_EXP_BIAS) as u32) << F32_EXP_SHIFT)
+}
+
+/// Intrinsics helpers for the kernels' AVX2 halves. Safety: callers run on a CPU with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use std::arch::x86_64::*;
 
-    /// The sum of v's eight lanes.
+    use super::{EXP_MIN, EXP_POLY, F32_EXP_BIAS, F32_EXP_SHIFT, LANES, LN2_HI, LN2_LO};
+
+    /// The sum of v's lanes.
     #[inline(always)]
     pub unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -58,13 +112,46 @@ pub mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
     }
 
-    /// Lane i of the result is the sum of v[i]'s eight lanes: eight horizontal sums in seven
-    /// adds, where eight `hsum`s take twenty-four.
+    /// Lane i of the result is the sum of v[i]'s lanes: eight horizontal sums in seven adds, where
+    /// eight `hsum`s take twenty-four.
     #[inline(always)]
-    pub unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
+    pub unsafe fn hsum8(v: &[__m256; LANES]) -> __m256 {
         let a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
         let b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
         // a holds v0..v3's sums over lanes 0-3 in its low half and over lanes 4-7 in its high half
         _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
+    }
+
+    /// `super::exp` on each lane: the same steps, with fused multiply-adds.
+    #[inline(always)]
+    pub unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)), _mm256_setzero_ps());
+        let log2e = _mm256_set1_ps(std::f32::consts::LOG2_E);
+        let n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0));
+        let biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(F32_EXP_BIAS));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<{ F32_EXP_SHIFT as i32 }>(biased)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exp_is_within_a_few_ulp_of_libm_over_the_softmax_range() {
+        let mut worst = 0.0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let (got, want) = (super::exp(x) as f64, (x as f64).exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(super::exp(0.0), 1.0);
+        assert!(super::exp(-1000.0) < 1e-37);
     }
 }
