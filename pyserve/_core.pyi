@@ -23,6 +23,7 @@ class SchedulerOutput:
     logits_indices: npt.NDArray[np.int32]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
+    num_output_tokens: npt.NDArray[np.int32]  # each request's outputs before this step
     input_ids: npt.NDArray[np.int32]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
@@ -35,9 +36,15 @@ class SchedulerOutput:
     def __len__(self) -> int: ...
 
 class UpdateResult:
-    num_appended: npt.NDArray[np.int32]
+    num_appended: npt.NDArray[np.int32]  # per scheduled request
+    req_ids: list[int]  # the requests that got tokens
+    token_ids: list[int]  # req_ids[i] got token_ids[starts[i]:starts[i + 1]]
+    starts: list[int]
+    sampled_index: npt.NDArray[np.int64]  # each token's index among the sampled tokens
+    num_cached_tokens: dict[int, int]  # requests getting their first tokens -> prefix-cache hits
     finished_req_ids: npt.NDArray[np.uint64]
     finish_reasons: list[str]
+    fork_ready: list[int]  # held requests to fork now, then release_hold
 
 class Scheduler:
     def __init__(
@@ -65,8 +72,10 @@ class Scheduler:
         stop_token_ids: _Ints | None = None,
         eos_token_id: int | None = None,
         ignore_eos: bool = False,
+        hold_for_fork: bool = False,
     ) -> None: ...
     def fork_request(self, parent_id: int, child_id: int) -> None: ...
+    def release_hold(self, request_id: int) -> None: ...
     def abort(self, request_id: int) -> None: ...
     def set_spec_tokens(self, request_id: int, token_ids: _Ints) -> None: ...
     def propose_ngram(self, request_id: int, k: int, min_n: int = 1, max_n: int = 4) -> list[int]: ...
@@ -78,6 +87,7 @@ class Scheduler:
     @property
     def num_running(self) -> int: ...
     def stats(self) -> dict[str, int | float]: ...
+    def token_ids(self, request_id: int, start: int = 0) -> npt.NDArray[np.int64]: ...
     def num_cached_tokens(self, request_id: int) -> int: ...
     def request_state(self, request_id: int) -> dict[str, object]: ...
     def check_invariants(self) -> None: ...

@@ -80,7 +80,8 @@ def assert_nothing_left(engine: AsyncEngine) -> None:
     stats = engine.stats()
     assert (stats["num_requests_running"], stats["num_requests_waiting"], stats["kv_cache_usage_perc"]) == (0, 0, 0.0)
     assert stats["kv_free_blocks"] + stats["kv_cached_blocks"] == engine.worker.num_kv_blocks - 1  # block 0 is null
-    assert not engine.engine_core.requests and not engine.engine_core.new_ids
+    core = engine.engine_core
+    assert not core.requests and not core.pending_forks and not core.fork_parent and core.num_needing_output == 0
     assert not engine.output_processor._streams and not engine.output_processor._samples
     assert not engine.worker._generators  # per-request RNGs of seeded requests
     proposer = engine.worker.proposer

@@ -163,7 +163,7 @@ def _break_kernel(engine):
 
 def _break_sampler(engine):
     engine.worker._sample = _fail_after(0, engine.worker._sample, "sampler")
-    engine.worker._sample_and_verify = _fail_after(0, engine.worker._sample_and_verify, "sampler")
+    engine.worker.verifier.sample_and_verify = _fail_after(0, engine.worker.verifier.sample_and_verify, "sampler")
 
 
 def _break_output_processor(engine):

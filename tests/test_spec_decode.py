@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 
 from pyserve import LLM, SamplingParams, _core  # noqa: E402
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402
-from pyserve.spec.config import SpeculativeConfig  # noqa: E402
-from pyserve.spec.depth import DepthController  # noqa: E402
+from pyserve.speculative.config import SpeculativeConfig  # noqa: E402
+from pyserve.speculative.depth import DepthController  # noqa: E402
 from tests.test_model_parity import assert_parity, hf_greedy  # noqa: E402
 
 

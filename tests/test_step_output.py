@@ -1,4 +1,4 @@
-"""The EngineCore's column-wise step output: which tokens reach the OutputProcessor."""
+"""The step's output, column-wise, as the scheduler's update returns it and the OutputProcessor reads it."""
 
 from __future__ import annotations
 
@@ -6,33 +6,40 @@ import gc
 
 import numpy as np
 
-from pyserve import LLM, SamplingParams
-from pyserve.engine.core import _step_output
-from pyserve.model.worker import StepResult
+from pyserve import LLM, SamplingParams, _core
+from pyserve.engine.request import Logprobs, StepOutput
 
 
-def test_tokens_after_a_stop_inside_accepted_drafts_are_dropped():
-    # Three requests sampled 1, 3 and 2 tokens; the scheduler kept 1, 2 (a stop on the second)
-    # and 2 of them.
-    result = StepResult(np.array([10, 20, 21, 22, 30, 31]), np.array([1, 3, 2]))
-    step = _step_output(np.array([7, 8, 9]), result, np.array([1, 2, 2]), {8: "stop"})
-    assert step.internal_ids == [7, 8, 9]
-    assert step.token_ids == [10, 20, 21, 30, 31]
-    assert step.starts == [0, 1, 3, 5]
-    delta = step.delta(1)
-    assert (delta.internal_id, delta.token_ids, delta.finish_reason) == (8, [20, 21], "stop")
+def test_update_returns_the_kept_tokens_when_a_stop_lands_inside_accepted_drafts():
+    s = _core.Scheduler(num_blocks=64, block_size=4, num_lookahead_tokens=3)
+    s.add_request(7, [1, 2, 3], max_tokens=10)
+    s.add_request(8, [4, 5, 6], max_tokens=10, stop_token_ids=[21])
+    s.schedule()
+    first = s.update([10, 20], [1, 1])
+    assert first.num_cached_tokens == {7: 0, 8: 0}
+    s.set_spec_tokens(8, [21, 22, 23])
+    out = s.schedule()
+    assert out.num_spec_tokens.tolist() == [0, 3] and out.num_output_tokens.tolist() == [1, 1]
+    # 7 samples one token; 8 accepts all three drafts and a bonus, but its stop is the first.
+    update = s.update([11, 21, 22, 23, 24], [1, 4])
+    assert update.req_ids == [7, 8]
+    assert update.token_ids == [11, 21] and update.starts == [0, 1, 2]
+    assert update.sampled_index.tolist() == [0, 1]
+    assert dict(zip(update.finished_req_ids.tolist(), update.finish_reasons)) == {8: "stop"}
+    assert update.num_cached_tokens == {}  # both had their first tokens the step before
 
 
-def test_logprob_rows_follow_the_kept_tokens():
-    result = StepResult(np.array([10, 20, 21]), np.array([1, 2]),
-                        logprobs=np.arange(6, dtype=np.float32).reshape(3, 2),
-                        logprob_token_ids=np.arange(6).reshape(3, 2),
-                        sampled_logprobs=np.array([-1.0, -2.0, -3.0], dtype=np.float32),
-                        sampled_ranks=np.array([1, 2, 3]))
-    step = _step_output(np.array([4, 5]), result, np.array([1, 1]), {5: "length"})
-    assert step.token_ids == [10, 20]
-    assert step.sampled_logprobs.tolist() == [-1.0, -2.0]
-    assert step.delta(1).logprob_token_ids.tolist() == [[2, 3]]
+def test_step_output_deltas_carry_their_logprob_rows():
+    logprobs = Logprobs(np.arange(6, dtype=np.float32).reshape(3, 2), np.arange(6).reshape(3, 2),
+                        np.array([-1.0, -2.0, -3.0], dtype=np.float32), np.array([1, 2, 3]))
+    step = StepOutput([4, 5], [10, 20, 21], [0, 1, 3], {5: "length"}, {4: 2}, logprobs)
+    first, second = step.delta(0), step.delta(1)
+    assert (first.token_ids, first.num_cached_tokens, first.finish_reason) == ([10], 2, None)
+    assert (second.token_ids, second.finish_reason) == ([20, 21], "length")
+    assert second.logprobs.sampled.tolist() == [-2.0, -3.0]
+    assert second.logprobs.top_token_ids.tolist() == [[2, 3], [4, 5]]
+    placed = logprobs[1:].scattered(np.array([0, 2]), 3)
+    assert placed.sampled.tolist() == [-2.0, 0.0, -3.0]
 
 
 def test_ids_only_outputs_and_text_outputs_agree(llama_dir):

@@ -23,9 +23,9 @@ from pyserve.lora.request import LoRARequest
 from pyserve.model.config import ModelConfig
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.model.worker import ModelWorker
-from pyserve.spec.config import SpeculativeConfig
-from pyserve.spec.proposer import NgramProposer, WorkerProposer
-from pyserve.spec.speculator import Speculator
+from pyserve.speculative.config import SpeculativeConfig
+from pyserve.speculative.proposer import NgramProposer, WorkerProposer
+from pyserve.speculative.speculator import Speculator
 
 DEFAULT_MAX_MODEL_LEN = 8192
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
@@ -92,7 +92,6 @@ class AsyncEngine:
                         if spec.method == "ngram" else WorkerProposer(self.worker, call_worker))
             speculator = Speculator(spec, self.scheduler, proposer)
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker)
-        self.output_processor.engine_core = self.engine_core
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
@@ -134,7 +133,8 @@ class AsyncEngine:
         streaming: bool = True,
         max_pending: int | None = None,
     ) -> RequestStream:
-        """Queues a request (one sequence per sample) and returns its stream; with `streaming`
+        """Queues a request (one sequence per sample: the first computes the prompt, the others
+        fork from it) and returns its stream; with `streaming`
         False only its cumulative output is kept (no per-step deltas); `max_pending` bounds the
         deltas a streaming consumer may leave unread (see RequestStream). Raises ValueError naming
         the field when it can never be served."""
@@ -161,24 +161,18 @@ class AsyncEngine:
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
         stream = RequestStream(output, [r.internal_id for r in requests], streaming, max_pending)
         self.output_processor.register(stream, requests)
-        loop = asyncio.get_running_loop()
-        adds = []
+        msg = Add(requests[0], asyncio.get_running_loop().create_future(), params.max_tokens, stop_ids, eos,
+                  priority, adapter_id, forks=requests[1:])
+        self._pending_adds.add(msg.accepted)
         try:
-            for req in requests:
-                msg = Add(req, loop.create_future(), params.max_tokens, stop_ids, eos, priority, adapter_id)
-                self._pending_adds.add(msg.accepted)
-                adds.append(msg.accepted)
-                await self.engine_core.send(msg)
-            self.system.check_alive()  # NOTE: a dead EngineCore would never answer the adds
-            answers = await asyncio.gather(*adds, return_exceptions=True)  # retrieve every error
-            error = next((a for a in answers if isinstance(a, BaseException)), None)
-            if error is not None:
-                raise error
+            await self.engine_core.send(msg)
+            self.system.check_alive()  # NOTE: a dead EngineCore would never answer the add
+            await msg.accepted
         except BaseException:  # refused, cancelled or dead: drop whatever was queued
             self.abort_nowait(request_id)
             raise
         finally:
-            self._pending_adds.difference_update(adds)
+            self._pending_adds.discard(msg.accepted)
         return stream
 
     async def load_lora(self, lora: LoRARequest) -> None:

@@ -1,14 +1,14 @@
 """EngineCore: the step loop, the one owner of the Rust scheduler.
 
-Each turn: drain the inbox (adds, aborts), `schedule`, run the model worker in a thread, `update`
-the scheduler with the sampled tokens, and send the step's new tokens (column-wise) to the
-OutputProcessor. It never touches tensors.
+Each turn: drain the inbox (adds, aborts), `schedule`, run the model worker, `update` the
+scheduler with the sampled tokens, and send the step's output, as `update` returned it, to the
+OutputProcessor. The scheduler holds every request's tokens; this actor keeps only what the
+scheduler does not know (sampling parameters, samples waiting to fork). It never touches tensors.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
@@ -16,11 +16,8 @@ import structlog
 
 from pyserve import _core
 from pyserve.actors import Actor
-from pyserve.engine.request import LOGPROB_FIELDS, Abort, Add, EngineRequest, RequestRefused, StepOutput
+from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
 from pyserve.engine.worker_call import WorkerCall, worker_call
-
-if TYPE_CHECKING:
-    from pyserve.model.worker import StepResult
 
 log = structlog.get_logger("pyserve.engine")
 
@@ -37,7 +34,9 @@ class EngineCore(Actor):
         self.worker = worker
         self.output_processor = output_processor
         self.requests: dict[int, EngineRequest] = {}
-        self.new_ids: set[int] = set()
+        self.pending_forks: dict[int, Add] = {}  # held parent's id -> its Add, whose forks wait
+        self.fork_parent: dict[int, int] = {}  # a sample waiting to fork -> its parent's id
+        self.num_needing_output = 0  # live requests whose penalties read their output
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_progress = time.monotonic()  # when a step that ran requests last completed
@@ -62,21 +61,26 @@ class EngineCore(Actor):
     async def step(self) -> None:
         out = self.scheduler.schedule()
         if out.num_reqs == 0:
-            self.scheduler.update(NO_TOKENS, NO_TOKENS)
+            update = self.scheduler.update(NO_TOKENS, NO_TOKENS)
             if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
-                await self.call_worker(self.worker.execute, out, [])
+                await self.call_worker(self.worker.execute, out, StepRows([], []))
                 if self.speculator is not None:
                     self.speculator.forget(out.finished_req_ids.tolist())
-            if self.scheduler.has_unfinished_requests():
+            self._fork(update.fork_ready)
+            if self.scheduler.has_unfinished_requests() and not update.fork_ready:
                 await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
             return
         req_ids = out.req_ids.tolist()
-        num_logits = out.num_logits
-        with_logits = num_logits > 0
+        with_logits = out.num_logits > 0
         if with_logits.all():  # a decode step: every request samples
-            rows = list(map(self.requests.__getitem__, req_ids))
+            rows = StepRows(list(map(self.requests.__getitem__, req_ids)), out.num_output_tokens.tolist())
         else:
-            rows = [self.requests[rid] for rid, n in zip(req_ids, with_logits.tolist()) if n]
+            rows = StepRows([self.requests[rid] for rid, n in zip(req_ids, with_logits.tolist()) if n],
+                            out.num_output_tokens[with_logits].tolist())
+        if self.num_needing_output:
+            token_ids = self.scheduler.token_ids
+            rows.output_token_ids = [token_ids(r.internal_id, len(r.prompt_token_ids)) if r.needs_output else None
+                                     for r in rows.requests]
         adapter_ids = None
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
@@ -84,34 +88,37 @@ class EngineCore(Actor):
         result = await self.call_worker(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         self.last_progress = time.monotonic()
-        # Read before `update`, which frees requests that finish on their first token.
-        cached = {}
-        if self.new_ids:
-            cached = {rid: self.scheduler.num_cached_tokens(rid) for rid in self.new_ids.intersection(req_ids)}
         num_sampled = np.zeros(out.num_reqs, dtype=np.int64)
         num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
-        appended = update.num_appended[with_logits]
-        step = _step_output(out.req_ids[with_logits], result, appended, finished)
-        tokens, starts = step.token_ids, step.starts
-        if (appended == 1).all():
-            for req, token in zip(rows, tokens):
-                req.output_token_ids.append(token)
-        else:
-            for req, lo, hi in zip(rows, starts, starts[1:]):  # `rows`: the requests with logits, in order
-                req.output_token_ids += tokens[lo:hi]
         for rid in finished:
-            self.requests.pop(rid, None)
-        if cached:
-            got = set(step.internal_ids)
-            step.num_cached_tokens = {rid: n for rid, n in cached.items() if rid in got}
-            self.new_ids.difference_update(step.num_cached_tokens)
-        self.num_generation_tokens += len(tokens)
+            self._drop(rid)
+        logprobs = None if result.logprobs is None else result.logprobs[update.sampled_index]
+        step = StepOutput(update.req_ids, update.token_ids, update.starts, finished, update.num_cached_tokens,
+                          logprobs, reply_to=self)
+        self.num_generation_tokens += len(step.token_ids)
+        self._fork(update.fork_ready)
         if step.internal_ids:
             await self.output_processor.send(step)
         if self.speculator is not None:  # after the tokens went out: proposing may run a draft model
-            await self.speculator.after_step(out, num_sampled, seconds, set(finished), self.requests)
+            num_output = out.num_output_tokens + update.num_appended
+            await self.speculator.after_step(out, num_sampled, num_output, seconds, set(finished), self.requests)
+
+    def _fork(self, ready: list[int]) -> None:
+        """Starts the samples waiting on each ready parent, sharing its computed blocks."""
+        for parent_id in ready:
+            add = self.pending_forks.pop(parent_id, None)
+            for child in add.forks if add is not None else ():
+                if self.fork_parent.pop(child.internal_id, None) is not None:  # not aborted meanwhile
+                    self.scheduler.fork_request(parent_id, child.internal_id)
+            self.scheduler.release_hold(parent_id)
+
+    def _drop(self, internal_id: int) -> EngineRequest | None:
+        req = self.requests.pop(internal_id, None)
+        if req is not None and req.needs_output:
+            self.num_needing_output -= 1
+        return req
 
     async def _drain_inbox(self, block: bool) -> None:
         if block:
@@ -121,27 +128,36 @@ class EngineCore(Actor):
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Add):
-            req = msg.request
             try:
-                self._add(msg)
+                self._add(msg.request, msg, hold_for_fork=bool(msg.forks))
             except _core.InvalidRequestError as e:
                 if not msg.accepted.done():
                     msg.accepted.set_exception(RequestRefused(str(e), e.field))
                 return
             if not msg.accepted.done():
                 msg.accepted.set_result(None)
-            self.requests[req.internal_id] = req
-            self.new_ids.add(req.internal_id)
-            self.num_prompt_tokens += len(req.prompt_token_ids)
+            if msg.forks:
+                self.pending_forks[msg.request.internal_id] = msg
+            for req in (msg.request, *msg.forks):
+                self.requests[req.internal_id] = req
+                self.num_needing_output += req.needs_output
+                self.num_prompt_tokens += len(req.prompt_token_ids)
+                if req is not msg.request:
+                    self.fork_parent[req.internal_id] = msg.request.internal_id
         elif isinstance(msg, Abort):
-            if self.requests.pop(msg.internal_id, None) is not None:
-                self.new_ids.discard(msg.internal_id)
-                self.scheduler.abort(msg.internal_id)
+            if self._drop(msg.internal_id) is None:
+                return
+            if self.fork_parent.pop(msg.internal_id, None) is not None:
+                return  # never reached the scheduler
+            self.scheduler.abort(msg.internal_id)
+            add = self.pending_forks.pop(msg.internal_id, None)
+            for child in add.forks if add is not None else ():  # the parent left: its samples go alone
+                if self.fork_parent.pop(child.internal_id, None) is not None:
+                    self._add(child, add, hold_for_fork=False)
         else:
             raise TypeError(f"EngineCore got an unknown message {msg!r}")
 
-    def _add(self, msg: Add) -> None:
-        req = msg.request
+    def _add(self, req: EngineRequest, msg: Add, hold_for_fork: bool) -> None:
         self.scheduler.add_request(
             req.internal_id,
             req.prompt_token_ids,
@@ -153,6 +169,7 @@ class EngineCore(Actor):
             stop_token_ids=msg.stop_token_ids,
             eos_token_id=msg.eos_token_id,
             ignore_eos=req.params.ignore_eos,
+            hold_for_fork=hold_for_fork,
         )
 
     def stats(self) -> dict[str, float | int]:
@@ -174,22 +191,3 @@ class EngineCore(Actor):
                 "spec_decode_depth": 0,
             }),
         }
-
-
-def _step_output(req_ids: np.ndarray, result: StepResult, num_appended: np.ndarray,
-                 finished: dict[int, str]) -> StepOutput:
-    """The step's tokens column-wise: for each request with logits, the tokens the scheduler
-    appended (a stop met inside accepted drafts drops the tokens after it)."""
-    starts = np.zeros(len(req_ids) + 1, dtype=np.int64)
-    np.cumsum(num_appended, out=starts[1:])
-    keep = None
-    if not np.array_equal(num_appended, result.num_sampled):
-        sampled_at = np.concatenate([[0], np.cumsum(result.num_sampled)[:-1]])
-        keep = np.repeat(sampled_at - starts[:-1], num_appended) + np.arange(starts[-1])
-    tokens = result.token_ids if keep is None else result.token_ids[keep]
-    step = StepOutput(req_ids.tolist(), tokens.tolist(), starts.tolist(), finished, {})
-    if result.logprobs is not None:
-        for name in LOGPROB_FIELDS:
-            values = getattr(result, name)
-            setattr(step, name, values if keep is None else values[keep])
-    return step

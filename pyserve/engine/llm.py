@@ -6,8 +6,10 @@ LLM owns a private event loop; the same actors as the server run on it while a c
 from __future__ import annotations
 
 import asyncio
+import atexit
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +21,16 @@ from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 
 Prompt = str | Sequence[int]
+
+# LLMs not closed yet. At exit they are closed before the interpreter tears its modules down: a
+# loop closed during teardown would see its actors fail on half-unloaded modules.
+_open: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_llms() -> None:
+    for llm in list(_open):
+        llm.close()
 
 
 class LLM:
@@ -60,6 +72,7 @@ class LLM:
         self.engine = AsyncEngine(config, worker_on_loop=True)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.engine.start())
+        _open.add(self)
         self._next_request = 0
 
     @property

@@ -1,8 +1,9 @@
 """OutputProcessor: turns the engine's per-step token deltas into per-request outputs.
 
-It detokenizes incrementally, applies stop strings (aborting the sequence in the EngineCore),
-assembles logprobs, and publishes to each request's stream: one cumulative RequestOutput plus a
-queue of deltas for streaming consumers.
+It detokenizes incrementally, applies stop strings, assembles logprobs, and publishes to each
+request's stream: one cumulative RequestOutput plus a queue of deltas for streaming consumers.
+`process` returns the sequences that must stop (a stop string hit, a client too slow) as data;
+the actor sends their Aborts back to the step's sender.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ class OutputProcessor(Actor):
         super().__init__("output_processor")
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id  # ends a sequence with finish_reason "stop", stop_reason None
-        self.engine_core: Actor | None = None
         self._samples: dict[int, _Sample] = {}
         self._streams: dict[str, RequestStream] = {}
 
@@ -105,17 +105,24 @@ class OutputProcessor(Actor):
     async def run(self) -> None:
         while True:
             msg: StepOutput = await self.receive()
-            samples = self._samples
-            tokens, starts = msg.token_ids, msg.starts
-            special = msg.finish_reasons.keys() | msg.num_cached_tokens.keys()
-            for i, (rid, lo, hi) in enumerate(zip(msg.internal_ids, starts, starts[1:])):
-                sample = samples.get(rid)
-                if sample is None:
-                    continue
-                if sample.ids_only and rid not in special:
-                    sample.completion.token_ids += tokens[lo:hi]
-                elif self._apply(sample, msg.delta(i)):
-                    self._finish_if_done(sample.stream)
+            for internal_id in self.process(msg):
+                msg.reply_to.post(Abort(internal_id))
+
+    def process(self, msg: StepOutput) -> list[int]:
+        """Publishes one step's tokens; returns the sequences to abort (their output is complete)."""
+        aborts: list[int] = []
+        samples = self._samples
+        tokens, starts = msg.token_ids, msg.starts
+        special = msg.finish_reasons.keys() | msg.num_cached_tokens.keys()
+        for i, (rid, lo, hi) in enumerate(zip(msg.internal_ids, starts, starts[1:])):
+            sample = samples.get(rid)
+            if sample is None:
+                continue
+            if sample.ids_only and rid not in special:
+                sample.completion.token_ids += tokens[lo:hi]
+            elif self._apply(sample, msg.delta(i), aborts):
+                self._finish_if_done(sample.stream)
+        return aborts
 
     def _finish_if_done(self, stream: RequestStream) -> None:
         if all(c.finished for c in stream.output.outputs):
@@ -124,7 +131,7 @@ class OutputProcessor(Actor):
             stream.done.set()
             stream.deltas.put_nowait(None)
 
-    def _apply(self, sample: _Sample, delta: SampleDelta) -> bool:
+    def _apply(self, sample: _Sample, delta: SampleDelta, aborts: list[int]) -> bool:
         """Adds one delta to its sample's output; True when the sample finished."""
         c = sample.completion
         out = sample.stream.output
@@ -144,10 +151,10 @@ class OutputProcessor(Actor):
                 # Tokens after the stop string's last one (speculation appends several per step)
                 # are not part of the output.
                 tokens = delta.token_ids = tokens[:taken]
-                if delta.sampled_logprobs is not None:
-                    delta.sampled_logprobs = delta.sampled_logprobs[:taken]
+                if delta.logprobs is not None:
+                    delta.logprobs = delta.logprobs[:taken]
             if delta.finish_reason is None:
-                self._abort(delta.internal_id)
+                aborts.append(delta.internal_id)
         elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:
             stop_reason = tokens[-1]
         c.token_ids.extend(tokens)
@@ -155,7 +162,7 @@ class OutputProcessor(Actor):
         if sample.num_logprobs is not None:
             new_logprobs = self._logprobs(delta, sample.num_logprobs, decode=detok is not None)
             c.logprobs.extend(new_logprobs)
-            c.cumulative_logprob += float(delta.sampled_logprobs.sum())
+            c.cumulative_logprob += float(delta.logprobs.sampled.sum())
         text = ""
         if detok is not None:
             text = detok.take_delta(final=finish is not None)
@@ -167,18 +174,10 @@ class OutputProcessor(Actor):
         if stream.streaming:
             stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
             if stream.max_pending is not None and stream.deltas.qsize() > stream.max_pending and not stream.done.is_set():
-                self._overflow(stream)
+                aborts += self.forget(stream.output.request_id)
+                stream.fail(ClientTooSlow(f"the client left {stream.max_pending} chunks unread; request aborted"))
                 return False
         return finish is not None
-
-    def _overflow(self, stream: RequestStream) -> None:
-        for internal_id in self.forget(stream.output.request_id):
-            self._abort(internal_id)
-        stream.fail(ClientTooSlow(f"the client left {stream.max_pending} chunks unread; request aborted"))
-
-    def _abort(self, internal_id: int) -> None:
-        if self.engine_core is not None:
-            self.engine_core.post(Abort(internal_id))
 
     def _logprobs(self, delta: SampleDelta, k: int, decode: bool) -> list[dict[int, Logprob]]:
         """Per token: the sampled token's logprob and rank, then the top-k alternatives; each
@@ -187,10 +186,11 @@ class OutputProcessor(Actor):
         def text(token: int) -> str | None:
             return self.tokenizer.decode([token], skip_special_tokens=False) if decode else None
 
+        lp = delta.logprobs
         out = []
         for i, token in enumerate(delta.token_ids):
-            entry = {token: Logprob(float(delta.sampled_logprobs[i]), int(delta.sampled_ranks[i]), text(token))}
-            top = zip(delta.logprobs[i, :k].tolist(), delta.logprob_token_ids[i, :k].tolist())
+            entry = {token: Logprob(float(lp.sampled[i]), int(lp.sampled_ranks[i]), text(token))}
+            top = zip(lp.top[i, :k].tolist(), lp.top_token_ids[i, :k].tolist())
             for rank, (lp, tid) in enumerate(top, start=1):
                 entry.setdefault(tid, Logprob(lp, rank, text(tid)))
             out.append(entry)

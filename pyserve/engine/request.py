@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +13,8 @@ from pyserve.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One sequence the scheduler runs. A request with `n > 1` has n of them, one per sample."""
+    """One sequence the scheduler runs. A request with `n > 1` has n of them, one per sample.
+    Its tokens live in the Rust scheduler only; a step hands out how many outputs each has."""
 
     internal_id: int  # the Rust scheduler's id
     request_id: str  # the user's id, shared by the samples of one request
@@ -20,25 +22,43 @@ class EngineRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos (for min_tokens)
-    output_token_ids: list[int] = field(default_factory=list)
     adapter_id: int = 0  # LoRA adapter (0 = the base model)
     # Output length from which a step's token is the plain argmax of the logits (see
     # SamplingParams.plain_greedy); None when it never is. Kept so the check costs one compare.
     argmax_from: int | None = field(init=False, default=None)
+    # Penalties read the output so far: the step must hand it to the sampler.
+    needs_output: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        if self.params.plain_greedy:
-            self.argmax_from = self.params.min_tokens
+        p = self.params
+        if p.plain_greedy:
+            self.argmax_from = p.min_tokens
+        self.needs_output = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
-    def argmax_only(self) -> bool:
-        """True when this step's token is the plain argmax of the logits."""
-        return self.argmax_from is not None and len(self.output_token_ids) >= self.argmax_from
+    def argmax_only(self, num_output: int) -> bool:
+        """True when the next token (after `num_output` outputs) is the plain argmax of the logits."""
+        return self.argmax_from is not None and num_output >= self.argmax_from
 
-    def banned_token_ids(self) -> list[int]:
+    def banned_token_ids(self, num_output: int) -> list[int]:
         """Tokens that must not be sampled yet: stop tokens before `min_tokens` outputs."""
-        if len(self.output_token_ids) < self.params.min_tokens:
+        if num_output < self.params.min_tokens:
             return self.stop_token_ids
         return []
+
+
+@dataclass(slots=True)
+class StepRows:
+    """What the sampler needs of the requests that sample this step (row i: `requests[i]`):
+    how many outputs each has, and the outputs themselves for rows whose penalties read them
+    (None elsewhere, or None for all when no row has penalties)."""
+
+    requests: list[EngineRequest]
+    num_output: list[int]
+    output_token_ids: list[np.ndarray | None] | None = None
+
+    def take(self, index) -> StepRows:
+        outputs = None if self.output_token_ids is None else [self.output_token_ids[i] for i in index]
+        return StepRows([self.requests[i] for i in index], [self.num_output[i] for i in index], outputs)
 
 
 class RequestRefused(ValueError):
@@ -63,6 +83,9 @@ class Add:
     priority: int = 0
     adapter_id: int = 0
     cache_salt: str = ""
+    # The request's other samples (n > 1): forked from `request` once its prompt is computed,
+    # so that the prompt's KV is computed once and shared.
+    forks: list[EngineRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -70,9 +93,37 @@ class Abort:
     internal_id: int
 
 
-# The per-token logprob arrays a step may carry (StepResult, StepOutput, SampleDelta), row-aligned
-# with its tokens.
-LOGPROB_FIELDS = ("logprobs", "logprob_token_ids", "sampled_logprobs", "sampled_ranks")
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs of a run of tokens, one row per token: the top-K alternatives (descending) and
+    the sampled token's own logprob and rank."""
+
+    top: np.ndarray  # f32 [n, K]
+    top_token_ids: np.ndarray  # int64 [n, K]
+    sampled: np.ndarray  # f32 [n]
+    sampled_ranks: np.ndarray  # int64 [n]
+
+    def __getitem__(self, index) -> Logprobs:
+        """The rows at `index` (a slice or an index array)."""
+        return Logprobs(self.top[index], self.top_token_ids[index], self.sampled[index], self.sampled_ranks[index])
+
+    def scattered(self, rows: np.ndarray, n: int) -> Logprobs:
+        """These rows placed at `rows` of n zero rows (tokens without logprobs read zeros)."""
+        out = []
+        for a in (self.top, self.top_token_ids, self.sampled, self.sampled_ranks):
+            full = np.zeros((n, *a.shape[1:]), dtype=a.dtype)
+            full[rows] = a
+            out.append(full)
+        return Logprobs(*out)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the model worker sampled in one step, per request row with logits."""
+
+    token_ids: np.ndarray  # int64, end to end: num_sampled[i] tokens for request row i
+    num_sampled: np.ndarray  # int64 [rows]: 1, or accepted drafts + 1 for a verifying row
+    logprobs: Logprobs | None = None  # one row per token, when any row asked
 
 
 @dataclass(slots=True)
@@ -83,34 +134,27 @@ class SampleDelta:
     token_ids: list[int]
     finish_reason: str | None  # set when the scheduler finished it this step
     num_cached_tokens: int | None = None  # set on the first delta
-    logprobs: np.ndarray | None = None  # [len(token_ids), K] top-k logprobs
-    logprob_token_ids: np.ndarray | None = None
-    sampled_logprobs: np.ndarray | None = None  # [len(token_ids)]
-    sampled_ranks: np.ndarray | None = None
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)
 class StepOutput:
     """One step's new tokens, column-wise (no object per sequence on the hot path): sequence
-    `internal_ids[i]` got `token_ids[starts[i]:starts[i + 1]]`. The logprob arrays, present when
-    any row asked for logprobs, have one row per entry of `token_ids`."""
+    `internal_ids[i]` got `token_ids[starts[i]:starts[i + 1]]`. `logprobs`, present when any row
+    asked for them, has one row per entry of `token_ids`."""
 
     internal_ids: list[int]
     token_ids: list[int]
     starts: list[int]
     finish_reasons: dict[int, str]  # the sequences the scheduler finished this step
     num_cached_tokens: dict[int, int]  # for sequences getting their first tokens
-    logprobs: np.ndarray | None = None
-    logprob_token_ids: np.ndarray | None = None
-    sampled_logprobs: np.ndarray | None = None
-    sampled_ranks: np.ndarray | None = None
+    logprobs: Logprobs | None = None
+    reply_to: Any = None  # the actor (EngineCore) that takes the Aborts this step calls for
 
     def delta(self, i: int) -> SampleDelta:
         """Sequence i's part of the step as one SampleDelta."""
         lo, hi = self.starts[i], self.starts[i + 1]
         rid = self.internal_ids[i]
-        delta = SampleDelta(rid, self.token_ids[lo:hi], self.finish_reasons.get(rid), self.num_cached_tokens.get(rid))
-        if self.logprobs is not None:
-            for name in LOGPROB_FIELDS:
-                setattr(delta, name, getattr(self, name)[lo:hi])
-        return delta
+        logprobs = None if self.logprobs is None else self.logprobs[lo:hi]
+        return SampleDelta(rid, self.token_ids[lo:hi], self.finish_reasons.get(rid), self.num_cached_tokens.get(rid),
+                           logprobs)

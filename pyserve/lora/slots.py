@@ -74,6 +74,32 @@ class LoraSlots:
         self.use_triton = use_triton
         self.adapters: dict[int, LoraAdapter] = {}  # loaded adapters (CPU), by adapter id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapters, least recent first
+        # Adapters queued to be added (or None: removed) by the next step, in the worker thread,
+        # so the slots never change under a running forward.
+        self._changes: list[tuple[int, LoraAdapter | None]] = []
+
+    def queue_add(self, adapter_id: int, adapter: LoraAdapter) -> None:
+        self._changes.append((adapter_id, adapter))
+
+    def queue_remove(self, adapter_id: int) -> None:
+        self._changes.append((adapter_id, None))
+
+    def prepare_step(self, adapter_ids: np.ndarray | None, num_scheduled_tokens: np.ndarray,
+                     device: torch.device) -> None:
+        """Applies the queued changes, then maps the step's tokens to slots: `adapter_ids` per
+        scheduled request (0 = the base model), each with its `num_scheduled_tokens`."""
+        while self._changes:
+            adapter_id, adapter = self._changes.pop(0)
+            if adapter is None:
+                self.remove(adapter_id)
+            else:
+                self.add(adapter_id, adapter)
+        if adapter_ids is None or not adapter_ids.any():
+            self.set_tokens(None)
+            return
+        slot_of = self.activate(set(adapter_ids[adapter_ids > 0].tolist()))
+        req_slots = np.array([slot_of.get(a, -1) for a in adapter_ids.tolist()], dtype=np.int64)
+        self.set_tokens(torch.from_numpy(np.repeat(req_slots, num_scheduled_tokens)).to(device))
 
     def set_tokens(self, token_slots: torch.Tensor | None) -> None:
         """The step's token -> slot map (None: no token uses an adapter)."""

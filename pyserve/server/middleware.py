@@ -1,7 +1,8 @@
 """Pure ASGI middleware: API-key auth and the request body size limit.
 
 Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
-compare keys in constant time.
+compare keys in constant time. The `Bearer` scheme is matched case-insensitively (RFC 9110: auth
+schemes are), the key exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ async def _send_error(send, status: int, type_: str, message: str, extra_headers
 class APIKeyMiddleware:
     def __init__(self, app, api_key: str, public_paths: frozenset[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send):
@@ -30,9 +31,11 @@ class APIKeyMiddleware:
         given = b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                given = value
+                scheme, _, given = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    given = b""
                 break
-        if not hmac.compare_digest(given, self.expected):
+        if not given or not hmac.compare_digest(given, self.expected):
             return await _send_error(send, 401, "authentication_error", "invalid or missing API key",
                                      [(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)

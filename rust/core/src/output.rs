@@ -30,6 +30,8 @@ pub struct SchedulerOutput {
     pub query_start_loc: Vec<i32>,
     /// Context length of each request after this step (cached prefix included).
     pub seq_lens: Vec<i32>,
+    /// Output tokens each request had before this step (what penalties and `min_tokens` see).
+    pub num_output_tokens: Vec<i32>,
     pub input_ids: Vec<i32>,
     pub positions: Vec<i64>,
     /// KV slot of each token: `block * block_size + offset`.
@@ -66,6 +68,7 @@ impl SchedulerOutput {
             &mut self.num_spec_tokens,
             &mut self.num_logits,
             &mut self.seq_lens,
+            &mut self.num_output_tokens,
         ] {
             v.reserve(num_reqs);
         }
@@ -105,16 +108,31 @@ impl SchedulerOutput {
         self.num_logits.push(s.num_logits as i32);
         self.query_start_loc.push(end as i32);
         self.seq_lens.push((start + s.num_tokens) as i32);
+        self.num_output_tokens.push(req.num_output_tokens() as i32);
         self.block_tables.extend(req.block_table.iter().map(|&b| b as i32));
         self.block_tables.extend(std::iter::repeat_n(0, width - req.block_table.len()));
     }
 }
 
-/// The result of [`crate::Scheduler::update`].
+/// The result of [`crate::Scheduler::update`]: what the step produced, so the caller forwards
+/// it instead of re-deriving it.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UpdateResult {
     /// Per scheduled request (`req_ids` order): how many of its sampled tokens were appended
     /// (fewer than sampled when it stopped early; 0 when it was aborted meanwhile).
     pub num_appended: Vec<i32>,
     pub finished: Vec<(RequestId, FinishReason)>,
+    /// The requests that got tokens this step, in schedule order.
+    pub req_ids: Vec<RequestId>,
+    /// Their tokens end to end: `req_ids[i]` got `token_ids[starts[i]..starts[i + 1]]`.
+    pub token_ids: Vec<u32>,
+    pub starts: Vec<u32>,
+    /// For each entry of `token_ids`, its index in the step's `sampled` tokens (tokens sampled
+    /// after a stop are not appended, so the two differ once a stop lands inside drafts).
+    pub sampled_index: Vec<u32>,
+    /// `(id, num_cached_tokens)` of the requests that got their first output tokens this step.
+    pub first_outputs: Vec<(RequestId, usize)>,
+    /// Requests added with `hold_for_fork` whose prompt is computed up to its last token: fork
+    /// their samples now, then [`crate::Scheduler::release_hold`].
+    pub fork_ready: Vec<RequestId>,
 }

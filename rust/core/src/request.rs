@@ -57,6 +57,9 @@ pub struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     pub eos_token_id: Option<u32>,
     pub ignore_eos: bool,
+    /// Its other samples will fork from it (`n > 1`): prefill stops one token short of the
+    /// prompt until [`crate::Scheduler::release_hold`], so the forks share every computed block.
+    pub hold_for_fork: bool,
 }
 
 impl NewRequest {
@@ -99,6 +102,8 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     pub eos_token_id: Option<u32>,
     pub ignore_eos: bool,
+    /// See [`NewRequest::hold_for_fork`].
+    pub hold_for_fork: bool,
 }
 
 impl Request {
@@ -125,6 +130,7 @@ impl Request {
             stop_token_ids: new.stop_token_ids,
             eos_token_id: new.eos_token_id,
             ignore_eos: new.ignore_eos,
+            hold_for_fork: new.hold_for_fork,
         }
     }
 
@@ -134,6 +140,16 @@ impl Request {
 
     pub fn num_output_tokens(&self) -> usize {
         self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// The token count its computation may reach now: its tokens and drafts, or, while held for
+    /// a fork, all but the last prompt token.
+    pub(crate) fn compute_limit(&self) -> usize {
+        if self.hold_for_fork {
+            self.num_tokens() - 1
+        } else {
+            self.num_tokens() + self.spec_token_ids.len()
+        }
     }
 
     /// Queue key: lower sorts first.

@@ -53,6 +53,9 @@ pub struct Scheduler {
     plan: Vec<Planned>,
     in_flight: bool,
     finished_since_step: Vec<RequestId>,
+    /// Held requests that reached their fork point since the last `update` (see
+    /// [`UpdateResult::fork_ready`](crate::UpdateResult::fork_ready)).
+    fork_ready: Vec<RequestId>,
     stats: SchedulerStats,
 }
 
@@ -71,6 +74,7 @@ impl Scheduler {
             plan: Vec::new(),
             in_flight: false,
             finished_since_step: Vec::new(),
+            fork_ready: Vec::new(),
             stats: SchedulerStats::default(),
         })
     }
@@ -154,6 +158,7 @@ impl Scheduler {
         let parent = self.requests.by_id(parent_id).ok_or(CoreError::UnknownRequest(parent_id))?;
         let mut child = parent.clone();
         child.id = child_id;
+        child.hold_for_fork = false;
         child.order = self.next_order;
         self.next_order += 1;
         child.spec_token_ids.clear();
@@ -182,6 +187,14 @@ impl Scheduler {
         } else {
             self.waiting.insert(key, slot);
         }
+        Ok(())
+    }
+
+    /// Lets a request added with `hold_for_fork` compute its last prompt token (its samples
+    /// are forked).
+    pub fn release_hold(&mut self, id: RequestId) -> Result<()> {
+        let slot = self.requests.slot_of(id).ok_or(CoreError::UnknownRequest(id))?;
+        self.requests[slot].hold_for_fork = false;
         Ok(())
     }
 

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{next_token, Driver};
+use common::{next_token, reference_output, Driver};
 use pyserve_core::{
     CoreError, FinishReason, Namespace, NewRequest, RequestStatus, Scheduler, SchedulerConfig,
 };
@@ -209,6 +209,56 @@ fn fork_shares_blocks_and_copies_on_write() {
     assert_eq!(out.block_copies[0], a[1] as i32);
     d.run_to_end(20, no_drafts);
     assert_eq!(d.finished[&1], d.finished[&2]);
+}
+
+#[test]
+fn a_held_request_computes_its_prompt_once_for_all_its_forks() {
+    for caching in [false, true] {
+        let mut c = config(64, 4, 64);
+        c.enable_prefix_caching = caching;
+        let mut d = Driver::new(Scheduler::new(c).unwrap());
+        let prompt: Vec<u32> = (0..10).collect();
+        let mut r = req(1, prompt.clone(), 5);
+        r.hold_for_fork = true;
+        d.add(r).unwrap();
+        let out = d.step(no_drafts);
+        assert_eq!((out.num_scheduled_tokens.clone(), out.num_logits.clone()), (vec![9], vec![0]));
+        assert_eq!(d.last.fork_ready, vec![1]);
+        d.fork(1, 2);
+        d.fork(1, 3);
+        d.sched.release_hold(1).unwrap();
+        let out = d.step(no_drafts);
+        // Each sample computes only the last prompt token, into its own copy of the shared block.
+        assert_eq!(out.num_scheduled_tokens, vec![1, 1, 1]);
+        assert_eq!(out.block_copies.len(), 4);
+        assert_eq!(d.last.first_outputs, vec![(1, 0), (2, 0), (3, 0)]);
+        d.run_to_end(20, no_drafts);
+        let expected = reference_output(&prompt, 5, None);
+        for id in 1..=3 {
+            assert_eq!(d.finished[&id], expected, "caching {caching}, sample {id}");
+        }
+    }
+}
+
+#[test]
+fn a_held_request_whose_prompt_is_cached_forks_at_admission() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    let prompt: Vec<u32> = (0..9).collect();
+    d.add(req(1, prompt.clone(), 2)).unwrap();
+    d.run_to_end(10, no_drafts);
+    let mut r = req(2, prompt, 2);
+    r.hold_for_fork = true;
+    d.add(r).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_reqs(), 0, "8 of 9 prompt tokens are cached: nothing to compute before the fork");
+    assert_eq!(d.last.fork_ready, vec![2]);
+    d.fork(2, 3);
+    d.sched.release_hold(2).unwrap();
+    assert_eq!(d.step(no_drafts).num_scheduled_tokens, vec![1, 1]);
+    assert_eq!(d.last.first_outputs, vec![(2, 8), (3, 8)]);
+    d.run_to_end(10, no_drafts);
+    assert_eq!(d.finished[&2], d.finished[&1]);
+    assert_eq!(d.finished[&3], d.finished[&1]);
 }
 
 #[test]

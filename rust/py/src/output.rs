@@ -3,6 +3,7 @@
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
 use pyserve_core::{FinishReason, SchedulerOutput, UpdateResult};
 
 /// One step's plan and flat inputs. Arrays: `req_ids` (uint64), per-request int32 arrays,
@@ -18,6 +19,7 @@ pub struct PySchedulerOutput {
     logits_indices: Py<PyArray1<i32>>,
     query_start_loc: Py<PyArray1<i32>>,
     seq_lens: Py<PyArray1<i32>>,
+    num_output_tokens: Py<PyArray1<i32>>,
     input_ids: Py<PyArray1<i32>>,
     positions: Py<PyArray1<i64>>,
     slot_mapping: Py<PyArray1<i64>>,
@@ -47,6 +49,7 @@ impl PySchedulerOutput {
             logits_indices: out.logits_indices.into_pyarray(py).unbind(),
             query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
             seq_lens: out.seq_lens.into_pyarray(py).unbind(),
+            num_output_tokens: out.num_output_tokens.into_pyarray(py).unbind(),
             input_ids: out.input_ids.into_pyarray(py).unbind(),
             positions: out.positions.into_pyarray(py).unbind(),
             slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
@@ -74,13 +77,23 @@ impl PySchedulerOutput {
     }
 }
 
-/// What `update` did: tokens appended per scheduled request (`req_ids` order) and which
-/// requests finished, with reasons "stop", "length" or "abort".
+/// What `update` did. Per scheduled request (`req_ids` order): `num_appended`. The step's
+/// output: `req_ids` (the requests that got tokens), `token_ids` and `starts` (request
+/// `req_ids[i]` got `token_ids[starts[i]:starts[i + 1]]`, both lists), `sampled_index` (int64:
+/// each token's index among the sampled ones), `num_cached_tokens` ({id: n} for requests getting
+/// their first tokens), `finished_req_ids` with `finish_reasons` ("stop", "length", "abort"),
+/// and `fork_ready` (held requests to fork now, then release).
 #[pyclass(name = "UpdateResult", module = "pyserve._core", frozen, get_all)]
 pub struct PyUpdateResult {
     num_appended: Py<PyArray1<i32>>,
+    req_ids: Py<PyList>,
+    token_ids: Py<PyList>,
+    starts: Py<PyList>,
+    sampled_index: Py<PyArray1<i64>>,
+    num_cached_tokens: Py<PyDict>,
     finished_req_ids: Py<PyArray1<u64>>,
     finish_reasons: Vec<&'static str>,
+    fork_ready: Vec<u64>,
 }
 
 pub fn reason_name(reason: FinishReason) -> &'static str {
@@ -92,14 +105,25 @@ pub fn reason_name(reason: FinishReason) -> &'static str {
 }
 
 impl PyUpdateResult {
-    pub fn new(py: Python<'_>, result: UpdateResult) -> Self {
+    pub fn new(py: Python<'_>, result: UpdateResult) -> PyResult<Self> {
         let (ids, reasons): (Vec<u64>, Vec<&'static str>) =
             result.finished.iter().map(|&(id, r)| (id, reason_name(r))).unzip();
-        Self {
+        let cached = PyDict::new(py);
+        for (id, n) in result.first_outputs {
+            cached.set_item(id, n)?;
+        }
+        let sampled_index: Vec<i64> = result.sampled_index.iter().map(|&i| i as i64).collect();
+        Ok(Self {
             num_appended: result.num_appended.into_pyarray(py).unbind(),
+            req_ids: PyList::new(py, result.req_ids)?.unbind(),
+            token_ids: PyList::new(py, result.token_ids)?.unbind(),
+            starts: PyList::new(py, result.starts)?.unbind(),
+            sampled_index: sampled_index.into_pyarray(py).unbind(),
+            num_cached_tokens: cached.unbind(),
             finished_req_ids: ids.into_pyarray(py).unbind(),
             finish_reasons: reasons,
-        }
+            fork_ready: result.fork_ready,
+        })
     }
 }
 

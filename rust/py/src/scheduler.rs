@@ -1,6 +1,6 @@
 //! `Scheduler` for Python: keyword-argument constructor, validated inputs, numpy in and out.
 
-use numpy::PyReadonlyArray1;
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -88,7 +88,8 @@ impl PyScheduler {
 
     /// Queues a request; raises InvalidRequestError naming the field when it can never run.
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens=None, min_tokens=0, priority=0,
-        adapter_id=0, cache_salt=String::new(), stop_token_ids=None, eos_token_id=None, ignore_eos=false))]
+        adapter_id=0, cache_salt=String::new(), stop_token_ids=None, eos_token_id=None, ignore_eos=false,
+        hold_for_fork=false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -102,6 +103,7 @@ impl PyScheduler {
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         eos_token_id: Option<u32>,
         ignore_eos: bool,
+        hold_for_fork: bool,
     ) -> PyResult<()> {
         let stop_token_ids = match stop_token_ids {
             Some(obj) => parse_token_ids("stop_token_ids", obj)?,
@@ -117,6 +119,7 @@ impl PyScheduler {
             stop_token_ids,
             eos_token_id,
             ignore_eos,
+            hold_for_fork,
         };
         self.inner.add_request(new).map_err(to_py)
     }
@@ -124,6 +127,11 @@ impl PyScheduler {
     /// Starts `child_id` sharing the parent's computed KV blocks (copy-on-write).
     fn fork_request(&mut self, parent_id: u64, child_id: u64) -> PyResult<()> {
         self.inner.fork_request(parent_id, child_id).map_err(to_py)
+    }
+
+    /// Lets a request added with `hold_for_fork` compute its last prompt token.
+    fn release_hold(&mut self, request_id: u64) -> PyResult<()> {
+        self.inner.release_hold(request_id).map_err(to_py)
     }
 
     fn abort(&mut self, request_id: u64) -> PyResult<()> {
@@ -158,7 +166,7 @@ impl PyScheduler {
         let sampled = step_values("sampled_token_ids", sampled_token_ids)?;
         let counts = step_values("num_sampled", num_sampled)?;
         let result = self.inner.update(&sampled, &counts).map_err(to_py)?;
-        Ok(PyUpdateResult::new(py, result))
+        PyUpdateResult::new(py, result)
     }
 
     fn has_unfinished_requests(&self) -> bool {
@@ -189,6 +197,22 @@ impl PyScheduler {
         d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
         d.set_item("num_steps", s.num_steps)?;
         Ok(d)
+    }
+
+    /// A live request's tokens from `start` on (prompt, then output), as int64.
+    #[pyo3(signature = (request_id, start=0))]
+    fn token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: u64,
+        start: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let req = self
+            .inner
+            .request(request_id)
+            .ok_or_else(|| to_py(pyserve_core::CoreError::UnknownRequest(request_id)))?;
+        let tokens = &req.token_ids[start.min(req.token_ids.len())..];
+        Ok(tokens.iter().map(|&t| i64::from(t)).collect::<Vec<i64>>().into_pyarray(py))
     }
 
     /// Prompt tokens the request got from the prefix cache at its first admission.

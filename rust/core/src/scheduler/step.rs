@@ -33,7 +33,7 @@ impl Scheduler {
             let slot = self.running[i].1;
             let req = &self.requests[slot];
             let start = req.num_computed_tokens;
-            let num_new = (req.num_tokens() + req.spec_token_ids.len() - start).min(budget);
+            let num_new = (req.compute_limit() - start).min(budget);
             if num_new == 0 || !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
                 i += 1;
                 continue;
@@ -81,7 +81,8 @@ impl Scheduler {
             }
             let hits = self.kv.match_prefix(req);
             let cached = hits.len() * self.config.block_size;
-            let num_new = (req.num_tokens() - cached).min(budget);
+            // A held request's limit is at least `cached`: the last prompt token is never a hit.
+            let num_new = (req.compute_limit() - cached).min(budget);
             let reaches_end = cached + num_new >= req.num_tokens();
             let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
             if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
@@ -95,15 +96,20 @@ impl Scheduler {
                 self.stats.prefix_hit_tokens += cached as u64;
             }
             req.status = RequestStatus::Running;
+            add_lora(&mut loras, req.namespace.adapter_id);
+            self.waiting.remove(&key);
+            insert_sorted(&mut self.running, (key, slot));
+            if num_new == 0 {
+                // Held at its fork point by the cached prefix alone: running, nothing to compute.
+                self.fork_ready.push(req.id);
+                continue;
+            }
             let s = ScheduledRequest {
                 id: req.id,
                 num_tokens: num_new,
                 num_spec_tokens: 0,
                 num_logits: usize::from(reaches_end),
             };
-            add_lora(&mut loras, req.namespace.adapter_id);
-            self.waiting.remove(&key);
-            insert_sorted(&mut self.running, (key, slot));
             plan.push((slot, s, cached));
             budget -= num_new;
         }
@@ -130,7 +136,16 @@ impl Scheduler {
         self.in_flight = false;
         let plan = std::mem::take(&mut self.plan);
         let max_model_len = self.config.max_model_len;
-        let mut result = UpdateResult { num_appended: Vec::with_capacity(plan.len()), finished: Vec::new() };
+        let mut result = UpdateResult {
+            num_appended: Vec::with_capacity(plan.len()),
+            req_ids: Vec::with_capacity(plan.len()),
+            token_ids: Vec::with_capacity(sampled.len()),
+            starts: Vec::with_capacity(plan.len() + 1),
+            sampled_index: Vec::with_capacity(sampled.len()),
+            fork_ready: std::mem::take(&mut self.fork_ready),
+            ..Default::default()
+        };
+        result.starts.push(0);
         let mut finished_slots = Vec::new();
         let mut offset = 0;
         for (&(slot, s, _), &n) in plan.iter().zip(num_sampled) {
@@ -147,17 +162,26 @@ impl Scheduler {
             let mut appended = 0;
             let mut status = req.status;
             if n > 0 {
+                if req.num_output_tokens() == 0 {
+                    result.first_outputs.push((s.id, req.num_cached_tokens));
+                }
                 req.num_computed_tokens -= s.num_spec_tokens + 1 - n;
                 req.spec_token_ids.clear();
                 for &token in tokens {
+                    result.token_ids.push(token);
+                    result.sampled_index.push((offset - n + appended) as u32);
                     appended += 1;
                     status = req.append_token(token, max_model_len);
                     if status.is_finished() {
                         break;
                     }
                 }
+                result.req_ids.push(s.id);
+                result.starts.push(result.token_ids.len() as u32);
+            } else if req.hold_for_fork && req.num_computed_tokens + 1 == req.num_tokens() {
+                result.fork_ready.push(s.id);
             }
-            result.num_appended.push(appended);
+            result.num_appended.push(appended as i32);
             self.kv.cache_full_blocks(req);
             if status.is_finished() {
                 req.status = status;

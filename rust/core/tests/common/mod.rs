@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use pyserve_core::{FinishReason, NewRequest, RequestId, Scheduler, SchedulerOutput};
+use pyserve_core::{FinishReason, NewRequest, RequestId, Scheduler, SchedulerOutput, UpdateResult};
 
 pub const VOCAB: u32 = 40;
 
@@ -99,6 +99,8 @@ pub struct Driver {
     pub live: HashMap<RequestId, Live>,
     pub finished: BTreeMap<RequestId, (Vec<u32>, FinishReason)>,
     pub steps: usize,
+    /// What the last `update` returned.
+    pub last: UpdateResult,
 }
 
 impl Driver {
@@ -110,6 +112,7 @@ impl Driver {
             live: HashMap::new(),
             finished: BTreeMap::new(),
             steps: 0,
+            last: UpdateResult::default(),
         }
     }
 
@@ -173,15 +176,37 @@ impl Driver {
             }
             counts.push(n);
         }
+        let cached: Vec<usize> =
+            out.req_ids.iter().map(|&id| self.sched.request(id).map_or(0, |r| r.num_cached_tokens)).collect();
         let result = self.sched.update(&sampled, &counts).unwrap();
         let mut offset = 0;
+        let mut expected = UpdateResult { starts: vec![0], ..Default::default() };
         for (r, &n) in counts.iter().enumerate() {
             let appended = result.num_appended[r] as usize;
             if let Some(live) = self.live.get_mut(&out.req_ids[r]) {
+                if n > 0 {
+                    if live.tokens.len() == live.prompt.len() {
+                        expected.first_outputs.push((out.req_ids[r], cached[r]));
+                    }
+                    expected.req_ids.push(out.req_ids[r]);
+                    expected.token_ids.extend_from_slice(&sampled[offset..offset + appended]);
+                    expected.sampled_index.extend((offset..offset + appended).map(|i| i as u32));
+                    expected.starts.push(expected.token_ids.len() as u32);
+                }
                 live.tokens.extend_from_slice(&sampled[offset..offset + appended]);
             }
             offset += n as usize;
         }
+        let step_output = |u: &UpdateResult| {
+            (
+                u.req_ids.clone(),
+                u.token_ids.clone(),
+                u.starts.clone(),
+                u.sampled_index.clone(),
+                u.first_outputs.clone(),
+            )
+        };
+        assert_eq!(step_output(&result), step_output(&expected), "update's step output");
         for &(id, reason) in &result.finished {
             let live = self.live.remove(&id).unwrap();
             self.finished.insert(id, (live.tokens[live.prompt.len()..].to_vec(), reason));
@@ -200,6 +225,7 @@ impl Driver {
         }
         self.sched.check_invariants().unwrap();
         self.steps += 1;
+        self.last = result;
         out
     }
 

@@ -8,18 +8,18 @@ import time
 import numpy as np
 
 from pyserve.engine.request import EngineRequest
-from pyserve.spec.config import SpeculativeConfig
-from pyserve.spec.depth import DepthController
-from pyserve.spec.proposer import ProposalBatch, Proposer
+from pyserve.speculative.config import SpeculativeConfig
+from pyserve.speculative.depth import DepthController
+from pyserve.speculative.proposer import ProposalBatch, Proposer
 
 
-def can_speculate(req: EngineRequest) -> bool:
+def can_speculate(req: EngineRequest, num_output: int) -> bool:
     """Verification samples every position from the same distribution, so requests whose
     distribution depends on their own output so far (penalties, a min_tokens ban) or that want
-    logprobs decode plainly."""
+    logprobs decode plainly. `num_output`: the request's output tokens so far."""
     p = req.params
     return (p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and len(req.output_token_ids) >= p.min_tokens)
+            and p.repetition_penalty == 1.0 and num_output >= p.min_tokens)
 
 
 class Speculator:
@@ -33,10 +33,10 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.last_depth = 0
 
-    async def after_step(self, out, num_sampled: np.ndarray, seconds: float, finished: set[int],
-                         requests: dict[int, EngineRequest]) -> None:
-        """`num_sampled`: tokens sampled per scheduled request (0 without logits); `finished`:
-        requests that ended this step."""
+    async def after_step(self, out, num_sampled: np.ndarray, num_output: np.ndarray, seconds: float,
+                         finished: set[int], requests: dict[int, EngineRequest]) -> None:
+        """Per scheduled request: `num_sampled` tokens sampled (0 without logits), `num_output`
+        output tokens after the step; `finished`: requests that ended this step."""
         if (out.num_scheduled_tokens == 1 + out.num_spec_tokens).all():  # decode-only steps feed the cost model
             self.depth.observe_step(out.num_reqs, int(out.num_spec_tokens.sum()), seconds)
         for s, n in zip(out.num_spec_tokens.tolist(), num_sampled.tolist()):
@@ -51,9 +51,9 @@ class Speculator:
         if out.preempted_req_ids.size:
             self.forget(out.preempted_req_ids.tolist())
         rows, candidates = [], []
-        for i, (rid, n) in enumerate(zip(out.req_ids.tolist(), num_sampled.tolist())):
+        for i, (rid, n, n_out) in enumerate(zip(out.req_ids.tolist(), num_sampled.tolist(), num_output.tolist())):
             req = requests.get(rid)
-            if n and req is not None and rid not in finished and can_speculate(req):
+            if n and req is not None and rid not in finished and can_speculate(req, n_out):
                 rows.append(i)
                 candidates.append(req)
         k = self.depth.choose(out.num_reqs, len(candidates))
@@ -61,7 +61,10 @@ class Speculator:
         if not k or not candidates:
             return
         start = time.perf_counter()
-        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k))
+        token_ids = None
+        if self.proposer.reads_tokens:
+            token_ids = [self.scheduler.token_ids(r.internal_id) for r in candidates]
+        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k, token_ids))
         seconds = time.perf_counter() - start
         self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
         for req, tokens in zip(candidates, drafts):

@@ -22,7 +22,7 @@ from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.packed_linear import can_pack, pack_linears
 from pyserve.model.sampler import Sampler, SamplingRows
-from pyserve.spec.proposer import ProposalBatch
+from pyserve.speculative.proposer import ProposalBatch
 
 
 class DraftModelProposer:
@@ -66,7 +66,7 @@ class DraftModelProposer:
     def propose(self, batch: ProposalBatch, generators: list[torch.Generator | None]) -> list[list[int]]:
         reqs, bs = batch.requests, self.block_size
         capacity = (batch.block_tables > 0).sum(axis=1) * bs  # slots each request owns
-        seqs = [r.prompt_token_ids + r.output_token_ids for r in reqs]
+        seqs = batch.token_ids
         lens = np.array([len(s) for s in seqs], dtype=np.int64)
         # Depth per request: the j-th forward writes position len - 1 + j, which must own a slot
         # and lie inside the model length.

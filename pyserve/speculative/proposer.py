@@ -21,12 +21,17 @@ from pyserve.engine.worker_call import WorkerCall
 
 @dataclass(slots=True)
 class ProposalBatch:
-    requests: list[EngineRequest]  # the requests to propose for; their token lists are current
+    requests: list[EngineRequest]  # the requests to propose for
     block_tables: np.ndarray  # int32 [len(requests), width]: each request's blocks (0 = none)
     k: int  # draft tokens wanted per request (a proposer may return fewer)
+    # Each request's tokens (prompt, then output) as of the step just run, for a proposer that
+    # `reads_tokens` (the scheduler holds them; None otherwise).
+    token_ids: list[np.ndarray] | None = None
 
 
 class Proposer(Protocol):
+    reads_tokens: bool  # wants ProposalBatch.token_ids
+
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
         """Up to `batch.k` draft tokens per request, in order."""
         ...
@@ -65,6 +70,8 @@ class NgramProposer:
     """Prompt lookup: the continuation of the longest recent n-gram match in the request's own
     tokens. Runs in the Rust scheduler, on the tokens it already holds."""
 
+    reads_tokens = False  # the lookup runs where the tokens are
+
     def __init__(self, scheduler, min_n: int, max_n: int):
         self.scheduler = scheduler
         self.min_n, self.max_n = min_n, max_n
@@ -80,6 +87,8 @@ class NgramProposer:
 class WorkerProposer:
     """A proposer that lives in the ModelWorker (it owns tensors): called as the worker's steps
     are (see pyserve.engine.worker_call)."""
+
+    reads_tokens = True
 
     def __init__(self, worker, call_worker: WorkerCall):
         self.worker = worker

@@ -1,0 +1,123 @@
+"""Verification of speculative drafts (exact rejection sampling): a step's rows that scored
+drafts keep the drafts the target accepts, then one more token from the target (greedy: the
+target's argmax), so the output follows the target's distribution. Rows without drafts go
+through the plain sampler. Runs in the worker, on the step's logits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pyserve.engine.request import EngineRequest, StepResult, StepRows
+from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.speculative.proposer import ModelProposer
+
+
+class Verifier:
+    def __init__(self, sampler: Sampler, device: torch.device, proposer: ModelProposer | None,
+                 generator_of: Callable[[EngineRequest], torch.Generator | None]):
+        self.sampler = sampler
+        self.device = device
+        self.proposer = proposer  # a draft model keeps the distributions its drafts came from
+        self.generator_of = generator_of
+
+    def sample_and_verify(self, out, logits: torch.Tensor, rows: StepRows, counts: np.ndarray,
+                          sample: Callable[[torch.Tensor, StepRows], StepResult]) -> StepResult:
+        """Rows with drafts (count > 1) go through rejection sampling, the others through the
+        plain `sample`. Tokens come back end to end, `num_sampled[i]` for rows.requests[i]."""
+        reqs = rows.requests
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        plain = np.flatnonzero(counts == 1)
+        spec = np.flatnonzero(counts > 1)
+        per_row: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(reqs)
+        plain_result = None
+        if len(plain):
+            idx = torch.from_numpy(offsets[plain]).to(self.device)
+            plain_result = sample(logits[idx], rows.take(plain))
+            for j, i in enumerate(plain):
+                per_row[i] = plain_result.token_ids[j : j + 1]
+        spec_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
+        if all(reqs[i].params.greedy for i in spec):
+            accepted = self._verify_greedy(out, logits, reqs, counts, spec, spec_rows)
+        else:
+            accepted = self._verify(out, logits, reqs, counts, spec, spec_rows)
+        for i, tokens in zip(spec, accepted):
+            per_row[i] = tokens
+        num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
+        result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled)
+        if plain_result is not None and plain_result.logprobs is not None:
+            flat = np.concatenate([[0], np.cumsum(num_sampled)])[plain]  # where each plain row's token sits
+            # Rows with drafts never ask for logprobs.
+            result.logprobs = plain_result.logprobs.scattered(flat, int(num_sampled.sum()))
+        return result
+
+    @staticmethod
+    def _drafts(out, counts, spec, spec_rows) -> tuple[np.ndarray, np.ndarray]:
+        """(the draft each logits row of `spec_rows` verifies, -1 on a request's last row; the
+        requests' row offsets). Row r verifies the input token after its own position."""
+        drafts = np.full(len(spec_rows), -1, dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(counts[spec])]).astype(np.int32)
+        for j in range(len(spec)):
+            positions = out.logits_indices[spec_rows[cu[j] : cu[j + 1]]]
+            drafts[cu[j] : cu[j + 1] - 1] = out.input_ids[positions[1:]]
+        return drafts, cu
+
+    def _verify_greedy(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
+        """Rejection sampling when every target is one-hot: drafts are kept while they equal the
+        target's argmax, then comes the argmax. The draft model's q plays no part."""
+        best = logits[torch.from_numpy(spec_rows).to(self.device)].argmax(dim=-1).cpu().numpy()
+        drafts, cu = self._drafts(out, counts, spec, spec_rows)
+        accepted = []
+        for j, i in enumerate(spec):
+            lo, hi = int(cu[j]), int(cu[j + 1])
+            wrong = np.flatnonzero(drafts[lo : hi - 1] != best[lo : hi - 1])
+            num_accepted = int(wrong[0]) if len(wrong) else hi - 1 - lo
+            accepted.append(best[lo : lo + num_accepted + 1])
+            if self.proposer is not None:
+                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1)
+                self.proposer.accepted(rows[i].internal_id, num_accepted)
+        return accepted
+
+    def _verify(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
+        """Accepted drafts plus one token, per request of `spec` (rejection sampling)."""
+        dev = self.device
+        params = [rows[i].params for i in spec for _ in range(counts[i])]
+        sampling = SamplingRows.build(params, [None] * len(params), [[]] * len(params), [[]] * len(params), None, dev)
+        target = self.sampler.probs(logits[torch.from_numpy(spec_rows).to(dev)], sampling)
+        drafts, cu = self._drafts(out, counts, spec, spec_rows)
+        # Greedy rows need no randomness: with a one-hot target, u = 0 and unit noise make the
+        # rule "keep drafts equal to the argmax, then the argmax".
+        uniform = torch.zeros(len(spec_rows), device=dev)
+        noise = torch.ones_like(target)
+        shared = []
+        for j, i in enumerate(spec):
+            if rows[i].params.greedy:
+                continue
+            gen = self.generator_of(rows[i])
+            if gen is None:
+                shared.append(j)
+                continue
+            r0, r1 = int(cu[j]), int(cu[j + 1])
+            uniform[r0:r1] = torch.rand(r1 - r0, generator=gen, device=dev)
+            noise[r0:r1].exponential_(generator=gen)
+        if shared:
+            idx = torch.from_numpy(np.concatenate([np.arange(cu[j], cu[j + 1]) for j in shared])).to(dev)
+            uniform[idx] = torch.rand(len(idx), generator=self.sampler.generator, device=dev)
+            noise[idx] = torch.empty((len(idx), target.shape[1]), device=dev).exponential_(
+                generator=self.sampler.generator)
+        draft_probs = None
+        if self.proposer is not None:
+            zero = torch.zeros((1, target.shape[1]), device=dev)
+            draft_probs = torch.cat([t for i in spec for t in (
+                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1), zero)])
+        verify = rejection_sample if dev.type == "cuda" else rejection_sample_ref
+        tokens, num = verify(target, draft_probs, torch.from_numpy(drafts).to(dev), uniform,
+                             noise.clamp_min_(torch.finfo(torch.float32).tiny), torch.from_numpy(cu).to(dev))
+        tokens, num = tokens.cpu().numpy(), num.cpu().numpy()
+        if self.proposer is not None:
+            for j, i in enumerate(spec):
+                self.proposer.accepted(rows[i].internal_id, int(num[j]) - 1)
+        return [tokens[cu[j] : cu[j] + num[j]] for j in range(len(spec))]
