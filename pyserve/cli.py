@@ -95,8 +95,9 @@ def batch(args: argparse.Namespace) -> None:
     name = args.served_model_name or served_name(args.model)
     num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
     print(f"batch: wrote {args.output} ({num_errors} lines with errors)", file=sys.stderr, flush=True)
-    if engine.system.error is not None:  # the records say 503, but the batch did not run
-        sys.exit(f"pyserve batch: the engine died: {engine.system.error!r}")
+    health = engine.health()
+    if health.status == "dead":  # the records say 503, but the batch did not run
+        sys.exit(f"pyserve batch: the engine died: {health.error!r}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,7 +121,14 @@ def test_models_health_version_metrics(server):
         assert f"\n{name}" in text or text.startswith(name), name
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server, scheme):
+    assert httpx.get(server + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert httpx.get(server + "/v1/models", headers={"Authorization": f"{scheme} {KEY.upper()}x"}).status_code == 401
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer{KEY}"}])
 def test_auth_required_everywhere_but_health(server, headers):
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
                          ("GET", "/version"), ("GET", "/nope")]:

@@ -7,6 +7,7 @@ import asyncio
 import atexit
 import gc
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyserve import _core
@@ -38,7 +39,22 @@ def default_draft(model: str) -> str | None:
     return str(DRAFT_DIR) if Path(model).resolve() == TARGET_DIR else None
 
 
+@dataclass(slots=True, frozen=True)
+class EngineHealth:
+    """"ok"; "stalled" (requests held, no step completed for `seconds_without_step`); or "dead"
+    (an actor crashed with `error`: nothing more can be served)."""
+
+    status: str
+    error: BaseException | None = None
+    seconds_without_step: float = 0.0
+
+
 class AsyncEngine:
+    """The engine's face, what callers (the server, LLM, the batch runner) use: `start`/`stop`,
+    `add_request`, `abort`/`abort_nowait`, `load_lora`/`unload_lora`, `health()`, `num_waiting()`,
+    `stats()`, `wait_idle()`, and the model facts `tokenizer`, `vocab_size`, `max_model_len`,
+    `model_path`, `num_kv_blocks`. The actors and the worker inside are not part of it."""
+
     def __init__(self, config: EngineConfig, worker_on_loop: bool = False):
         """`worker_on_loop`: run the model's steps on the event loop thread instead of a worker
         thread (see pyserve.engine.worker_call); only for a loop that serves nothing else."""
@@ -220,4 +236,31 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float | int]:
         return self.engine_core.stats()
+
+    def health(self) -> EngineHealth:
+        if self.system.error is not None:
+            return EngineHealth("dead", self.system.error)
+        if self.watchdog is not None and self.watchdog.stalled:
+            return EngineHealth("stalled", seconds_without_step=self.watchdog.stalled_for)
+        return EngineHealth("ok")
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError once an actor crashed."""
+        self.system.check_alive()
+
+    def num_waiting(self) -> int:
+        """Sequences queued but not running."""
+        return self.scheduler.num_waiting
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return self.config.model
 

@@ -16,7 +16,8 @@ from starlette.routing import Route
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.errors import APIError, error_body, error_response
-from pyserve.server.loras import LoraRegistry, load_lora_adapter, unload_lora_adapter
+from pyserve.server.lora_registry import LoraRegistry
+from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
@@ -32,7 +33,7 @@ def _json(data: object, status: int = 200) -> Response:
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     base = state.settings.served_model_name
-    cards = [{"id": base, "object": "model", "created": 0, "owned_by": "pyserve", "root": state.engine.config.model,
+    cards = [{"id": base, "object": "model", "created": 0, "owned_by": "pyserve", "root": state.engine.model_path,
               "parent": None, "max_model_len": state.engine.max_model_len}]
     for name, entry in state.loras.entries.items():
         cards.append({"id": name, "object": "model", "created": 0, "owned_by": "pyserve",
@@ -42,11 +43,11 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    if not state.engine.system.alive:
-        return _json({"status": "dead", "error": repr(state.engine.system.error)}, 503)
-    watchdog = state.engine.watchdog
-    if watchdog is not None and watchdog.stalled:
-        return _json({"status": "stalled", "seconds_without_step": round(watchdog.stalled_for, 3)}, 503)
+    health = state.engine.health()
+    if health.status == "dead":
+        return _json({"status": "dead", "error": repr(health.error)}, 503)
+    if health.status == "stalled":
+        return _json({"status": "stalled", "seconds_without_step": round(health.seconds_without_step, 3)}, 503)
     return _json({"status": "ok"})
 
 
@@ -92,7 +93,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
         for name, path in settings.lora_modules.items():
             await state.loras.add(name, path)
         log.info("server_started", model=settings.served_model_name, max_model_len=engine.max_model_len,
-                 kv_blocks=engine.worker.num_kv_blocks)
+                 kv_blocks=engine.num_kv_blocks)
         try:
             yield
         finally:

@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
-import orjson
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -20,8 +17,9 @@ from pyserve.actors import EngineDeadError
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
+from pyserve.server.body import json_body, validate
 from pyserve.server.completion_context import CompletionContext
+from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
@@ -30,7 +28,7 @@ from pyserve.server.streaming import TimedStreamingResponse
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    req = _validate(ChatCompletionRequest, await json_body(request))
+    req = validate(ChatCompletionRequest, await json_body(request))
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     settings = state.settings
@@ -53,10 +51,10 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    req = _validate(CompletionRequest, await json_body(request))
+    req = validate(CompletionRequest, await json_body(request))
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
-    vocab = state.engine.model_config.vocab_size
+    vocab = state.engine.vocab_size
     prompts = []
     for p in req.prompts():
         if isinstance(p, str):
@@ -69,40 +67,6 @@ async def completions(request: Request) -> Response:
                 raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             prompts.append(list(p))
     return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora)
-
-
-async def json_body(request: Request) -> Any:
-    body = await request.body()
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    return data
-
-
-def _validate(schema: type[BaseModel], data: dict[str, Any]):
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = _field_path(err["loc"])
-        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _field_path(loc: tuple) -> str | None:
-    """The field an error is about: pydantic's location up to the first union member tag
-    ('stop.str' -> 'stop', 'prompt.list[int].1' -> 'prompt', 'messages.0.role' stays)."""
-    parts = []
-    for x in loc:
-        if isinstance(x, str) and (not x.isidentifier() or x in _TYPE_TAGS):
-            break
-        parts.append(str(x))
-    return ".".join(parts) or None
 
 
 def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
@@ -133,11 +97,11 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if state.draining:
         raise Unavailable("server is shutting down")
     try:
-        engine.system.check_alive()
+        engine.check_alive()
     except EngineDeadError as e:
         raise Unavailable(str(e)) from e
     limit = state.settings.max_waiting
-    if limit is not None and engine.stats()["num_requests_waiting"] + len(prompts) * req.n > limit:
+    if limit is not None and engine.num_waiting() + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pyserve.engine.async_engine import AsyncEngine
+from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
-
-if TYPE_CHECKING:
-    from pyserve.server.loras import LoraRegistry
 
 
 @dataclass(slots=True)
@@ -56,7 +53,7 @@ class ServerMetrics:
         reg.add(Gauge("pyserve:kv_free_blocks", "KV blocks free (never used or evicted).", stat("kv_free_blocks")))
         reg.add(Gauge("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
                       stat("kv_cached_blocks")))
-        reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.worker.num_kv_blocks))
+        reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.num_kv_blocks))
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),

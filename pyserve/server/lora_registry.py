@@ -1,6 +1,5 @@
 """The server's LoRA adapters by name: the ones given at start (`--lora-modules`) and, with
-`--lora-root`, the ones loaded and unloaded at runtime (`/v1/load_lora_adapter`,
-`/v1/unload_lora_adapter`).
+`--lora-root`, the ones loaded and unloaded at runtime (the handlers are in lora_routes).
 
 A request's `model` field names the base model or an adapter. Unloading removes the name at once
 (new requests get 404) and frees the adapter's weights once its in-flight requests finish. Loads
@@ -14,12 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from pyserve.lora.request import LoRARequest
 from pyserve.server.errors import BadRequest, NotFound
-from pyserve.server.openai_api import json_body
 
 
 @dataclass(slots=True)
@@ -94,28 +89,3 @@ class LoraRegistry:
         if not target.is_relative_to(self.root):
             raise BadRequest(f"lora_path must lie inside the server's LoRA root {self.root}", param="lora_path")
         return str(target)
-
-
-async def load_lora_adapter(request: Request) -> Response:
-    state = request.app.state.pyserve
-    body = await json_body(request)
-    name, path = body.get("lora_name"), body.get("lora_path")
-    if not isinstance(name, str) or not name or name == state.settings.served_model_name:
-        raise BadRequest("lora_name must be a non-empty string other than the base model's name", param="lora_name")
-    if not isinstance(path, str) or not path:
-        raise BadRequest("lora_path must be a non-empty string", param="lora_path")
-    try:
-        await state.loras.add(name, state.loras.under_root(path))
-    except ValueError as e:
-        raise BadRequest(str(e), param="lora_path" if "lora_name" not in str(e) else "lora_name") from e
-    return Response(f"Success: LoRA adapter '{name}' added successfully.", 200, media_type="text/plain")
-
-
-async def unload_lora_adapter(request: Request) -> Response:
-    state = request.app.state.pyserve
-    body = await json_body(request)
-    name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("lora_name must be a non-empty string", param="lora_name")
-    await state.loras.remove(name)
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200, media_type="text/plain")

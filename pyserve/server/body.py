@@ -1,0 +1,45 @@
+"""Request bodies: JSON parsing and schema validation, with errors that name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from pyserve.server.errors import BadRequest
+
+
+async def json_body(request: Request) -> Any:
+    body = await request.body()
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def validate(schema: type[BaseModel], data: dict[str, Any]):
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _field_path(err["loc"])
+        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> str | None:
+    """The field an error is about: pydantic's location up to the first union member tag
+    ('stop.str' -> 'stop', 'prompt.list[int].1' -> 'prompt', 'messages.0.role' stays)."""
+    parts = []
+    for x in loc:
+        if isinstance(x, str) and (not x.isidentifier() or x in _TYPE_TAGS):
+            break
+        parts.append(str(x))
+    return ".".join(parts) or None

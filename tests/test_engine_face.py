@@ -1,0 +1,32 @@
+"""The engine's face: what the server may use of it, and an engine's end without noise."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyserve
+
+PACKAGE = Path(pyserve.__file__).parent
+
+
+def test_the_server_uses_only_the_engines_public_face():
+    inner = re.compile(r"(?<!pyserve\.)engine\.(system|worker|watchdog|scheduler|engine_core|output_processor|model_config|config)\b")
+    files = [*sorted((PACKAGE / "server").glob("*.py")), PACKAGE / "cli.py"]
+    offending = [f"{f.name}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
+                 if inner.search(line)]
+    assert offending == []
+
+
+@pytest.mark.parametrize("ending", ["", "del llm\nimport gc\ngc.collect()\n"])
+def test_an_llm_left_open_ends_quietly(llama_dir, tmp_path, ending):
+    script = (f"from pyserve import LLM, SamplingParams\nllm = LLM({str(llama_dir)!r}, device='cpu', num_kv_blocks=32)\n"
+              "print(len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids))\n"
+              + ending)
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout.strip()) == (0, "3"), run.stderr
+    assert "actor_crashed" not in run.stderr and "Traceback" not in run.stderr, run.stderr
