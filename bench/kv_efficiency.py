@@ -42,7 +42,7 @@ def main() -> None:
     while sched.has_unfinished_requests():
         out = sched.schedule()
         ids = out.req_ids.tolist()
-        blocks = round(sched.stats()["kv_usage"] * (args.num_blocks - 1))  # referenced blocks (block 0 is null)
+        blocks = round(sched.stats()["kv_cache_usage_perc"] * (args.num_blocks - 1))  # referenced blocks (block 0 is null)
         held = sum(sched.request_state(rid)["num_computed_tokens"] for rid in ids)
         if ids:
             samples.append((blocks, held))

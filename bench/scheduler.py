@@ -79,8 +79,8 @@ def check_equivalence(case, requests, max_steps, **config):
         assert py.has_unfinished_requests() == rust.has_unfinished_requests()
         rust.check_invariants()
         steps += 1
-    hits = rust.stats()["prefix_hit_tokens"]
-    return {"steps": steps, "decode_steps": decode_steps, "preemptions": preemptions, "prefix_hit_tokens": hits}
+    hits = rust.stats()["prefix_cache_hits"]
+    return {"steps": steps, "decode_steps": decode_steps, "preemptions": preemptions, "prefix_cache_hits": hits}
 
 
 def run_checks():
@@ -95,7 +95,7 @@ def run_checks():
              int(rng.integers(1, 40))) for i in range(24)]
     s2 = check_equivalence("pressure", reqs, 2000, num_blocks=24, block_size=BLOCK_SIZE,
                            max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
-    assert s1["decode_steps"] >= 20 and s2["preemptions"] > 0 and s2["prefix_hit_tokens"] > 0, (s1, s2)
+    assert s1["decode_steps"] >= 20 and s2["preemptions"] > 0 and s2["prefix_cache_hits"] > 0, (s1, s2)
     return {"decode": s1, "pressure": s2}
 
 

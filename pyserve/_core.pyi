@@ -54,8 +54,8 @@ class Scheduler:
         block_size: int = 16,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
-        max_model_len: int = 4096,
-        max_loras: int = 1,
+        max_model_len: int = 8192,
+        max_loras: int = 4,
         num_lookahead_tokens: int = 0,
         enable_prefix_caching: bool = True,
     ) -> None: ...

@@ -73,8 +73,8 @@ def test_lifecycle_matches_reference_and_frees_everything():
         assert tokens[i] == expected
     assert finished == {1: "length", 2: "length", 3: "length"}
     stats = s.stats()
-    assert stats["kv_usage"] == 0.0
-    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == 63
+    assert stats["kv_cache_usage_perc"] == 0.0
+    assert stats["kv_free_blocks"] + stats["kv_cached_blocks"] == 63
 
 
 def test_shared_prefix_is_served_from_cache():
@@ -87,7 +87,7 @@ def test_shared_prefix_is_served_from_cache():
     out = s.schedule()
     assert out.num_scheduled_tokens.tolist() == [2]  # 16 of 18 tokens were cached
     assert s.request_state(2)["num_cached_tokens"] == 16
-    assert s.stats()["prefix_hit_tokens"] == 16
+    assert s.stats()["prefix_cache_hits"] == 16
 
 
 def test_speculative_drafts_are_verified_and_rolled_back():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pyserve.server.openapi import openapi_document
 from pyserve.server.schemas import ChatCompletionRequest
-from pyserve.server.state import ServerSettings
+from pyserve.server.settings import ServerSettings
 
 
 def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():

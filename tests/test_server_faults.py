@@ -16,7 +16,7 @@ import pytest
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.server.app import build_app
-from pyserve.server.state import ServerSettings
+from pyserve.server.settings import ServerSettings
 
 MODEL = "tiny"
 

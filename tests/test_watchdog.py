@@ -14,7 +14,7 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.watchdog import Watchdog
 from pyserve.server.app import build_app
-from pyserve.server.state import ServerSettings
+from pyserve.server.settings import ServerSettings
 
 
 class FakeCore:

@@ -5,26 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pyserve.options import option
+
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Every engine default, spelled once: `LLM(...)` takes these fields as keywords and
+    `pyserve serve` / `pyserve batch` derive their flags from them (pyserve.options)."""
+
     model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_lora: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 64
-    seed: int = 0
+    device: str = option("auto", "auto | cpu | cuda")
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: as many as memory allows)", type=int)
+    max_num_seqs: int = option(256, "sequences in one step at most")
+    max_num_batched_tokens: int = option(2048, "tokens in one step at most")
+    max_model_len: int | None = option(None, "context length (default: the model's, at most 8192)", type=int)
+    enable_prefix_caching: bool = option(True, "turn the radix prefix cache off", flag="--no-prefix-caching")
+    enable_lora: bool = option(False, "serve LoRA adapters (per-request, batched)")
+    max_loras: int = option(4, "adapters resident on the device per step")
+    max_lora_rank: int = option(64, "largest adapter rank accepted")
+    seed: int = option(0, "seed of the shared sampling generator")
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None
-    speculative_config: dict[str, Any] | str | None = None  # parsed by SpeculativeConfig.parse
-    watchdog_timeout: float | None = 60.0  # seconds without a step before the engine is "stalled"; None = off
+    speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}', type=str)
+    watchdog_timeout: float | None = option(  # None = off
+        60.0, "seconds with requests held but no step completed before the engine is stalled and /health fails "
+        "(0 = off)", type=float)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 1024:

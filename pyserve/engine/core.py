@@ -18,6 +18,7 @@ from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
 from pyserve.engine.worker_call import WorkerCall, worker_call
+from pyserve.speculative.speculator import speculation_stats
 
 log = structlog.get_logger("pyserve.engine")
 
@@ -173,21 +174,11 @@ class EngineCore(Actor):
         )
 
     def stats(self) -> dict[str, float | int]:
-        s = self.scheduler.stats()
+        """The scheduler's gauges and counters, the token counts and speculation's, by the names
+        /metrics publishes (`pyserve:<name>`)."""
         return {
-            "num_requests_running": s["num_running"],
-            "num_requests_waiting": s["num_waiting"],
-            "kv_cache_usage_perc": s["kv_usage"],
-            "kv_free_blocks": s["num_free_blocks"],
-            "kv_cached_blocks": s["num_cached_blocks"],
+            **self.scheduler.stats(),
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
-            "prefix_cache_queries": s["prefix_query_tokens"],
-            "prefix_cache_hits": s["prefix_hit_tokens"],
-            "num_preemptions": s["num_preemptions"],
-            **(self.speculator.stats() if self.speculator is not None else {
-                "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
-                "spec_decode_num_accepted_tokens": 0, "spec_decode_mean_acceptance_length": 0.0,
-                "spec_decode_depth": 0,
-            }),
+            **(self.speculator.stats() if self.speculator is not None else speculation_stats()),
         }

@@ -34,41 +34,13 @@ def _close_open_llms() -> None:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        speculative_config: dict[str, Any] | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
-        seed: int = 0,
-        max_model_len: int | None = None,
-    ):
-        config = EngineConfig(
-            model=resolve_model(model),
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            seed=seed,
-            speculative_config=speculative_config,
-            watchdog_timeout=None,  # the loop runs the forwards itself: nothing could watch them
-        )
+    def __init__(self, model: str | None = None, **config: Any):
+        """`model`: a Hugging Face model directory (default: the embedded model); `config`: any
+        field of EngineConfig (device, dtype, max_num_seqs, enable_lora, speculative_config, ...),
+        with the same defaults as `pyserve serve`'s flags."""
+        if "watchdog_timeout" in config:
+            raise TypeError("watchdog_timeout: the offline LLM runs its forwards on its own loop; nothing could watch them")
+        config = EngineConfig(model=resolve_model(model), watchdog_timeout=None, **config)
         self.engine = AsyncEngine(config, worker_on_loop=True)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.engine.start())

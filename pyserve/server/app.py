@@ -21,7 +21,8 @@ from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
-from pyserve.server.state import ServerMetrics, ServerSettings, ServerState
+from pyserve.server.settings import ServerSettings
+from pyserve.server.state import ServerMetrics, ServerState
 
 log = structlog.get_logger("pyserve.server")
 

@@ -22,7 +22,7 @@ import httpx
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.app import build_app
-from pyserve.server.state import ServerSettings
+from pyserve.server.settings import ServerSettings
 
 ALLOWED_URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_CONCURRENT = 1024

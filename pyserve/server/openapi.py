@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
-from pyserve.server.state import ServerSettings
+from pyserve.server.settings import ServerSettings
 
 REF = "#/components/schemas/{model}"
 ERROR = {

@@ -1,34 +1,13 @@
-"""What the handlers share: the engine, the settings, the metrics."""
+"""What the handlers share: the engine, the settings, the metrics, the LoRA registry."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyserve.engine.async_engine import AsyncEngine
+from pyserve.server.settings import ServerSettings
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_waiting: int | None = None
-    max_body_bytes: int = 1 << 20
-    public_metrics: bool = False
-    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded at start
-    lora_root: str | None = None  # enables runtime load/unload, restricted to this directory
-    stream_timeout: float = 60.0  # seconds a streaming client may take to accept one chunk
-    max_stream_buffer: int = 1024  # chunks a streaming client may leave unread before its request is aborted
-    trust_request_chat_template: bool = False  # accept a request's own chat_template (rendered in the sandbox)
-    chat_template_timeout: float = 2.0  # seconds a chat template may take to render
-
-    def __post_init__(self) -> None:
-        for name in ("stream_timeout", "chat_template_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_stream_buffer < 1:
-            raise ValueError(f"max_stream_buffer must be at least 1, got {self.max_stream_buffer}")
 
 
 @dataclass(slots=True)

@@ -76,11 +76,16 @@ class Speculator:
         self.proposer.forget(request_ids)
 
     def stats(self) -> dict[str, float | int]:
-        return {
-            "spec_decode_num_drafts": self.num_drafts,
-            "spec_decode_num_draft_tokens": self.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_decode_mean_acceptance_length": (
-                1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0),
-            "spec_decode_depth": self.last_depth,
-        }
+        return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.last_depth)
+
+
+def speculation_stats(num_drafts: int = 0, num_draft_tokens: int = 0, num_accepted_tokens: int = 0,
+                      depth: int = 0) -> dict[str, float | int]:
+    """Speculation's statistics by their /metrics names (all 0 for an engine that does not speculate)."""
+    return {
+        "spec_decode_num_drafts": num_drafts,
+        "spec_decode_num_draft_tokens": num_draft_tokens,
+        "spec_decode_num_accepted_tokens": num_accepted_tokens,
+        "spec_decode_mean_acceptance_length": 1.0 + num_accepted_tokens / num_drafts if num_drafts else 0.0,
+        "spec_decode_depth": depth,
+    }

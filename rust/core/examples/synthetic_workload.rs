@@ -135,9 +135,9 @@ fn main() {
     println!("preemptions:         {}", stats.num_preemptions);
     println!(
         "prefix cache:        {} hit / {} queried tokens ({:.1}%)",
-        stats.prefix_hit_tokens,
-        stats.prefix_query_tokens,
-        100.0 * stats.prefix_hit_tokens as f64 / stats.prefix_query_tokens.max(1) as f64
+        stats.prefix_cache_hits,
+        stats.prefix_cache_queries,
+        100.0 * stats.prefix_cache_hits as f64 / stats.prefix_cache_queries.max(1) as f64
     );
     println!("mean batch size:     {:.1} requests", batched_reqs as f64 / step as f64);
     println!("wall time:           {:.3} s ({:.0} steps/s)", wall, step as f64 / wall);

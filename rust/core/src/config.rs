@@ -25,15 +25,16 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// A config with vLLM-like defaults for everything but the pool size.
+    /// A config with the engine's defaults (pyserve's EngineConfig) for everything but the pool
+    /// size; `max_model_len` is the engine's cap when a model allows more.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         Self {
             num_blocks,
             block_size,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
-            max_model_len: 4096,
-            max_loras: 1,
+            max_model_len: 8192,
+            max_loras: 4,
             num_lookahead_tokens: 0,
             enable_prefix_caching: true,
         }

@@ -22,19 +22,20 @@ pub(crate) type QueueKey = (i32, i64);
 /// One request's share of the step in flight, with its `num_computed_tokens` before the step.
 type Planned = (Slot, ScheduledRequest, usize);
 
-/// Counters since construction, plus gauges of now.
+/// Counters since construction, plus gauges of now. The names are the engine's and /metrics'
+/// (`pyserve:<name>`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SchedulerStats {
-    pub num_waiting: usize,
-    pub num_running: usize,
-    pub kv_usage: f64,
-    pub num_free_blocks: usize,
-    pub num_cached_blocks: usize,
+    pub num_requests_waiting: usize,
+    pub num_requests_running: usize,
+    pub kv_cache_usage_perc: f64,
+    pub kv_free_blocks: usize,
+    pub kv_cached_blocks: usize,
     pub num_preemptions: u64,
     /// Prompt tokens looked up in the prefix cache at first admission, and how many were hits
     /// (the last prompt token is always computed, so a full hit is `n - 1` of `n`).
-    pub prefix_query_tokens: u64,
-    pub prefix_hit_tokens: u64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
     pub num_steps: u64,
 }
 
@@ -257,11 +258,11 @@ impl Scheduler {
 
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
-            num_waiting: self.waiting.len(),
-            num_running: self.running.len(),
-            kv_usage: self.kv.usage(),
-            num_free_blocks: self.kv.num_free(),
-            num_cached_blocks: self.kv.num_cached(),
+            num_requests_waiting: self.waiting.len(),
+            num_requests_running: self.running.len(),
+            kv_cache_usage_perc: self.kv.usage(),
+            kv_free_blocks: self.kv.num_free(),
+            kv_cached_blocks: self.kv.num_cached(),
             ..self.stats.clone()
         }
     }

@@ -45,7 +45,7 @@ fn cached_prefix_is_not_recomputed() {
     let out = d.step(no_drafts);
     assert_eq!(out.num_scheduled_tokens, vec![3], "12 of 15 tokens come from the cache");
     assert_eq!(out.positions, vec![12, 13, 14]);
-    assert_eq!(d.sched.stats().prefix_hit_tokens, 12);
+    assert_eq!(d.sched.stats().prefix_cache_hits, 12);
 }
 
 #[test]
@@ -182,12 +182,12 @@ fn abort_frees_blocks_anywhere() {
     d.add(req(1, (0..20).collect(), 4)).unwrap();
     d.add(req(2, vec![1, 2], 4)).unwrap();
     d.step(no_drafts);
-    assert!(d.sched.stats().kv_usage > 0.0);
+    assert!(d.sched.stats().kv_cache_usage_perc > 0.0);
     d.abort(1);
     d.abort(2);
     d.sched.check_invariants().unwrap();
     let stats = d.sched.stats();
-    assert_eq!((stats.kv_usage, stats.num_free_blocks), (0.0, 15));
+    assert_eq!((stats.kv_cache_usage_perc, stats.kv_free_blocks), (0.0, 15));
     assert_eq!(d.sched.schedule().unwrap().finished_req_ids, vec![1, 2]);
     assert_eq!(d.sched.abort(1), Err(CoreError::UnknownRequest(1)));
 }

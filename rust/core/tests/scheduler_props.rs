@@ -135,8 +135,8 @@ fn run(config: SchedulerConfig, ops: &[Op], good_drafts: usize) -> Result<Driver
         prop_assert_eq!(got, &reference_output(&e.prompt, e.max_tokens, e.eos), "request {}", id);
     }
     let stats = d.sched.stats();
-    prop_assert_eq!(stats.kv_usage, 0.0);
-    prop_assert_eq!(stats.num_free_blocks + stats.num_cached_blocks, config.num_blocks - 1);
+    prop_assert_eq!(stats.kv_cache_usage_perc, 0.0);
+    prop_assert_eq!(stats.kv_free_blocks + stats.kv_cached_blocks, config.num_blocks - 1);
     d.sched.check_invariants().map_err(TestCaseError::fail)?;
     Ok(d)
 }

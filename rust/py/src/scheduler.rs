@@ -61,7 +61,7 @@ fn step_values(field: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>
 impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_blocks, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256,
-        max_model_len=4096, max_loras=1, num_lookahead_tokens=0, enable_prefix_caching=true))]
+        max_model_len=8192, max_loras=4, num_lookahead_tokens=0, enable_prefix_caching=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: usize,
@@ -187,14 +187,14 @@ impl PyScheduler {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
-        d.set_item("num_waiting", s.num_waiting)?;
-        d.set_item("num_running", s.num_running)?;
-        d.set_item("kv_usage", s.kv_usage)?;
-        d.set_item("num_free_blocks", s.num_free_blocks)?;
-        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
+        d.set_item("num_requests_waiting", s.num_requests_waiting)?;
+        d.set_item("num_requests_running", s.num_requests_running)?;
+        d.set_item("kv_cache_usage_perc", s.kv_cache_usage_perc)?;
+        d.set_item("kv_free_blocks", s.kv_free_blocks)?;
+        d.set_item("kv_cached_blocks", s.kv_cached_blocks)?;
         d.set_item("num_preemptions", s.num_preemptions)?;
-        d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
-        d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
         d.set_item("num_steps", s.num_steps)?;
         Ok(d)
     }

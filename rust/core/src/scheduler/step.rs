@@ -92,8 +92,8 @@ impl Scheduler {
             if !req.admitted_once {
                 req.admitted_once = true;
                 req.num_cached_tokens = cached;
-                self.stats.prefix_query_tokens += req.num_tokens() as u64;
-                self.stats.prefix_hit_tokens += cached as u64;
+                self.stats.prefix_cache_queries += req.num_tokens() as u64;
+                self.stats.prefix_cache_hits += cached as u64;
             }
             req.status = RequestStatus::Running;
             add_lora(&mut loras, req.namespace.adapter_id);

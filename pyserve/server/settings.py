@@ -1,0 +1,33 @@
+"""The server's settings (beside the engine's: pyserve.engine.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyserve.options import option
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """The server's knobs, spelled once: `pyserve serve` derives its flags from them."""
+
+    served_model_name: str
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY'", type=str)
+    max_waiting: int | None = option(None, "429 once this many sequences wait", type=int)
+    max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
+    public_metrics: bool = option(False, "serve /metrics without the API key")
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded at start
+    lora_root: str | None = option(  # enables runtime load/unload, restricted to this directory
+        None, "enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR", type=str)
+    stream_timeout: float = option(60.0, "seconds a streaming client may take to accept one chunk before it is dropped")
+    max_stream_buffer: int = option(1024, "chunks a streaming client may leave unread before its request is aborted")
+    trust_request_chat_template: bool = option(
+        False, "accept a chat_template field in chat requests (rendered in the sandbox, under the timeout)")
+    chat_template_timeout: float = option(2.0, "seconds a chat template may take to render")
+
+    def __post_init__(self) -> None:
+        for name in ("stream_timeout", "chat_template_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_stream_buffer < 1:
+            raise ValueError(f"max_stream_buffer must be at least 1, got {self.max_stream_buffer}")

@@ -1,0 +1,53 @@
+"""Every default spelled once: EngineConfig and ServerSettings are the source of LLM(...)'s
+keywords, the CLI's flags and the Rust binding's defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from pyserve import LLM, _core
+from pyserve.cli import build_parser
+from pyserve.engine.async_engine import DEFAULT_MAX_MODEL_LEN
+from pyserve.engine.config import EngineConfig
+from pyserve.server.settings import ServerSettings
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def test_the_binding_defaults_agree_with_the_engine_config():
+    binding = {name: p.default for name, p in inspect.signature(_core.Scheduler).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    engine = _defaults(EngineConfig)
+    shared = {"block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "enable_prefix_caching"}
+    assert shared <= binding.keys()
+    assert {k: binding[k] for k in shared} == {k: engine[k] for k in shared}
+    assert binding["max_model_len"] == DEFAULT_MAX_MODEL_LEN  # the engine's cap when the model allows more
+
+
+def test_serve_flags_default_to_the_config_defaults():
+    args = build_parser().parse_args(["serve"])
+    engine, settings = _defaults(EngineConfig), _defaults(ServerSettings)
+    for name in ("device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                 "max_model_len", "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank", "seed",
+                 "speculative_config", "watchdog_timeout"):
+        assert getattr(args, name) == engine[name], name
+    for name in ("api_key", "max_waiting", "max_body_bytes", "public_metrics", "lora_root", "stream_timeout",
+                 "max_stream_buffer", "trust_request_chat_template", "chat_template_timeout"):
+        assert getattr(args, name) == settings[name], name
+
+
+def test_flags_set_the_fields_they_name():
+    args = build_parser().parse_args(["serve", "--no-prefix-caching", "--max-loras", "2", "--api-key", "k",
+                                      "--stream-timeout", "5", "--trust-request-chat-template"])
+    assert (args.enable_prefix_caching, args.max_loras, args.api_key) == (False, 2, "k")
+    assert (args.stream_timeout, args.trust_request_chat_template) == (5.0, True)
+
+
+def test_llm_refuses_a_keyword_that_is_no_config_field():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
