@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import start_server, stop_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import serving  # noqa: E402
 

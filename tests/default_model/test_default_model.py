@@ -14,10 +14,10 @@ import torch
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME, DRAFT_DIR, FAMILY_DIR, TARGET_DIR
 from tests.conftest import start_server, stop_server
-from tests.test_model_parity import assert_parity, hf_greedy
+from tests.model.test_parity import assert_parity, hf_greedy
 
 CARD = json.loads((FAMILY_DIR / "card.json").read_text())
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 CHAT = [{"role": "user", "content": CARD["samples"]["prompts"]["chat: a function"]}]
 
 

@@ -17,7 +17,7 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
-from tests.test_lora import make_adapter
+from tests.lora.test_slots import make_adapter
 
 CYCLES = 1000
 IN_FLIGHT = 24

@@ -20,7 +20,7 @@ from pyserve.default_model import ADAPTER_DIRS  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref  # noqa: E402
 from pyserve.lora.adapter import LoraError, load_adapter  # noqa: E402
-from tests.test_model_parity import assert_parity, hf_greedy, prompts  # noqa: E402
+from tests.model.test_parity import assert_parity, hf_greedy, prompts  # noqa: E402
 
 
 def dense_delta(x, a, b, scaling, slots):

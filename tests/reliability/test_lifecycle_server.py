@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import scrape_metrics, start_server, stop_server
-from tests.test_lifecycle import adapter_dirs  # noqa: F401  (the fixture)
+from tests.reliability.test_lifecycle import adapter_dirs  # noqa: F401  (the fixture)
 
 REQUESTS = 1000
 KEY = "k"
