@@ -15,11 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+import serving  # the load generator, a sibling script
 
-import serving  # noqa: E402  (the load generator, a sibling script)
-from conftest import start_server, stop_server  # noqa: E402  (the tests' loopback server launcher)
+from pyserve.testing import start_server, stop_server
+
+HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:

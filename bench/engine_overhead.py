@@ -15,19 +15,16 @@ import json
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from pyserve import LLM, SamplingParams
+from pyserve.testing import build_tokenizer  # the tests' tiny tokenizer
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import build_tokenizer  # noqa: E402  (the tests' tiny tokenizer builder)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
 
 
 def build(out: Path) -> Path:

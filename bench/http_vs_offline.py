@@ -21,7 +21,6 @@ import asyncio
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,13 +29,12 @@ import httpx
 import orjson
 import torch
 
+from offline import build_llama, workload  # the same model and request generator, a sibling script
+
+from pyserve import LLM, SamplingParams
+from pyserve.testing import start_server, stop_server
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from offline import build_llama, workload  # noqa: E402  (the same model and request generator)
-from conftest import start_server, stop_server  # noqa: E402  (the tests' server launcher; offline put tests/ on the path)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
 
 ENGINE = dict(num_kv_blocks=4096, max_num_batched_tokens=2048)  # as bench/offline.py
 GOAL = 0.80

@@ -14,19 +14,16 @@ import json
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from pyserve import LLM, SamplingParams
+from pyserve.testing import build_tokenizer  # the tests' tiny tokenizer
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import build_tokenizer  # noqa: E402  (the tests' tiny tokenizer builder)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=5, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024, vocab_size=8192)

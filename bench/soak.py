@@ -33,13 +33,12 @@ from pathlib import Path
 
 import httpx
 
+from serving import ExactText  # exact-length random text, from a sibling script
+
+from pyserve.default_model import TARGET_DIR
+from pyserve.testing import parse_metrics, start_server, stop_server
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import parse_metrics, start_server, stop_server  # noqa: E402  (the tests' server launcher)
-from serving import ExactText  # noqa: E402  (exact-length random text)
-
-from pyserve.default_model import TARGET_DIR  # noqa: E402
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

@@ -13,8 +13,7 @@ import torch
 
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME, DRAFT_DIR, FAMILY_DIR, TARGET_DIR
-from tests.conftest import start_server, stop_server
-from tests.model.test_parity import assert_parity, hf_greedy
+from pyserve.testing import assert_parity, hf_greedy, start_server, stop_server
 
 CARD = json.loads((FAMILY_DIR / "card.json").read_text())
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -9,7 +9,7 @@ import pytest
 
 from pyserve.engine.detokenizer import IncrementalDetokenizer
 from pyserve.model.tokenizer import Tokenizer
-from tests.conftest import build_tokenizer
+from pyserve.testing import build_tokenizer
 
 TEXT = "The quick brown fox jumps. Ünïcödé ✓ 日本語 text.\n    return a + b\n"
 

@@ -20,7 +20,7 @@ from pyserve.default_model import ADAPTER_DIRS  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref  # noqa: E402
 from pyserve.lora.adapter import LoraError, load_adapter  # noqa: E402
-from tests.model.test_parity import assert_parity, hf_greedy, prompts  # noqa: E402
+from pyserve.testing import assert_parity, hf_greedy, make_adapter, prompts  # noqa: E402
 
 
 def dense_delta(x, a, b, scaling, slots):
@@ -87,23 +87,6 @@ def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
         if s >= 0:
             want[t] += b[s].astype(np.float64).T @ (a[s].astype(np.float64) @ x[t])
     np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-3)
-
-
-def make_adapter(base_dir, out, rank, targets, seed, alpha=None, rslora=False):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, init_lora_weights=False,
-                     use_rslora=rslora)
-    peft_model = get_peft_model(model, cfg)
-    with torch.no_grad():  # random A and B, scaled so the adapters change greedy outputs
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def merged(base_dir, adapter_dir, out):

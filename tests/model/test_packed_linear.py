@@ -11,7 +11,7 @@ from torch import nn
 from pyserve.model.config import ModelConfig
 from pyserve.model.packed_linear import MIN_PACKED_ELEMENTS, PackedLinear, can_pack, pack_linears
 from pyserve.model.worker import ModelWorker
-from tests.conftest import build_model
+from pyserve.testing import build_model
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 

@@ -3,52 +3,10 @@ architecture: batched, with chunked prefill forced, with prefix reuse and under 
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from pyserve import LLM, SamplingParams
-
-MAX_TOKENS = 12
-NEAR_TIE = 1e-4  # a divergence is accepted only where the reference's top-2 margin is this small
-
-
-def prompts(vocab: int, seed: int = 0, lengths=(3, 17, 40, 9, 64, 1, 25)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(model_dir, prompt_list, max_tokens=MAX_TOKENS):
-    """Greedy continuation by full recomputation with transformers, plus the top-2 margin at
-    every step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompt_list:
-            ids = list(prompt)
-            out, margins = [], []
-            for _ in range(max_tokens):
-                logits = model(torch.tensor([ids])).logits[0, -1]
-                top = torch.topk(logits, 2)
-                margins.append(float(top.values[0] - top.values[1]))
-                out.append(int(top.indices[0]))
-                ids.append(out[-1])
-            results.append((out, margins))
-    return results
-
-
-def assert_parity(got: list[list[int]], ref) -> None:
-    for i, (tokens, (want, margins)) in enumerate(zip(got, ref, strict=True)):
-        for j, (a, b) in enumerate(zip(tokens, want)):
-            if a != b:
-                assert margins[j] < NEAR_TIE, f"prompt {i}: token {j} is {a}, transformers says {b}"
-                break
-        else:
-            assert len(tokens) == len(want), f"prompt {i}: {len(tokens)} tokens, want {len(want)}"
-
+from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

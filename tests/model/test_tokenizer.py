@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from tests.conftest import CHAT_TEMPLATE, build_tokenizer
 from pyserve import LLM, SamplingParams
 from pyserve.model.tokenizer import ChatTemplateError, Tokenizer
+from pyserve.testing import CHAT_TEMPLATE, build_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You write Python."},

@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 KEY = "fuzz-key"
 EXAMPLES = 200  # per mode, spread over the operations; the model is tiny and max_model_len 64

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 BODY_LIMIT = 64 * 1024
 TEMPLATE_TIMEOUT = 1.0

@@ -17,16 +17,9 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
-from tests.lora.test_slots import make_adapter
 
 CYCLES = 1000
 IN_FLIGHT = 24
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(tmp_path_factory, llama_dir):
-    root = tmp_path_factory.mktemp("lifecycle-adapters")
-    return [make_adapter(llama_dir, root / f"a{i}", 4, ["q_proj", "v_proj"], seed=i) for i in range(3)]
 
 
 def random_params(rng: random.Random) -> SamplingParams:

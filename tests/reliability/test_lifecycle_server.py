@@ -12,8 +12,7 @@ import random
 import httpx
 import pytest
 
-from tests.conftest import scrape_metrics, start_server, stop_server
-from tests.reliability.test_lifecycle import adapter_dirs  # noqa: F401  (the fixture)
+from pyserve.testing import scrape_metrics, start_server, stop_server
 
 REQUESTS = 1000
 KEY = "k"
@@ -65,7 +64,7 @@ async def one(client: httpx.AsyncClient, rng: random.Random, models: list[str], 
 
 
 @pytest.mark.asyncio
-async def test_random_http_lifecycle_leaves_nothing_behind(llama_dir, adapter_dirs, tmp_path):  # noqa: F811
+async def test_random_http_lifecycle_leaves_nothing_behind(llama_dir, adapter_dirs, tmp_path):
     modules = [f"a{i}={p}" for i, p in enumerate(adapter_dirs)]
     proc, base = start_server(llama_dir, "--served-model-name", "tiny", "--api-key", KEY, "--block-size", "4",
                               "--num-kv-blocks", "160", "--max-num-seqs", "16", "--lora-modules", *modules,

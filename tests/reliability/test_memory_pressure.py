@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pyserve import LLM, SamplingParams
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

@@ -116,7 +116,7 @@ def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tm
     dropped or completes into the buffer is the kernel's call; the tests above pin the drop)."""
     import socket
 
-    from tests.conftest import scrape_metrics, start_server, stop_server
+    from pyserve.testing import scrape_metrics, start_server, stop_server
 
     proc, base = start_server(llama_dir, "--served-model-name", "tiny", "--block-size", "4", "--num-kv-blocks", "512",
                               "--stream-timeout", "1", "--max-stream-buffer", "16", workdir=tmp_path)

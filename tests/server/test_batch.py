@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME
-from tests.conftest import start_server, stop_server
+from pyserve.testing import start_server, stop_server
 
 KEY = "sk-lora"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import scrape_metrics, start_server, stop_server
+from pyserve.testing import scrape_metrics, start_server, stop_server
 
 KEY = "test-key-123"
 MODEL = "tiny"

@@ -17,7 +17,7 @@ from pyserve import LLM, SamplingParams, _core  # noqa: E402
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402
 from pyserve.spec.config import SpeculativeConfig  # noqa: E402
 from pyserve.spec.depth import DepthController  # noqa: E402
-from tests.model.test_parity import assert_parity, hf_greedy  # noqa: E402
+from pyserve.testing import assert_parity, hf_greedy  # noqa: E402
 
 
 def random_case(num_drafts: list[int], vocab: int, seed: int, with_q: bool, greedy_rows=()):
