@@ -2,7 +2,8 @@
 installed wheel (`from pyserve.testing import build_model`), so neither puts the other on sys.path.
 
   tiny_models  tiny random Hugging Face models of each supported architecture, the byte-level
-               BPE tokenizer and chat template they share, random PEFT LoRA adapters for them
+               BPE tokenizer and chat template they share, random PEFT LoRA adapters for them,
+               copies of model directories with edited configs
   parity       greedy references by full recomputation with transformers, and the token-exact
                comparison with them that tolerates only near-ties
   loopback     `pyserve serve` started on a free loopback port, stopped, and its /metrics parsed
@@ -17,14 +18,17 @@ from pyserve.testing.tiny_models import (
     ARCH_CONFIGS,
     CHAT_TEMPLATE,
     CORPUS,
+    LLAMA_CONFIG,
     SPECIAL,
     build_model,
     build_tokenizer,
+    copy_model,
+    edit_config,
     make_adapter,
 )
 
 __all__ = [
-    "ARCH_CONFIGS", "CHAT_TEMPLATE", "CORPUS", "MAX_TOKENS", "NEAR_TIE", "SPECIAL", "assert_parity", "build_model",
-    "build_tokenizer", "hf_greedy", "make_adapter", "parse_metrics", "prompts", "scrape_metrics", "start_server",
-    "stop_server",
+    "ARCH_CONFIGS", "CHAT_TEMPLATE", "CORPUS", "LLAMA_CONFIG", "MAX_TOKENS", "NEAR_TIE", "SPECIAL", "assert_parity",
+    "build_model", "build_tokenizer", "copy_model", "edit_config", "hf_greedy", "make_adapter", "parse_metrics",
+    "prompts", "scrape_metrics", "start_server", "stop_server",
 ]

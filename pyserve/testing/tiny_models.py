@@ -6,6 +6,7 @@ special tokens and CHAT_TEMPLATE), and random PEFT LoRA adapters for them."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 CORPUS = [
@@ -31,6 +32,12 @@ ARCH_CONFIGS = {
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
 }
+# A raw config.json of the tiny llama's shape, without RoPE scaling: for ModelConfig.from_dict.
+LLAMA_CONFIG = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=300, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def build_tokenizer(out: Path) -> None:
@@ -77,6 +84,20 @@ def build_model(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    """A copy of the model directory `src` at `dst`, to edit."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(model_dir: Path, **changes) -> None:
+    """Updates fields of `model_dir`/config.json."""
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
 
 
 def make_adapter(base_dir, out, rank, targets, seed, alpha=None, rslora=False):

@@ -1,4 +1,5 @@
-"""The Rust scheduler through its Python bindings: arrays, errors, a full request lifecycle."""
+"""The Rust scheduler through its Python bindings: arrays, errors, a full request lifecycle,
+speculative drafts and n-gram lookup."""
 
 import numpy as np
 import pytest
@@ -104,6 +105,15 @@ def test_speculative_drafts_are_verified_and_rolled_back():
     state = s.request_state(1)
     assert state["token_ids"] == [1, 2, 3, 4, 5, 9]
     assert state["num_computed_tokens"] == 5
+
+
+def test_ngram_lookup_in_the_scheduler():
+    s = _core.Scheduler(num_blocks=64, block_size=4)
+    s.add_request(1, [5, 6, 7, 8, 9, 5, 6], max_tokens=8)
+    assert s.propose_ngram(1, 2, 1, 3) == [7, 8]
+    assert s.propose_ngram(1, 2, 3, 3) == []  # "9 5 6" never occurred before
+    with pytest.raises(KeyError):
+        s.propose_ngram(99, 2)
 
 
 def test_preemption_is_reported_and_recovers():

@@ -1,15 +1,11 @@
-"""Loading a model directory: safetensors (one file or sharded with an index), strict matching of
-tensors to the architecture, tied embeddings, RoPE scaling, and the load-time refusals of
-checkpoints pyserve cannot serve exactly."""
+"""Loading a model directory's weights: safetensors (one file or sharded with an index), strict
+matching of tensors to the architecture, tied embeddings, and pickled weights refused unread."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import pickle
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,31 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pyserve import LLM, SamplingParams
-from pyserve.model.config import ModelConfig, UnsupportedModelError
+from pyserve.model.config import ModelConfig
 from pyserve.model.loader import WeightsError, load_model, weight_files
-from pyserve.model.rope import inv_frequencies
+from pyserve.testing import copy_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 8], [7, 8, 9]]
 POOL = dict(block_size=4, num_kv_blocks=64)
-
-_LLAMA_RAW = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=300, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-
-def copy_model(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def edit_config(model_dir: Path, **changes) -> None:
-    path = model_dir / "config.json"
-    raw = json.loads(path.read_text())
-    raw.update(changes)
-    path.write_text(json.dumps(raw))
 
 
 def load(model_dir: Path):
@@ -165,104 +143,3 @@ def test_untied_embeddings_load_their_own_lm_head(model_dirs):
     assert not model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(model.lm_head.weight, load_file(path / "model.safetensors")["lm_head.weight"])
-
-
-# --- the model family ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("arch, qkv_bias, qk_norm, head_dim", [
-    ("llama", False, False, 16), ("mistral", False, False, 16), ("qwen2", True, False, 16), ("qwen3", False, True, 32),
-])
-def test_family_features_are_read_from_config(model_dirs, arch, qkv_bias, qk_norm, head_dim):
-    cfg = ModelConfig.from_dir(model_dirs[arch])
-    assert cfg.family == arch
-    assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == (qkv_bias, qk_norm, head_dim)
-    assert (cfg.num_heads, cfg.num_kv_heads) == (4, 2)  # grouped-query attention
-    assert cfg.eos_token_ids == (1,)
-
-
-def test_llama3_rope_inv_frequencies_equal_transformers(model_dirs):
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    cfg = ModelConfig.from_dir(model_dirs["llama"])
-    assert cfg.rope.rope_type == "llama3" and cfg.rope.factor == 8.0
-    want, scale = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(model_dirs["llama"]), "cpu")
-    assert scale == 1.0
-    assert torch.equal(inv_frequencies(cfg.rope, cfg.head_dim), want.float())
-
-
-def test_legacy_rope_scaling_linear_equals_transformers():
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    raw = dict(_LLAMA_RAW, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
-    cfg = ModelConfig.from_dict(raw)
-    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.theta) == ("linear", 4.0, 10000.0)
-    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
-    want, _ = ROPE_INIT_FUNCTIONS["linear"](hf, "cpu")
-    assert torch.allclose(inv_frequencies(cfg.rope, cfg.head_dim), want.float(), rtol=1e-6, atol=0)
-
-
-# --- load-time refusals --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("changes, message", [
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
-     r"architecture \['GPT2LMHeadModel'\] is not supported; supported: LlamaForCausalLM, "),
-    (dict(architectures=[], model_type="falcon"), "architecture 'falcon' is not supported"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
-    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not supported"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type 'longrope' is not supported"),
-    (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads 3"),
-])
-def test_unsupported_config_is_refused_with_a_clear_message(changes, message):
-    with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_dict({**_LLAMA_RAW, **changes})
-
-
-@pytest.mark.parametrize("changes, message", [
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "GPT2LMHeadModel"),
-    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "yarn"),
-])
-def test_llm_refuses_unsupported_model_at_construction(model_dirs, tmp_path, monkeypatch, changes, message):
-    dst = copy_model(model_dirs["llama"], tmp_path / "m")
-    edit_config(dst, **changes)
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    with pytest.raises(UnsupportedModelError, match=message):
-        LLM(str(dst), **POOL)
-    gc.collect()
-    assert unraisable == []  # the half-built LLM is collected without errors
-
-
-def test_mistral_sliding_window_shorter_than_context_is_refused(model_dirs, tmp_path):
-    dst = copy_model(model_dirs["mistral"], tmp_path / "m")
-    edit_config(dst, sliding_window=64)  # max_position_embeddings is 512
-    with pytest.raises(UnsupportedModelError, match="sliding_window 64 is shorter than max_model_len 512"):
-        LLM(str(dst), **POOL)
-    with pytest.raises(UnsupportedModelError, match="sliding_window"):
-        LLM(str(dst), **POOL, max_model_len=65)
-
-
-def test_mistral_sliding_window_covering_the_context_loads(model_dirs, tmp_path):
-    dst = copy_model(model_dirs["mistral"], tmp_path / "m")
-    edit_config(dst, sliding_window=512)
-    want = greedy_tokens(model_dirs["mistral"])
-    assert greedy_tokens(dst) == want  # the window covers every position: full attention
-    edit_config(dst, sliding_window=64)
-    with LLM(str(dst), **POOL, max_model_len=64) as llm:
-        assert llm.engine.max_model_len == 64
-        out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == want
-
-
-def test_qwen2_sliding_window_disabled_by_use_sliding_window_false_loads(model_dirs, tmp_path):
-    dst = copy_model(model_dirs["qwen2"], tmp_path / "m")
-    edit_config(dst, sliding_window=64, use_sliding_window=False)
-    assert ModelConfig.from_dir(dst).sliding_window is None
-    assert greedy_tokens(dst) == greedy_tokens(model_dirs["qwen2"])
-    edit_config(dst, use_sliding_window=True)
-    with pytest.raises(UnsupportedModelError, match="sliding_window 64"):
-        LLM(str(dst), **POOL)
