@@ -8,28 +8,23 @@ tokens/s, requests/s, TTFT and TPOT median and p99), which bench/plots.py draws.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-import serving  # noqa: E402  (the load generator, a sibling script)
-from conftest import start_server, stop_server  # noqa: E402  (the tests' loopback server launcher)
+import harness
+import serving  # the load generator
+from pyserve.testing import start_server, stop_server
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "concurrency", device=True)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "concurrency.json")
     args = ap.parse_args()
+    head = harness.header(__file__)
+    harness.print_header(head)
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,10 +47,8 @@ def main() -> None:
                              "tpot_ms_median": r["tpot_ms"]["median"], "tpot_ms_p99": r["tpot_ms"]["p99"]})
         finally:
             stop_server(proc)
-    report = {"machine": platform.platform(), "python": platform.python_version(), "input_len": args.input_len,
-              "output_len": args.output_len, "levels": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = {**head, "input_len": args.input_len, "output_len": args.output_len, "levels": rows}
+    harness.write_report(args.out, report)
     print(f"\n{'clients':>7} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}")
     for r in rows:
         print(f"{r['concurrency']:>7} {r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>7.2f} "

@@ -10,24 +10,16 @@ runs; goal: pyserve >= 1.0x. Writes bench/results/engine_overhead.json.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import random
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import build_tokenizer  # noqa: E402  (the tests' tiny tokenizer builder)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
+import harness
+from pyserve import LLM, SamplingParams
+from pyserve.testing import build_tokenizer  # the tests' tiny tokenizer
 
 
 def build(out: Path) -> Path:
@@ -43,15 +35,15 @@ def build(out: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = harness.parser(__doc__, "engine_overhead", runs=3)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "engine_overhead.json")
     args = ap.parse_args()
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    head = harness.header(__file__)
+    harness.print_header(head)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 300) for _ in range(16)] for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,20 +65,15 @@ def main() -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
-        run_hf(), run_pyserve()  # warm-up
-        rates = {"transformers": [], "pyserve": []}
-        for _ in range(args.runs):
-            rates["transformers"].append(run_hf())
-            rates["pyserve"].append(run_pyserve())
+        rates = harness.interleaved({"transformers": run_hf, "pyserve": run_pyserve}, args.runs, warmup=1)
         llm.close()
-    ratio = statistics.median(p / t for p, t in zip(rates["pyserve"], rates["transformers"]))
-    report = {"machine": platform.platform(), "python": platform.python_version(), "runs": args.runs,
+    ratio = harness.median_ratio(rates["pyserve"], rates["transformers"])
+    report = {**head, "runs": args.runs,
               "requests": args.requests, "output_tokens": args.tokens,
-              "pyserve_tokens_per_s": round(statistics.median(rates["pyserve"]), 1),
-              "transformers_tokens_per_s": round(statistics.median(rates["transformers"]), 1),
+              "pyserve_tokens_per_s": round(harness.median(rates["pyserve"]), 1),
+              "transformers_tokens_per_s": round(harness.median(rates["transformers"]), 1),
               "ratio": round(ratio, 3)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(args.out, report)
     print(f"{args.requests} x {args.tokens} tokens on a 1-layer model: pyserve {report['pyserve_tokens_per_s']} "
           f"tok/s vs transformers batch {args.requests} {report['transformers_tokens_per_s']} tok/s = "
           f"{ratio:.2f}x (goal >= 1.0)")

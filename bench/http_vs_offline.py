@@ -16,12 +16,8 @@ every HTTP run. Writes bench/results/http_vs_offline.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,13 +26,10 @@ import httpx
 import orjson
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from offline import build_llama, workload  # noqa: E402  (the same model and request generator)
-from conftest import start_server, stop_server  # noqa: E402  (the tests' server launcher; offline put tests/ on the path)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
+import harness
+from offline import build_llama, workload  # the same model and request generator
+from pyserve import LLM, SamplingParams
+from pyserve.testing import start_server, stop_server
 
 ENGINE = dict(num_kv_blocks=4096, max_num_batched_tokens=2048)  # as bench/offline.py
 GOAL = 0.80
@@ -113,16 +106,16 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "http_vs_offline", runs=3)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=16, help="HTTP requests in flight at most")
     ap.add_argument("--max-output", type=int, default=64, help="outputs are 16..this many tokens")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of each; medians are reported")
-    ap.add_argument("--quick", action="store_true", help="16 requests of 16-32 tokens, one repeat (a smoke run)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "http_vs_offline.json")
+    ap.add_argument("--quick", action="store_true", help="16 requests of 16-32 tokens, one run (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.max_output, args.repeats = 16, 32, 1
+        args.requests, args.max_output, args.runs = 16, 32, 1
+    head = harness.header(__file__)
+    harness.print_header(head)
     reqs = workload(args.requests, max_output=args.max_output)
     useful = sum(n for _, n in reqs)
     prompt_tokens = sum(len(p) for p, _ in reqs)
@@ -131,18 +124,22 @@ def main() -> None:
         flags = ["--served-model-name", SERVED_NAME, "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
                  "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"])]
         proc, base = start_server(model_dir, *flags, workdir=model_dir)  # idle (blocked on its inbox) during the offline runs
-        runs: dict[str, list[float]] = {"offline_all": [], "offline_matched": [], "http": []}
-        results: list[dict] = []
+        results: list[dict] = []  # every HTTP run's requests, pooled for the percentiles
+
+        def http() -> float:
+            t, res = asyncio.run(run_http(base, reqs, args.concurrency))
+            results.extend(res)
+            return t
+
         try:
-            for _ in range(args.repeats):
-                runs["offline_all"].append(run_offline(model_dir, reqs, max_num_seqs=256))
-                runs["offline_matched"].append(run_offline(model_dir, reqs, max_num_seqs=args.concurrency))
-                t, res = asyncio.run(run_http(base, reqs, args.concurrency))
-                runs["http"].append(t)
-                results += res
+            runs = harness.interleaved({
+                "offline_all": lambda: run_offline(model_dir, reqs, max_num_seqs=256),
+                "offline_matched": lambda: run_offline(model_dir, reqs, max_num_seqs=args.concurrency),
+                "http": http,
+            }, args.runs)
         finally:
             stop_server(proc)
-    t_all, t_matched, t_http = (statistics.median(runs[k]) for k in ("offline_all", "offline_matched", "http"))
+    t_all, t_matched, t_http = (harness.median(runs[k]) for k in ("offline_all", "offline_matched", "http"))
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]]
     tps = {"offline_all": useful / t_all, "offline_matched": useful / t_matched, "http": useful / t_http}
@@ -153,7 +150,7 @@ def main() -> None:
     for label, key, t in [(f"offline, all {len(reqs)} at once", "offline_all", t_all),
                           (f"offline, max_num_seqs={c}", "offline_matched", t_matched),
                           (f"HTTP streaming, {c} clients", "http", t_http)]:
-        print(f"{label:<30}{tps[key]:8.1f} tok/s  (median of {args.repeats}: {t:.2f} s)")
+        print(f"{label:<30}{tps[key]:8.1f} tok/s  (median of {args.runs}: {t:.2f} s)")
     print(f"ratio HTTP / offline(max_num_seqs={c}): {ratio:.2f} (goal >= {GOAL:.2f}); "
           f"vs offline all at once: {tps['http'] / tps['offline_all']:.2f}")
     print(f"  (the matched run has the same {c} sequences in flight as the HTTP clients, so the ratio "
@@ -161,17 +158,15 @@ def main() -> None:
     print(f"TTFT p50 {pct(ttft, 50) * 1e3:7.1f} ms   p99 {pct(ttft, 99) * 1e3:7.1f} ms")
     print(f"ITL  p50 {pct(itl, 50) * 1e3:7.1f} ms   p99 {pct(itl, 99) * 1e3:7.1f} ms   "
           f"(gaps between SSE chunk arrivals, {len(itl)} gaps)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "http_vs_offline", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+    harness.write_report(args.out, {
+        "benchmark": "http_vs_offline", **head,
         "requests": len(reqs), "concurrency": c, "prompt_tokens": prompt_tokens, "output_tokens": useful,
         "max_output": args.max_output,
-        "repeats": args.repeats, "seconds": runs,
+        "repeats": args.runs, "seconds": runs,
         "tok_per_s": tps, "ratio_http_over_offline_matched": ratio, "goal": GOAL,
         "ttft_ms": {"p50": pct(ttft, 50) * 1e3, "p99": pct(ttft, 99) * 1e3, "mean": statistics.mean(ttft) * 1e3},
         "itl_ms": {"p50": pct(itl, 50) * 1e3, "p99": pct(itl, 99) * 1e3, "mean": statistics.mean(itl) * 1e3},
-    }, indent=2) + "\n")
+    })
 
 
 if __name__ == "__main__":

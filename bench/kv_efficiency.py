@@ -11,26 +11,23 @@ for two sequences. Goal: under 4% at the peak. Writes bench/results/kv_efficienc
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
-from pathlib import Path
 
 import numpy as np
 
+import harness
 from pyserve import _core
-
-HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "kv_efficiency")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=3000)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "kv_efficiency.json")
     args = ap.parse_args()
+    head = harness.header(__file__)
+    harness.print_header(head)
     rng = random.Random(0)
     bs = args.block_size
     sched = _core.Scheduler(num_blocks=args.num_blocks, block_size=bs, max_num_seqs=64,
@@ -50,11 +47,11 @@ def main() -> None:
         sched.update(np.array([rng.randrange(10, 30000) for _ in range(int(n.sum()))], dtype=np.int64), n)
     peak_blocks, peak_held = max(samples)
     waste = [1 - held / (blocks * bs) for blocks, held in samples if blocks]
-    report = {"requests": args.requests, "block_size": bs, "num_blocks": args.num_blocks, "steps": len(samples),
+    report = {**head, "requests": args.requests, "block_size": bs, "num_blocks": args.num_blocks,
+              "steps": len(samples),
               "preemptions": sched.stats()["num_preemptions"], "peak_blocks": peak_blocks, "peak_tokens": peak_held,
               "peak_waste": round(1 - peak_held / (peak_blocks * bs), 4), "mean_waste": round(statistics.fmean(waste), 4)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(args.out, report)
     print(f"peak: {peak_held} tokens in {peak_blocks} blocks of {bs} = {100 * report['peak_waste']:.2f}% waste "
           f"(goal < 4%); mean over {len(samples)} steps {100 * report['mean_waste']:.2f}%; "
           f"{report['preemptions']} preemptions")

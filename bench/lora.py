@@ -10,21 +10,18 @@ Writes bench/results/lora.json.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+import harness
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.default_model import TARGET_DIR
 from pyserve.default_model.training import corpus
 
-HERE = Path(__file__).resolve().parent
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -50,13 +47,12 @@ def prompts(n: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = harness.parser(__doc__, "lora", runs=3, device=True)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "lora.json")
     args = ap.parse_args()
+    head = harness.header(__file__)
+    harness.print_header(head)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     ps = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,23 +60,23 @@ def main() -> None:
         loras = [LoRARequest(f"a{i % 8}", i % 8 + 1, str(paths[i % 8])) for i in range(len(ps))]
         base = LLM(device=args.device)
         multi = LLM(device=args.device, enable_lora=True, max_loras=8, max_lora_rank=16)
-        base.generate(ps, params, use_tqdm=False)  # warm-up (and adapter loading)
-        multi.generate(ps, params, lora_request=loras, use_tqdm=False)
-        rates: dict[str, list[float]] = {"base": [], "lora": []}
-        for _ in range(args.runs):
-            for name, llm, lora in (("base", base, None), ("lora", multi, loras)):
-                start = time.perf_counter()
-                outs = llm.generate(ps, params, lora_request=lora, use_tqdm=False)
-                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+
+        def rate(llm: LLM, lora) -> float:
+            start = time.perf_counter()
+            outs = llm.generate(ps, params, lora_request=lora, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+        # the warm-up round also loads the adapters
+        rates = harness.interleaved({"base": lambda: rate(base, None), "lora": lambda: rate(multi, loras)},
+                                    args.runs, warmup=1)
         base.close()
         multi.close()
-    ratio = statistics.median(lo / b for lo, b in zip(rates["lora"], rates["base"]))
-    report = {"machine": platform.platform(), "python": platform.python_version(), "runs": args.runs,
+    ratio = harness.median_ratio(rates["lora"], rates["base"])
+    report = {**head, "runs": args.runs,
               "requests": len(ps), "max_tokens": args.max_tokens, "adapters": 8, "rank": 16,
-              "base_tokens_per_s": round(statistics.median(rates["base"]), 1),
-              "lora_tokens_per_s": round(statistics.median(rates["lora"]), 1), "ratio": round(ratio, 3)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+              "base_tokens_per_s": round(harness.median(rates["base"]), 1),
+              "lora_tokens_per_s": round(harness.median(rates["lora"]), 1), "ratio": round(ratio, 3)}
+    harness.write_report(args.out, report)
     print(json.dumps(report))
     print(f"8 adapters x rank 16: {report['lora_tokens_per_s']} tok/s vs base {report['base_tokens_per_s']} tok/s "
           f"= {ratio:.2f}x (goal >= 0.8)")

@@ -9,24 +9,16 @@ ratio; writes bench/results/offline.json.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import random
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import build_tokenizer  # noqa: E402  (the tests' tiny tokenizer builder)
-
-from pyserve import LLM, SamplingParams  # noqa: E402
+import harness
+from pyserve import LLM, SamplingParams
+from pyserve.testing import build_tokenizer  # the tests' tiny tokenizer
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=5, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024, vocab_size=8192)
@@ -83,35 +75,32 @@ def run_pyserve(model_dir: Path, reqs) -> tuple[float, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "offline", runs=3)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "offline.json")
     args = ap.parse_args()
+    head = harness.header(__file__)
+    harness.print_header(head)
     reqs = workload(args.requests)
     useful = sum(n for _, n in reqs)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_llama(Path(tmp))
         params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
             str(model_dir / "model.safetensors")).values())
-        ours, theirs = [], []
-        for _ in range(args.repeats):  # interleaved so machine noise hits both alike
-            ours.append(run_pyserve(model_dir, reqs)[0])
-            theirs.append(run_transformers(model_dir, reqs, 16))
-    t_ours, t_theirs = statistics.median(ours), statistics.median(theirs)
+        seconds = harness.interleaved({"pyserve": lambda: run_pyserve(model_dir, reqs)[0],
+                                       "transformers": lambda: run_transformers(model_dir, reqs, 16)}, args.runs)
+    ours, theirs = seconds["pyserve"], seconds["transformers"]
+    t_ours, t_theirs = harness.median(ours), harness.median(theirs)
     ratio = t_theirs / t_ours
     print(f"model: Llama {params / 1e6:.1f}M params, fp32, {torch.get_num_threads()} threads; "
           f"{len(reqs)} requests, {useful} output tokens")
-    print(f"pyserve       {useful / t_ours:8.1f} tok/s  (median of {args.repeats}: {t_ours:.2f} s)")
+    print(f"pyserve       {useful / t_ours:8.1f} tok/s  (median of {args.runs}: {t_ours:.2f} s)")
     print(f"transformers  {useful / t_theirs:8.1f} tok/s  (static batches of 16: {t_theirs:.2f} s)")
     print(f"ratio pyserve/transformers: {ratio:.2f}x (goal >= 3.0x)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "offline", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+    harness.write_report(args.out, {
+        "benchmark": "offline", **head,
         "params": params, "requests": len(reqs), "output_tokens": useful,
         "pyserve_s": ours, "transformers_s": theirs, "ratio": ratio, "goal": 3.0,
-    }, indent=2) + "\n")
+    })
 
 
 if __name__ == "__main__":

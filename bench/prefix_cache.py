@@ -12,18 +12,13 @@ every TTFT sample (bench/plots.py draws their distribution).
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import random
-import statistics
 import time
-from pathlib import Path
 
+import harness
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import TARGET_DIR
-
-HERE = Path(__file__).resolve().parent
 
 
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -31,23 +26,22 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = harness.parser(__doc__, "prefix_cache", runs=3, device=True)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "prefix_cache.json")
     args = ap.parse_args()
     vocab = json.loads((TARGET_DIR / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     system = random_ids(rng, 2000, vocab)
     engines = {on: LLM(device=args.device, enable_prefix_caching=on) for on in (True, False)}
+    head = harness.header(__file__)  # after the engines: torch is imported
+    harness.print_header(head)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engines[True].generate([system + random_ids(rng, 24, vocab)], first, use_tqdm=False)  # the prefix is cached
     ttft: dict[bool, list[float]] = {True: [], False: []}
     rates: dict[bool, list[float]] = {True: [], False: []}
     decode = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    for _ in range(args.runs):
+    for _ in range(args.runs):  # interleaved by hand: both engines get each run's fresh requests
         questions = [random_ids(rng, 24, vocab) for _ in range(args.requests)]
         unique = [random_ids(rng, 256, vocab) for _ in range(args.batch)]
         for on, llm in engines.items():
@@ -61,20 +55,19 @@ def main() -> None:
             rates[on].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
     for llm in engines.values():
         llm.close()
-    p50 = {on: statistics.median(v) for on, v in ttft.items()}
+    p50 = {on: harness.median(v) for on, v in ttft.items()}
     report = {
-        "machine": platform.platform(), "python": platform.python_version(), "runs": args.runs,
+        **head, "runs": args.runs,
         "shared": {"system_prompt_tokens": 2000, "requests_per_run": args.requests,
                    "ttft_p50_ms_cache_on": round(1000 * p50[True], 2), "ttft_p50_ms_cache_off": round(1000 * p50[False], 2),
                    "ratio": round(p50[True] / p50[False], 4),
                    "ttft_ms_cache_on": [round(1000 * t, 2) for t in ttft[True]],
                    "ttft_ms_cache_off": [round(1000 * t, 2) for t in ttft[False]]},
-        "unique": {"requests": args.batch, "tokens_per_s_cache_on": round(statistics.median(rates[True]), 1),
-                   "tokens_per_s_cache_off": round(statistics.median(rates[False]), 1),
-                   "ratio": round(statistics.median(a / b for a, b in zip(rates[True], rates[False])), 3)},
+        "unique": {"requests": args.batch, "tokens_per_s_cache_on": round(harness.median(rates[True]), 1),
+                   "tokens_per_s_cache_off": round(harness.median(rates[False]), 1),
+                   "ratio": round(harness.median_ratio(rates[True], rates[False]), 3)},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(args.out, report)
     s, u = report["shared"], report["unique"]
     print(f"shared 2000-token prefix: TTFT p50 {s['ttft_p50_ms_cache_on']} ms cached vs "
           f"{s['ttft_p50_ms_cache_off']} ms uncached = {s['ratio']:.3f} (goal <= 0.1)")

@@ -10,26 +10,16 @@ Usage: python bench/scheduler.py [--quick] [--out PATH]
 package; from the repository root `python bench/scheduler.py` is fine.)
 """
 
-import argparse
-import datetime
 import gc
-import json
 import os
-import platform
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+import harness
 from pyserve._core import Scheduler
+from python_scheduler import PyScheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from python_scheduler import PyScheduler  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 SIZES = (256, 1024)
 TARGET_US = {256: 50.0, 1024: 200.0}
 MIN_RATIO = 10.0
@@ -130,20 +120,12 @@ def time_steps(cls, n, steps, num_blocks):
     return elapsed / steps / 1000
 
 
-def git_commit():
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True)
-        return head.stdout.strip(), bool(dirty.stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "scheduler")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "scheduler.json")
     args = ap.parse_args()
+    head = harness.header(__file__)
+    harness.print_header(head)
     # Requests decode in lockstep, so all cross a block boundary in the same step: runs cover
     # whole multiples of block_size steps to weigh those steps fairly.
     repeats, rust_steps, py_steps = (3, 96, 16) if args.quick else (7, 192, 48)
@@ -156,12 +138,11 @@ def main():
     results = []
     for n in SIZES:
         num_blocks = max(100_000, n * -(-(PROMPT_LEN + rust_steps + 64) // BLOCK_SIZE) + 1)
-        rust_us, py_us = [], []
         time_steps(Scheduler, n, 10, num_blocks)  # warm-up
-        for _ in range(repeats):  # interleaved, so noise hits both alike
-            rust_us.append(time_steps(Scheduler, n, rust_steps, num_blocks))
-            py_us.append(time_steps(PyScheduler, n, py_steps, num_blocks))
-        r, p = statistics.median(rust_us), statistics.median(py_us)
+        us = harness.interleaved({"rust": lambda: time_steps(Scheduler, n, rust_steps, num_blocks),
+                                  "python": lambda: time_steps(PyScheduler, n, py_steps, num_blocks)}, repeats)
+        rust_us, py_us = us["rust"], us["python"]
+        r, p = harness.median(rust_us), harness.median(py_us)
         results.append({
             "num_requests": n, "num_blocks": num_blocks,
             "rust_us_per_step": r, "python_us_per_step": p, "ratio_python_over_rust": p / r,
@@ -181,14 +162,8 @@ def main():
     elapsed = time.perf_counter() - start
     print(f"\nall targets met: {all_pass}  (median of {repeats} runs; {elapsed:.1f} s)")
 
-    commit, dirty = git_commit()
     report = {
-        "benchmark": "scheduler",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit, "git_dirty": dirty,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "numpy": np.__version__,
-                    "load_average_at_start": load_at_start},
+        "benchmark": "scheduler", **head, "numpy": np.__version__, "load_average_at_start": load_at_start,
         "config": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": MAX_BATCHED, "prompt_len": PROMPT_LEN,
                    "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True, "repeats": repeats,
                    "quick": args.quick, "statistic": "median us per step"},
@@ -196,10 +171,7 @@ def main():
         "results": results,
         "all_pass": all_pass,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, args.out)
+    harness.write_report(args.out, report)
     print(f"wrote {args.out}")
 
 

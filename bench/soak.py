@@ -19,10 +19,8 @@ drift of each measure and exits 1 when a check fails. Loopback only, bounded by 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import sys
@@ -33,13 +31,10 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from conftest import parse_metrics, start_server, stop_server  # noqa: E402  (the tests' server launcher)
-from serving import ExactText  # noqa: E402  (exact-length random text)
-
-from pyserve.default_model import TARGET_DIR  # noqa: E402
+import harness
+from pyserve.default_model import TARGET_DIR
+from pyserve.testing import parse_metrics, start_server, stop_server
+from serving import ExactText  # exact-length random text
 
 
 @dataclass
@@ -193,17 +188,17 @@ def drift(samples: list[dict], key: str, warmup_s: float) -> tuple[float | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "soak", device=True)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sample-every", type=float, default=5.0)
     ap.add_argument("--warmup-minutes", type=float, default=2.0)
     ap.add_argument("--max-rss-drift", type=float, default=0.05)
     ap.add_argument("--max-requests", type=int, default=100_000)
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
     args = ap.parse_args(argv)
+    head = harness.header(__file__, argv)
+    harness.print_header(head)
     with tempfile.TemporaryDirectory() as tmp:
         proc, base = start_server(None, "--device", args.device, "--max-num-seqs", "32", workdir=Path(tmp))
         try:
@@ -225,15 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         "no_server_errors": tally.server_errors == 0,
         "server_exited_cleanly": exit_code == 0,
     }
-    report = {"machine": platform.platform(), "python": platform.python_version(), "minutes": args.minutes,
+    report = {**head, "minutes": args.minutes,
               "concurrency": args.concurrency, "sent": tally.sent, "completed": tally.completed,
               "abandoned": tally.abandoned, "lost": len(tally.lost), "lost_examples": tally.lost[:5],
               "server_errors": tally.server_errors,
               "rss_mib_after_warmup": rss0, "rss_mib_at_end": rss1, "rss_drift": rss_drift and round(rss_drift, 4),
               "ttft_ms_p50_after_warmup": ttft0, "ttft_ms_p50_at_end": ttft1, "final": final, "checks": checks,
               "samples": samples}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(args.out, report)
     print(f"\n{tally.sent} requests in {args.minutes} min: {tally.completed} completed, {tally.abandoned} abandoned "
           f"by their clients, {len(tally.lost)} lost, {tally.server_errors} server errors")
     print(f"RSS {rss0} -> {rss1} MiB (drift {rss_drift if rss_drift is None else f'{rss_drift:+.2%}'}); "

@@ -19,17 +19,13 @@ bench/results/spec_decode.json.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import statistics
 import time
-from pathlib import Path
 
+import harness
 from pyserve import LLM, SamplingParams
 from pyserve.default_model.training import corpus
 
-HERE = Path(__file__).resolve().parent
 CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
@@ -64,42 +60,36 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, one_at_a_time: boo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = harness.parser(__doc__, "spec_decode", runs=3, device=True)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "spec_decode.json")
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engines = {name: LLM(device=args.device, speculative_config=cfg) for name, cfg in CONFIGS.items()}
+    head = harness.header(__file__)  # after the engines: torch is imported
+    harness.print_header(head)
     results = {}
     for name, (prompts, methods, one_at_a_time) in workloads(args.max_tokens).items():
-        rates: dict[str, list[float]] = {m: [] for m in ["plain", *methods]}
-        reference = None
-        for m in rates:  # warm-up: a long-running server has explored its depth choices already
-            run(engines[m], prompts, params, one_at_a_time)
-        for _ in range(args.runs):
-            for m in rates:
-                rate, tokens = run(engines[m], prompts, params, one_at_a_time)
-                rates[m].append(rate)
-                reference = reference or (tokens if m == "plain" else None)
+        # the warm-up round: a long-running server has explored its depth choices already
+        runs = harness.interleaved({m: lambda m=m: run(engines[m], prompts, params, one_at_a_time)
+                                    for m in ["plain", *methods]}, args.runs, warmup=1)
+        reference = runs["plain"][0][1]
+        for m, measured in runs.items():
+            for _, tokens in measured:
                 assert tokens == reference, f"{name}/{m}: speculative output differs from plain decoding"
+        rates = {m: [rate for rate, _ in measured] for m, measured in runs.items()}
         row = {"requests": len(prompts), "batch": 1 if one_at_a_time else len(prompts),
-               "plain_tokens_per_s": round(statistics.median(rates["plain"]), 1)}
+               "plain_tokens_per_s": round(harness.median(rates["plain"]), 1)}
         for m in methods:
-            ratios = [s / p for s, p in zip(rates[m], rates["plain"])]
-            row[f"{m}_tokens_per_s"] = round(statistics.median(rates[m]), 1)
-            row[f"{m}_ratio"] = round(statistics.median(ratios), 3)
+            row[f"{m}_tokens_per_s"] = round(harness.median(rates[m]), 1)
+            row[f"{m}_ratio"] = round(harness.median_ratio(rates[m], rates["plain"]), 3)
             stats = engines[m].stats()
             row[f"{m}_mean_acceptance_length"] = round(stats["spec_decode_mean_acceptance_length"], 2)
         results[name] = row
         print(name, json.dumps(row), flush=True)
     for llm in engines.values():
         llm.close()
-    report = {"machine": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-              "runs": args.runs, "max_tokens": args.max_tokens, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = {**head, "runs": args.runs, "max_tokens": args.max_tokens, "results": results}
+    harness.write_report(args.out, report)
     print(f"\n{'workload':<9} {'plain tok/s':>11}  speculative (ratio, mean acceptance length)")
     for name, row in results.items():
         specs = "  ".join(f"{k[:-6]} {row[k]:.2f}x ({row[k[:-6] + '_mean_acceptance_length']})"

@@ -1,0 +1,34 @@
+"""Test and benchmark support, not a public API: what tests/ and bench/ share, imported from the
+installed wheel (`from pyserve.testing import build_model`), so neither puts the other on sys.path.
+
+  tiny_models  tiny random Hugging Face models of each supported architecture, the byte-level
+               BPE tokenizer and chat template they share, random PEFT LoRA adapters for them,
+               copies of model directories with edited configs
+  parity       greedy references by full recomputation with transformers, and the token-exact
+               comparison with them that tolerates only near-ties
+  loopback     `pyserve serve` started on a free loopback port, stopped, and its /metrics parsed
+
+Importing it is cheap: torch, transformers, peft, tokenizers and httpx load inside the functions
+that need them. Nothing in `pyserve` imports it.
+"""
+
+from pyserve.testing.loopback import parse_metrics, scrape_metrics, start_server, stop_server
+from pyserve.testing.parity import MAX_TOKENS, NEAR_TIE, assert_parity, hf_greedy, prompts
+from pyserve.testing.tiny_models import (
+    ARCH_CONFIGS,
+    CHAT_TEMPLATE,
+    CORPUS,
+    LLAMA_CONFIG,
+    SPECIAL,
+    build_model,
+    build_tokenizer,
+    copy_model,
+    edit_config,
+    make_adapter,
+)
+
+__all__ = [
+    "ARCH_CONFIGS", "CHAT_TEMPLATE", "CORPUS", "LLAMA_CONFIG", "MAX_TOKENS", "NEAR_TIE", "SPECIAL", "assert_parity",
+    "build_model", "build_tokenizer", "copy_model", "edit_config", "hf_greedy", "make_adapter", "parse_metrics",
+    "prompts", "scrape_metrics", "start_server", "stop_server",
+]

@@ -1,0 +1,80 @@
+"""LoRA over HTTP, on the embedded model and its adapters: adapters named by the request's model
+field, listed by /v1/models, loaded and unloaded at runtime under --lora-root (with the API key),
+bad adapters refused with 4xx while the server stays healthy, per-adapter counters."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME
+from pyserve.testing import start_server, stop_server
+
+KEY = "sk-lora"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ASK = [{"role": "user", "content": "Write a Python function: Return the number of lines in the file at path."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora-server")
+    root = work / "root"
+    root.mkdir()
+    shutil.copytree(ADAPTER_DIRS["docstrings"], root / "docs-copy")  # rank 8
+    shutil.copytree(ADAPTER_DIRS["tests"], root / "tests-rank16")
+    (root / "empty").mkdir()
+    shutil.copytree(ADAPTER_DIRS["docstrings"], root / "pickled")
+    (root / "pickled" / "adapter_model.bin").write_bytes(b"\x80\x04N.")
+    outside = work / "outside"
+    shutil.copytree(ADAPTER_DIRS["docstrings"], outside)
+    os.symlink(outside, root / "link-out")
+    proc, base = start_server(None, "--lora-modules", "docstrings", "--lora-root", str(root), "--max-lora-rank", "8",
+                              "--max-loras", "2", "--api-key", KEY, workdir=work)
+    yield base, outside
+    assert stop_server(proc) == 0
+
+
+def chat(base: str, model: str) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": model, "messages": ASK, "max_tokens": 24, "temperature": 0})
+
+
+def test_adapters_by_name_listed_loaded_and_unloaded(server):
+    base, _ = server
+    models = httpx.get(base + "/v1/models", headers=AUTH).json()["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [(DEFAULT_MODEL_NAME, None), ("docstrings", DEFAULT_MODEL_NAME)]
+    plain = chat(base, DEFAULT_MODEL_NAME).json()["choices"][0]["message"]["content"]
+    docs = chat(base, "docstrings").json()["choices"][0]["message"]["content"]
+    assert plain.startswith("def ") and docs.startswith('"""')
+
+    assert httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "d2", "lora_path": "docs-copy"}).status_code == 401
+    r = httpx.post(base + "/v1/load_lora_adapter", headers=AUTH, json={"lora_name": "d2", "lora_path": "docs-copy"})
+    assert r.status_code == 200, r.text
+    assert chat(base, "d2").json()["choices"][0]["message"]["content"] == docs
+    assert "d2" in [m["id"] for m in httpx.get(base + "/v1/models", headers=AUTH).json()["data"]]
+    r = httpx.post(base + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "d2"})
+    assert r.status_code == 200
+    gone = chat(base, "d2")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
+    assert httpx.post(base + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "d2"}).status_code == 404
+    metrics = httpx.get(base + "/metrics", headers=AUTH).text
+    assert 'pyserve:lora_requests_total{adapter="docstrings"} 1' in metrics
+    assert 'pyserve:lora_requests_total{adapter="d2"} 1' in metrics
+
+
+@pytest.mark.parametrize("path, reason", [
+    ("../outside", "inside"), ("OUTSIDE", "inside"), ("link-out", "inside"), ("empty", "adapter_config.json"),
+    ("missing", "not a directory"), ("pickled", "pickled"), ("tests-rank16", "max_lora_rank"),
+])
+def test_bad_adapters_are_refused_and_the_server_carries_on(server, path, reason):
+    base, outside = server
+    path = str(outside) if path == "OUTSIDE" else path
+    r = httpx.post(base + "/v1/load_lora_adapter", headers=AUTH, json={"lora_name": "bad", "lora_path": path})
+    assert r.status_code == 400 and reason in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "lora_path"
+    assert httpx.get(base + "/health").status_code == 200
+    assert chat(base, DEFAULT_MODEL_NAME).status_code == 200
+    assert chat(base, "bad").status_code == 404
