@@ -28,6 +28,7 @@ SUITE = [
     ("concurrency.py", ["--concurrency", "1,4,16"], True),
     ("spec_decode.py", ["--runs", "2", "--max-tokens", "96"], True),
     ("lora.py", ["--runs", "1"], True),
+    ("parallel_sampling.py", ["--runs", "2"], True),
 ]
 
 # (results file, key path, what it is, goal)
@@ -38,6 +39,7 @@ SUMMARY = [
     ("engine_overhead.json", ["ratio"], "engine vs transformers batch 256, 1-layer model", ">= 1.0"),
     ("spec_decode.json", ["results", "reuse", "ngram_ratio"], "n-gram speculation, batch 1, quoting output", ">= 2.0"),
     ("spec_decode.json", ["results", "code", "draft_ratio"], "draft-model speculation, batch 1, code", ">= 1.5"),
+    ("parallel_sampling.json", ["ratio"], "n = 8 of one request vs 8 requests, 1000-token prompt", ">= 3.0"),
     ("spec_decode.json", ["results", "batch16", "ngram_ratio"], "n-gram speculation, batch 16", ">= 0.95"),
     ("spec_decode.json", ["results", "batch64", "ngram_ratio"], "n-gram speculation, large batch", ">= 0.95"),
     ("lora.json", ["ratio"], "8 rank-16 adapters / base, decode throughput", ">= 0.8"),

@@ -2,29 +2,25 @@
 seeds), on the embedded target model, for a 1000-token prompt.
 
 With n = 8 the prompt is computed once and the samples fork from it (copy-on-write of the
-partly filled block); eight independent requests admitted together each compute it. Every run
-uses a prompt of its own (pseudo-random prose the model was not trained on: words drawn from a
-fixed list), so the prefix cache never serves it: the figure is the cold one. --max-tokens
-output tokens per sample (default 16; with long outputs the shared decode dominates and the
-ratio falls toward 1). Reports the seconds of each and the ratio (goal >= 3), the median of
---runs interleaved runs. Writes bench/results/parallel_sampling.json.
+partly filled block). Eight independent requests each compute it, except that with prefix
+caching on (the default) the ones admitted after the first step find the first ones' full blocks
+in the cache: so both engines are measured, prefix caching on (default) and off. Every run uses
+a prompt of its own (pseudo-random prose the model was not trained on: words drawn from a fixed
+list), so no run is served from an earlier one's cache: the figures are cold. --max-tokens output
+tokens per sample (default 16; with long outputs the shared decode dominates and the ratio falls
+toward 1). Reports the seconds of each and the ratio (goal >= 3), the median of the per-round
+ratios of --runs interleaved runs. Writes bench/results/parallel_sampling.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import random
-import statistics
 import time
-from pathlib import Path
 
-import torch
+import harness
 
 from pyserve import LLM, SamplingParams
 
-HERE = Path(__file__).resolve().parent
 WORDS = ("river stone lantern quiet orbit meadow copper signal harbor velvet ember thistle canyon "
          "mirror saddle glacier pepper violin tundra marble cobalt willow falcon prism").split()
 
@@ -38,49 +34,56 @@ def prompt_ids(llm: LLM, seed: int, num_tokens: int) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
+    ap = harness.parser(__doc__, "parallel_sampling", runs=5, device=True)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "parallel_sampling.json")
     args = ap.parse_args()
-    llm = LLM(device=args.device)
+    head = harness.header(__file__)
+    harness.print_header(head)
+    engines = {"prefix_cache_on": LLM(device=args.device),
+               "prefix_cache_off": LLM(device=args.device, enable_prefix_caching=False)}
+    rounds = iter(range(10**6))  # a fresh prompt for every call: no run is a cache hit of another
 
-    def forked(prompt: list[int]) -> list[list[int]]:
-        params = SamplingParams(n=args.n, temperature=1.0, seed=7, max_tokens=args.max_tokens, ignore_eos=True)
-        return [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+    def sides(llm: LLM) -> dict:
+        def forked(prompt: list[int]) -> list[list[int]]:
+            params = SamplingParams(n=args.n, temperature=1.0, seed=7, max_tokens=args.max_tokens, ignore_eos=True)
+            return [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
 
-    def independent(prompt: list[int]) -> list[list[int]]:
-        params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=args.max_tokens, ignore_eos=True)
-                  for i in range(args.n)]
-        return [o.outputs[0].token_ids for o in llm.generate([prompt] * args.n, params, use_tqdm=False)]
+        def independent(prompt: list[int]) -> list[list[int]]:
+            params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=args.max_tokens, ignore_eos=True)
+                      for i in range(args.n)]
+            return [o.outputs[0].token_ids for o in llm.generate([prompt] * args.n, params, use_tqdm=False)]
 
-    forked(prompt_ids(llm, 10_000, args.prompt_tokens))  # warm-up (allocations, first calls)
-    seconds: dict[str, list[float]] = {"forked": [], "independent": []}
-    same = True
-    for run in range(args.runs):
-        for name, fn in (("forked", forked), ("independent", independent)):
-            prompt = prompt_ids(llm, 2 * run + (name == "independent"), args.prompt_tokens)
+        return {"forked": forked, "independent": independent}
+
+    def timed(llm: LLM, fn):
+        def run() -> float:
+            prompt = prompt_ids(llm, next(rounds), args.prompt_tokens)
             start = time.perf_counter()
             fn(prompt)
-            seconds[name].append(time.perf_counter() - start)
-        probe = prompt_ids(llm, 20_000 + run, 64)
-        same &= forked(probe) == independent(probe)  # the same samples either way
-    med = {k: statistics.median(v) for k, v in seconds.items()}
-    ratio = med["independent"] / med["forked"]
-    result = {
-        "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-        "n": args.n, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "runs": args.runs,
-        "seconds": seconds, "median_s": med, "ratio": ratio, "same_samples": same,
-    }
-    print(f"n={args.n}, {args.prompt_tokens}-token prompt (uncached), {args.max_tokens} tokens each: "
-          f"forked {med['forked']:.3f} s, independent {med['independent']:.3f} s -> {ratio:.2f}x "
-          f"(same samples: {same})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    llm.close()
+            return time.perf_counter() - start
+        return run
+
+    for llm in engines.values():  # warm-up (allocations, first calls)
+        sides(llm)["forked"](prompt_ids(llm, next(rounds), args.prompt_tokens))
+    fns = {f"{name}/{side}": timed(llm, fn) for name, llm in engines.items() for side, fn in sides(llm).items()}
+    seconds = harness.interleaved(fns, args.runs)
+    result = {**head, "n": args.n, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              "runs": args.runs}
+    for name, llm in engines.items():
+        forked, independent = seconds[f"{name}/forked"], seconds[f"{name}/independent"]
+        probe = prompt_ids(llm, next(rounds), 64)
+        same = sides(llm)["forked"](probe) == sides(llm)["independent"](probe)  # the same samples either way
+        ratio = harness.median_ratio(independent, forked)
+        result[name] = {"forked_s": forked, "independent_s": independent, "ratio": ratio, "same_samples": same}
+        print(f"{name}: n={args.n}, {args.prompt_tokens}-token prompt, {args.max_tokens} tokens each: forked "
+              f"{harness.median(forked):.3f} s, independent {harness.median(independent):.3f} s -> {ratio:.2f}x "
+              f"(same samples: {same})")
+    result["ratio"] = result["prefix_cache_on"]["ratio"]
+    harness.write_report(args.out, result)
+    for llm in engines.values():
+        llm.close()
 
 
 if __name__ == "__main__":

@@ -62,13 +62,13 @@ class EngineCore(Actor):
     async def step(self) -> None:
         out = self.scheduler.schedule()
         if out.num_reqs == 0:
-            update = self.scheduler.update(NO_TOKENS, NO_TOKENS)
+            ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
             if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
                 await self.call_worker(self.worker.execute, out, StepRows([], []))
                 if self.speculator is not None:
                     self.speculator.forget(out.finished_req_ids.tolist())
-            self._fork(update.fork_ready)
-            if self.scheduler.has_unfinished_requests() and not update.fork_ready:
+            self._fork(ready)
+            if self.scheduler.has_unfinished_requests() and not ready:
                 await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
             return
         req_ids = out.req_ids.tolist()

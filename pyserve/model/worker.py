@@ -1,8 +1,9 @@
-"""ModelWorker: owns the device, the weights, the KV tensors and the sampler, and runs one step.
+"""ModelWorker: owns the device, the weights, the KV tensors and the sampler, and runs one step:
+inputs -> forward -> sample (drafts go to speculative.verify, adapters' slots to lora.slots).
 
 `execute` is synchronous and meant to run in a worker thread (torch releases the GIL), so the
-event loop keeps serving while the forward runs. It is the only place, with the layers and the
-kernels, where tensors exist.
+event loop keeps serving while the forward runs. Tensors exist only here and in what runs inside
+it (the layers, the kernels, the verifier, the draft model, the LoRA slots).
 """
 
 from __future__ import annotations

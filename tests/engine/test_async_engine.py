@@ -1,4 +1,5 @@
-"""The engine's face: what the server may use of it, and an engine's end without noise."""
+"""The engine's face (what the server may use of it), the layering rules, and an engine's end
+without noise."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ def test_the_server_uses_only_the_engines_public_face():
     offending = [f"{f.name}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
                  if inner.search(line)]
     assert offending == []
+
+
+def test_no_engine_module_imports_torch():
+    importing = re.compile(r"^\s*(import torch|from torch)\b", re.M)
+    assert [f.name for f in sorted((PACKAGE / "engine").glob("*.py")) if importing.search(f.read_text())] == []
+
+
+def test_the_rust_core_has_no_pyo3():
+    core = Path(__file__).resolve().parents[2] / "rust" / "core"
+    sources = [core / "Cargo.toml", *sorted(core.rglob("*.rs"))]
+    assert len(sources) > 5 and [p.name for p in sources if "pyo3" in p.read_text()] == []
 
 
 @pytest.mark.parametrize("ending", ["", "del llm\nimport gc\ngc.collect()\n"])

@@ -1,7 +1,7 @@
 //! `SchedulerOutput` and `UpdateResult` as Python objects. The core's vectors are moved into
 //! numpy arrays (no per-element copy).
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, ToPyArray};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyserve_core::{FinishReason, SchedulerOutput, UpdateResult};
@@ -82,18 +82,11 @@ impl PySchedulerOutput {
 /// `req_ids[i]` got `token_ids[starts[i]:starts[i + 1]]`, both lists), `sampled_index` (int64:
 /// each token's index among the sampled ones), `num_cached_tokens` ({id: n} for requests getting
 /// their first tokens), `finished_req_ids` with `finish_reasons` ("stop", "length", "abort"),
-/// and `fork_ready` (held requests to fork now, then release).
-#[pyclass(name = "UpdateResult", module = "pyserve._core", frozen, get_all)]
+/// and `fork_ready` (held requests to fork now, then release). Each attribute is built when it
+/// is read (a caller pays only for what it reads): read each once.
+#[pyclass(name = "UpdateResult", module = "pyserve._core", frozen)]
 pub struct PyUpdateResult {
-    num_appended: Py<PyArray1<i32>>,
-    req_ids: Py<PyList>,
-    token_ids: Py<PyList>,
-    starts: Py<PyList>,
-    sampled_index: Py<PyArray1<i64>>,
-    num_cached_tokens: Py<PyDict>,
-    finished_req_ids: Py<PyArray1<u64>>,
-    finish_reasons: Vec<&'static str>,
-    fork_ready: Vec<u64>,
+    inner: UpdateResult,
 }
 
 pub fn reason_name(reason: FinishReason) -> &'static str {
@@ -105,31 +98,63 @@ pub fn reason_name(reason: FinishReason) -> &'static str {
 }
 
 impl PyUpdateResult {
-    pub fn new(py: Python<'_>, result: UpdateResult) -> PyResult<Self> {
-        let (ids, reasons): (Vec<u64>, Vec<&'static str>) =
-            result.finished.iter().map(|&(id, r)| (id, reason_name(r))).unzip();
-        let cached = PyDict::new(py);
-        for (id, n) in result.first_outputs {
-            cached.set_item(id, n)?;
-        }
-        let sampled_index: Vec<i64> = result.sampled_index.iter().map(|&i| i as i64).collect();
-        Ok(Self {
-            num_appended: result.num_appended.into_pyarray(py).unbind(),
-            req_ids: PyList::new(py, result.req_ids)?.unbind(),
-            token_ids: PyList::new(py, result.token_ids)?.unbind(),
-            starts: PyList::new(py, result.starts)?.unbind(),
-            sampled_index: sampled_index.into_pyarray(py).unbind(),
-            num_cached_tokens: cached.unbind(),
-            finished_req_ids: ids.into_pyarray(py).unbind(),
-            finish_reasons: reasons,
-            fork_ready: result.fork_ready,
-        })
+    pub fn new(result: UpdateResult) -> Self {
+        Self { inner: result }
     }
 }
 
 #[pymethods]
 impl PyUpdateResult {
+    #[getter]
+    fn num_appended<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        self.inner.num_appended.to_pyarray(py)
+    }
+
+    #[getter]
+    fn req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.inner.req_ids)
+    }
+
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.inner.token_ids)
+    }
+
+    #[getter]
+    fn starts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.inner.starts)
+    }
+
+    #[getter]
+    fn sampled_index<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_iter(py, self.inner.sampled_index.iter().map(|&i| i64::from(i)))
+    }
+
+    #[getter]
+    fn num_cached_tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cached = PyDict::new(py);
+        for &(id, n) in &self.inner.first_outputs {
+            cached.set_item(id, n)?;
+        }
+        Ok(cached)
+    }
+
+    #[getter]
+    fn finished_req_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        PyArray1::from_iter(py, self.inner.finished.iter().map(|&(id, _)| id))
+    }
+
+    #[getter]
+    fn finish_reasons(&self) -> Vec<&'static str> {
+        self.inner.finished.iter().map(|&(_, r)| reason_name(r)).collect()
+    }
+
+    #[getter]
+    fn fork_ready(&self) -> Vec<u64> {
+        self.inner.fork_ready.clone()
+    }
+
     fn __repr__(&self) -> String {
-        format!("UpdateResult(finished={})", self.finish_reasons.len())
+        format!("UpdateResult(finished={})", self.inner.finished.len())
     }
 }

@@ -159,14 +159,13 @@ impl PyScheduler {
     /// scheduled request, in `req_ids` order.
     fn update(
         &mut self,
-        py: Python<'_>,
         sampled_token_ids: &Bound<'_, PyAny>,
         num_sampled: &Bound<'_, PyAny>,
     ) -> PyResult<PyUpdateResult> {
         let sampled = step_values("sampled_token_ids", sampled_token_ids)?;
         let counts = step_values("num_sampled", num_sampled)?;
         let result = self.inner.update(&sampled, &counts).map_err(to_py)?;
-        PyUpdateResult::new(py, result)
+        Ok(PyUpdateResult::new(result))
     }
 
     fn has_unfinished_requests(&self) -> bool {
