@@ -84,3 +84,35 @@ impl SchedulerConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::CoreError;
+
+    fn field_of(config: &SchedulerConfig) -> Option<&'static str> {
+        match config.validate() {
+            Err(CoreError::InvalidConfig { field, .. }) => Some(field),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_each_bad_field_is_named() {
+        let ok = SchedulerConfig::new(64, 16);
+        assert_eq!(field_of(&ok), None);
+        let cases: [(&str, fn(&mut SchedulerConfig)); 6] = [
+            ("num_blocks", |c| c.num_blocks = 1),
+            ("block_size", |c| c.block_size = 12),
+            ("max_num_batched_tokens", |c| c.max_num_batched_tokens = 8),
+            ("max_num_seqs", |c| c.max_num_seqs = 0),
+            ("max_model_len", |c| c.max_model_len = 1),
+            ("num_lookahead_tokens", |c| c.num_lookahead_tokens = 2048),
+        ];
+        for (field, spoil) in cases {
+            let mut c = ok.clone();
+            spoil(&mut c);
+            assert_eq!(field_of(&c), Some(field));
+        }
+    }
+}

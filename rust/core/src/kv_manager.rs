@@ -267,3 +267,51 @@ impl KvCacheManager {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::NewRequest;
+
+    fn request(id: u64, tokens: usize) -> Request {
+        Request::from_new(NewRequest::new(id, (0..tokens as u32).collect()), 8, 0)
+    }
+
+    #[test]
+    fn allocation_failure_changes_nothing_and_free_returns_every_block() {
+        let mut kv = KvCacheManager::new(5, 4, false).unwrap(); // 4 usable blocks
+        let mut copies = Vec::new();
+        let mut a = request(1, 12);
+        assert!(kv.allocate_slots(&mut a, &[], 12, &mut copies));
+        assert_eq!((a.block_table.len(), kv.num_free()), (3, 1));
+        let mut b = request(2, 8);
+        assert!(!kv.allocate_slots(&mut b, &[], 8, &mut copies), "two blocks wanted, one free");
+        assert_eq!((b.block_table.len(), kv.num_free()), (0, 1));
+        kv.free(&mut a);
+        assert_eq!((a.block_table.len(), kv.num_free(), kv.usage()), (0, 4, 0.0));
+        assert!(copies.is_empty());
+    }
+
+    #[test]
+    fn a_fork_shares_blocks_and_its_first_write_copies_the_partial_one() {
+        let mut kv = KvCacheManager::new(9, 4, false).unwrap();
+        let mut copies = Vec::new();
+        let mut parent = request(1, 6);
+        assert!(kv.allocate_slots(&mut parent, &[], 6, &mut copies));
+        parent.num_computed_tokens = 6;
+        let mut child = parent.clone();
+        child.block_table = kv.fork(&parent);
+        parent.forked = true;
+        child.forked = true;
+        assert_eq!(child.block_table, parent.block_table);
+        assert_eq!(kv.ref_count(parent.block_table[1]), 2);
+        // The child writes position 6, in the shared half-full block 1: it gets a copy.
+        assert!(kv.allocate_slots(&mut child, &[], 7, &mut copies));
+        assert_eq!(copies, vec![[parent.block_table[1], child.block_table[1]]]);
+        assert_eq!(child.block_table[0], parent.block_table[0], "the full block stays shared");
+        assert_eq!((kv.ref_count(parent.block_table[0]), kv.ref_count(parent.block_table[1])), (2, 1));
+        kv.free(&mut child);
+        kv.free(&mut parent);
+        assert_eq!(kv.num_free(), 8);
+    }
+}

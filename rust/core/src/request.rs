@@ -173,3 +173,44 @@ impl Request {
         self.status
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(max_tokens: usize, min_tokens: usize, eos: Option<u32>, stop: Vec<u32>) -> Request {
+        let new = NewRequest {
+            min_tokens,
+            eos_token_id: eos,
+            stop_token_ids: stop,
+            ..NewRequest::new(1, vec![5, 6])
+        };
+        Request::from_new(new, max_tokens, 0)
+    }
+
+    #[test]
+    fn a_stop_token_ends_the_request_only_from_min_tokens_on() {
+        let mut r = request(10, 2, Some(9), vec![7]);
+        assert_eq!(r.append_token(9, 100), RequestStatus::Waiting, "EOS before min_tokens is a token");
+        assert_eq!(r.append_token(7, 100), RequestStatus::FinishedStopped);
+        assert_eq!(r.num_output_tokens(), 2);
+    }
+
+    #[test]
+    fn max_tokens_and_the_model_length_end_it_with_length() {
+        let mut r = request(2, 0, None, vec![]);
+        assert_eq!(r.append_token(3, 100), RequestStatus::Waiting);
+        assert_eq!(r.append_token(3, 100), RequestStatus::FinishedLength);
+        let mut r = request(10, 0, None, vec![]);
+        assert_eq!(r.append_token(3, 3), RequestStatus::FinishedLength, "prompt 2 + 1 token reach length 3");
+    }
+
+    #[test]
+    fn a_held_request_may_compute_all_but_its_last_prompt_token() {
+        let mut r = request(4, 0, None, vec![]);
+        r.spec_token_ids = vec![1, 2];
+        assert_eq!(r.compute_limit(), 4);
+        r.hold_for_fork = true;
+        assert_eq!(r.compute_limit(), 1);
+    }
+}

@@ -86,3 +86,25 @@ impl std::ops::IndexMut<Slot> for RequestTable {
         self.get_mut(slot).expect("slot is live")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::NewRequest;
+
+    fn request(id: RequestId) -> Request {
+        Request::from_new(NewRequest::new(id, vec![1]), 1, 0)
+    }
+
+    #[test]
+    fn slots_are_reused_and_ids_follow_them() {
+        let mut t = RequestTable::default();
+        let (a, b) = (t.insert(request(10)), t.insert(request(11)));
+        assert_eq!((a, b, t.len()), (0, 1, 2));
+        assert_eq!(t.remove(a).id, 10);
+        assert!(!t.contains(10) && t.get(a).is_none());
+        let c = t.insert(request(12));
+        assert_eq!((c, t.slot_of(12), t.by_id(12).map(|r| r.id)), (a, Some(a), Some(12)));
+        assert_eq!(t.values().map(|r| r.id).collect::<Vec<_>>().len(), 2);
+    }
+}
