@@ -18,8 +18,7 @@ def can_speculate(req: EngineRequest, num_output: int) -> bool:
     distribution depends on their own output so far (penalties, a min_tokens ban) or that want
     logprobs decode plainly. `num_output`: the request's output tokens so far."""
     p = req.params
-    return (p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and num_output >= p.min_tokens)
+    return p.logprobs is None and not req.needs_output and num_output >= p.min_tokens
 
 
 class Speculator:
