@@ -122,3 +122,30 @@ def lora_add(
     transposed, times the adapter's scaling), all f32 and C-contiguous. Raises ValueError naming
     the argument at fault. With `threads` > 1 the work is spread over the calling thread's OpenMP
     team (torch's libgomp), where one is loaded."""
+
+def linear(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    threads: int = 1,
+) -> None:
+    """out [rows, fan_out] = x [rows, fan_in] @ weight [fan_out, fan_in]^T (+ bias [fan_out]), all
+    f32 and C-contiguous, out overwritten; the weight is streamed once whatever the number of rows,
+    and a row's result has the same bits whatever rows are beside it. Raises ValueError naming the
+    argument at fault. With `threads` > 1 the outputs are spread over the calling thread's OpenMP
+    team (torch's)."""
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
+    C-contiguous. Raises ValueError naming the argument at fault."""
+
+def add_rms_norm(delta: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """residual += delta in place, then out = rms_norm(residual, weight, eps)."""
+
+def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
+    """out [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:]."""
+
+def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotates heads 0..heads of each row of x [rows, width] in place ("rotate half" RoPE), cos
+    and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyserve.model import cpu_ops
 from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
+from pyserve.model.cpu_linear import FEW_ROWS
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -20,6 +22,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_view = None  # a numpy view of the weight, for cpu_ops (set by CausalLM.use_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalized in fp32, scaled in the input's dtype: Hugging Face's Llama op for op, so the
@@ -60,9 +63,17 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        fused: bool = False,
     ) -> torch.Tensor:
+        """`fused`: x is a few fp32 CPU rows and the model uses the CPU kernels (CausalLM.use_cpu_ops)."""
         n, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
+        if self.qkv_proj is not None and not self.qk_norm and fused:  # q and k rotated in place, in one call
+            qkv = self.qkv_proj(x)
+            cpu_ops.rotary_(qkv, h + hkv, d, rope)
+            q = qkv[:, : h * d].view(n, h, d)
+            k = qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
+            v = qkv[:, (h + hkv) * d :].view(n, hkv, d)
+        elif self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
             qkv = self.qkv_proj(x)
             qk = apply_rotary(qkv[:, : (h + hkv) * d].view(n, h + hkv, d), rope)
             q, k = qk[:, :h], qk[:, h:]
@@ -93,7 +104,9 @@ class MLP(nn.Module):
         self.gate_up_proj = _concatenated((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if self.gate_up_proj is not None and fused:
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -122,7 +135,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, rope, x, kv_cache, meta, backend) -> torch.Tensor:
+    def forward(self, rope, x, kv_cache, meta, backend, fused: bool = False) -> torch.Tensor:
+        """`fused`: x is a few fp32 CPU rows of a model that uses the CPU kernels; x is then
+        updated in place (the residual stream) and returned."""
+        if fused:
+            attn_in, post = self.input_layernorm, self.post_attention_layernorm
+            h = cpu_ops.rms_norm(x, attn_in.weight_view, attn_in.eps)
+            h = cpu_ops.add_rms_norm(self.self_attn(rope, h, kv_cache, meta, backend, True), x,
+                                     post.weight_view, post.eps)
+            return x.add_(self.mlp(h, True))
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -145,6 +166,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, dtype, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cpu_ops = False  # set by use_cpu_ops
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -158,9 +180,19 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions)
+        fused = self.cpu_ops and x.shape[0] <= FEW_ROWS
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv, meta, backend)
-        return self.model.norm(x)
+            x = layer(rope, x, kv, meta, backend, fused)
+        norm = self.model.norm
+        return cpu_ops.rms_norm(x, norm.weight_view, norm.eps) if fused else norm(x)
+
+    def use_cpu_ops(self) -> None:
+        """Steps of up to FEW_ROWS tokens run their norms, residual adds, activation and (with
+        fused q/k/v) rotary embedding through cpu_ops; for fp32 on the CPU only."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight_view = cpu_ops.weight_view(m.weight)
+        self.cpu_ops = True
 
     def fuse_projections(self) -> None:
         """Fused q/k/v and gate/up projections in every layer, for a model that serves no LoRA."""

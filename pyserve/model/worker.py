@@ -20,7 +20,7 @@ from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
-from pyserve.model.packed_linear import can_pack, pack_linears
+from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
@@ -84,8 +84,9 @@ class ModelWorker:
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:
             self.model.fuse_projections()
-        if can_pack(self.device, self.dtype):
-            pack_linears(self.model)  # after LoRA wrapped its base projections: those get packed too
+        if can_use(self.device, self.dtype):
+            use_cpu_linears(self.model)  # after LoRA wrapped its base projections: those are replaced too
+            self.model.use_cpu_ops()
         self.max_lora_rank = max_lora_rank
         self.proposer: ModelProposer | None = None
         if draft_model is not None:

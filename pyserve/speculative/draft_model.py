@@ -20,7 +20,7 @@ from pyserve.model.attention import AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
-from pyserve.model.packed_linear import can_pack, pack_linears
+from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.proposer import ProposalBatch
 
@@ -33,8 +33,9 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.model.fuse_projections()  # the draft serves no LoRA
-        if can_pack(device, dtype):
-            pack_linears(self.model)
+        if can_use(device, dtype):
+            use_cpu_linears(self.model)
+            self.model.use_cpu_ops()
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
         self.backend = backend
         self.sampler = sampler

@@ -1,11 +1,17 @@
 //! CPU kernels pyserve runs between torch ops, with AVX2 and FMA where the CPU has them, on the
 //! calling thread or on threads the caller lends (`ForkJoin`):
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
-//! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass.
+//! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
+//! - `linear`: a linear layer over a few rows, its weights streamed once;
+//! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding.
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
+mod layer_ops;
+mod linear;
+#[cfg(target_arch = "x86_64")]
+mod linear_avx2;
 mod lora;
 #[cfg(target_arch = "x86_64")]
 mod lora_avx2;
@@ -13,5 +19,7 @@ mod parallel;
 mod vector;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
+pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
+pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};

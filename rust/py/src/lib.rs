@@ -6,6 +6,8 @@ use pyo3::prelude::*;
 mod arrays;
 mod attention;
 mod error;
+mod layer_ops;
+mod linear;
 mod lora;
 mod openmp;
 mod output;
@@ -19,5 +21,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PyUpdateResult>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(lora::lora_add, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::linear, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_ops::silu_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_ops::rotary, m)?)?;
     Ok(())
 }

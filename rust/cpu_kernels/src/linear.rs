@@ -1,0 +1,202 @@
+//! Linear layers over a few rows (decode steps, draft verification): `y[r] = W x[r] + bias`.
+//!
+//! `W` is row-major `[fan_out, fan_in]`, as checkpoints store it, and is read from memory once
+//! per call whatever the number of rows: each tile of weight rows, once loaded, serves every row
+//! of `x` from cache. At a few rows a linear layer is a stream of its weights, and BLAS libraries
+//! reach a third of a CPU's read bandwidth there (they pack the weights on every call); this
+//! kernel reads them as they lie.
+//!
+//! Every output is one dot product summed in the same order whatever the number of rows, the
+//! tile it falls in or the thread that computes it, so a row's result does not depend on the
+//! rows beside it: a draft verified with other tokens gets the bits a lone decode step would.
+//!
+//! Layouts (row-major, f32): `x [rows, fan_in]`, `bias [fan_out]`, `y [rows, fan_out]`.
+
+use std::ops::Range;
+
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+use crate::vector::dot;
+
+/// Weight rows a tile holds: each load of an input vector serves this many outputs.
+pub(crate) const TILE_OUTPUTS: usize = 4;
+
+/// One linear layer's parameters.
+pub struct LinearWeights<'a> {
+    pub weight: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+    pub fan_in: usize,
+    pub fan_out: usize,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct LinearError(String);
+
+/// `y = x W^T + bias` on the calling thread.
+pub fn linear(x: &[f32], weights: &LinearWeights<'_>, y: &mut [f32]) -> Result<(), LinearError> {
+    linear_on(&OnCallingThread, x, weights, y)
+}
+
+/// `linear` with the outputs spread over the threads of `pool` (`PARTS_PER_THREAD` ranges of
+/// outputs per thread). The result is the same bits as on one thread.
+pub fn linear_on(
+    pool: &dyn ForkJoin,
+    x: &[f32],
+    weights: &LinearWeights<'_>,
+    y: &mut [f32],
+) -> Result<(), LinearError> {
+    let rows = check(x, weights, y)?;
+    let n = weights.fan_out;
+    let tiles = n.div_ceil(TILE_OUTPUTS);
+    let work = rows * weights.fan_in * n;
+    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
+    let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
+    let run = |tiles: Range<usize>| {
+        let outputs = tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
+        run_outputs(x, rows, weights, outputs, &out)
+    };
+    if parts <= 1 {
+        run(0..tiles);
+    } else {
+        pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
+    }
+    Ok(())
+}
+
+fn check(x: &[f32], w: &LinearWeights<'_>, y: &[f32]) -> Result<usize, LinearError> {
+    let (k, n) = (w.fan_in, w.fan_out);
+    if k == 0 || w.weight.len() != n * k {
+        return Err(LinearError(format!("weight: {} values for [fan_out {n}, fan_in {k}]", w.weight.len())));
+    }
+    if let Some(b) = w.bias.filter(|b| b.len() != n) {
+        return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
+    }
+    if x.len() % k != 0 {
+        return Err(LinearError(format!("x: {} values is not a whole number of rows of {k}", x.len())));
+    }
+    let rows = x.len() / k;
+    if y.len() != rows * n {
+        return Err(LinearError(format!("y: {} values for [rows {rows}, fan_out {n}]", y.len())));
+    }
+    Ok(rows)
+}
+
+/// The outputs of the rows of `y`, written by several threads at once, each only the columns of
+/// its own range of outputs.
+pub(crate) struct SharedOutputs {
+    pub ptr: *mut f32,
+    pub len: usize,
+}
+
+// SAFETY: the threads sharing it write disjoint elements (see above).
+unsafe impl Sync for SharedOutputs {}
+
+impl SharedOutputs {
+    /// Sets element `i`. Safety: no other thread writes element `i`.
+    #[inline(always)]
+    pub(crate) unsafe fn set(&self, i: usize, value: f32) {
+        assert!(i < self.len);
+        *self.ptr.add(i) = value;
+    }
+}
+
+/// Columns `outputs` of every row, on the calling thread.
+fn run_outputs(x: &[f32], rows: usize, w: &LinearWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::avx2_fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA; `check` validated every length the AVX2 half reads.
+        return unsafe { crate::linear_avx2::run_outputs(x, rows, w, outputs, y) };
+    }
+    let k = w.fan_in;
+    for o in outputs {
+        let w_row = &w.weight[o * k..][..k];
+        for r in 0..rows {
+            let mut s = dot(w_row, &x[r * k..][..k]);
+            if let Some(b) = w.bias {
+                s += b[o];
+            }
+            // SAFETY: this call's range of outputs is its own.
+            unsafe { y.set(r * w.fan_out + o, s) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TwoParts;
+    impl ForkJoin for TwoParts {
+        fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+            (0..parts).rev().for_each(task);
+        }
+        fn threads(&self) -> usize {
+            2
+        }
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], w: &[f32], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f64> {
+        let rows = x.len() / k;
+        let mut y = vec![0.0f64; rows * n];
+        for r in 0..rows {
+            for o in 0..n {
+                let s: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[o * k + i] as f64).sum();
+                y[r * n + o] = s + bias.map_or(0.0, |b| b[o] as f64);
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matches_a_float64_reference_for_odd_shapes() {
+        for (rows, k, n) in [(1, 8, 4), (3, 37, 9), (2, 256, 130), (5, 100, 7)] {
+            let (x, w, b) = (values(rows * k, 1), values(n * k, 2), values(n, 3));
+            for bias in [None, Some(b.as_slice())] {
+                let mut y = vec![f32::NAN; rows * n];
+                linear(&x, &LinearWeights { weight: &w, bias, fan_in: k, fan_out: n }, &mut y).unwrap();
+                for (got, want) in y.iter().zip(reference(&x, &w, bias, k, n)) {
+                    assert!((*got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
+        let (k, n) = (300, 1030);
+        let (x, w) = (values(7 * k, 4), values(n * k, 5));
+        let weights = LinearWeights { weight: &w, bias: None, fan_in: k, fan_out: n };
+        let mut all = vec![0.0; 7 * n];
+        linear_on(&TwoParts, &x, &weights, &mut all).unwrap();
+        for r in 0..7 {
+            let mut one = vec![0.0; n];
+            linear(&x[r * k..][..k], &weights, &mut one).unwrap();
+            assert_eq!(one, all[r * n..][..n], "row {r}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors_naming_the_argument() {
+        let w = vec![0.0; 12];
+        let ok = LinearWeights { weight: &w, bias: None, fan_in: 4, fan_out: 3 };
+        let err = |x: &[f32], w: &LinearWeights<'_>, y: &mut [f32]| linear(x, w, y).unwrap_err().to_string();
+        assert!(err(&[0.0; 5], &ok, &mut [0.0; 3]).starts_with("x:"));
+        assert!(err(&[0.0; 4], &ok, &mut [0.0; 4]).starts_with("y:"));
+        let bad_bias = LinearWeights { bias: Some(&[0.0; 2]), ..ok };
+        assert!(err(&[0.0; 4], &bad_bias, &mut [0.0; 3]).starts_with("bias:"));
+        let bad_weight = LinearWeights { weight: &w[..11], bias: None, fan_in: 4, fan_out: 3 };
+        assert!(err(&[0.0; 4], &bad_weight, &mut [0.0; 3]).starts_with("weight:"));
+    }
+}

@@ -1,0 +1,44 @@
+//! `linear`: the CPU few-rows linear kernel of `pyserve-cpu-kernels` over numpy views of the
+//! step's tensors (no copies), with the GIL released while it runs.
+
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyserve_cpu_kernels::{linear_on, LinearWeights};
+
+use crate::arrays::{contiguous, contiguous_mut};
+use crate::openmp;
+
+/// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ weight [fan_out, fan_in] f32 ^T (+ bias
+/// [fan_out] f32), overwritten. ValueError names the argument at fault. With `threads` > 1 the
+/// outputs are spread over the calling thread's OpenMP team (torch's), where one is loaded.
+#[pyfunction]
+#[pyo3(signature = (x, weight, bias, out, threads=1))]
+pub fn linear(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArray2<'_, f32>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    let (fan_out, fan_in) = (weight.shape()[0], weight.shape()[1]);
+    if x.shape()[1] != fan_in || out.shape() != [x.shape()[0], fan_out] {
+        return Err(PyValueError::new_err(format!(
+            "x and out: shapes {:?} and {:?} must be [rows, {fan_in}] and [rows, {fan_out}] for weight {:?}",
+            x.shape(),
+            out.shape(),
+            weight.shape()
+        )));
+    }
+    let weights = LinearWeights {
+        weight: contiguous("weight", &weight)?,
+        bias: bias.as_ref().map(|b| contiguous("bias", b)).transpose()?,
+        fan_in,
+        fan_out,
+    };
+    let x = contiguous("x", &x)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| openmp::on_team(threads, |pool| linear_on(pool, x, &weights, out)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}

@@ -1,0 +1,93 @@
+"""The CPU kernels of the decoder's small ops against their torch references (decoder.py,
+rope.py), and a whole model on the CPU kernels against the same model on torch ops alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyserve.model import cpu_ops
+from pyserve.model.attention import AttentionMetadata, make_backend
+from pyserve.model.config import ModelConfig, RopeConfig
+from pyserve.model.cpu_linear import use_cpu_linears
+from pyserve.model.decoder import RMSNorm
+from pyserve.model.kv_cache import allocate_kv_cache
+from pyserve.model.loader import load_model
+from pyserve.model.rope import RotaryEmbedding, apply_rotary
+from pyserve.testing import build_model
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_and_its_residual_add_match_the_reference(rows):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96)
+    x, delta = torch.randn(rows, 96), torch.randn(rows, 96)
+    with torch.no_grad():
+        want = norm(x)
+        torch.testing.assert_close(cpu_ops.rms_norm(x, cpu_ops.weight_view(norm.weight), 1e-6), want,
+                                   rtol=1e-5, atol=1e-6)
+        residual = x - delta
+        got = cpu_ops.add_rms_norm(delta, residual, cpu_ops.weight_view(norm.weight), 1e-6)
+    torch.testing.assert_close(residual, x, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_matches_torch():
+    torch.manual_seed(1)
+    gate_up = torch.randn(3, 2 * 40) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_has_the_bits_of_apply_rotary_and_leaves_v_alone():
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), 16, 64, torch.float32)
+    positions = torch.tensor([0, 7, 63])
+    tables = rope.tables(positions)
+    qkv = torch.randn(3, (4 + 2 + 2) * 16)
+    want = apply_rotary(qkv[:, : 6 * 16].view(3, 6, 16), tables).reshape(3, -1)
+    v = qkv[:, 6 * 16 :].clone()
+    cpu_ops.rotary_(qkv, 6, 16, tables)
+    assert torch.equal(qkv[:, : 6 * 16], want)
+    assert torch.equal(qkv[:, 6 * 16 :], v)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
+    model_dir = build_model(tmp_path, arch)
+    cfg = ModelConfig.from_dir(model_dir)
+
+    def load(kernels: bool):
+        model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64)
+        model.fuse_projections()
+        if kernels:
+            use_cpu_linears(model)
+            model.use_cpu_ops()
+        return model
+
+    reference, fast = load(False), load(True)
+    backend = make_backend("torch")
+    block_size, prompt = 4, [5, 17, 3, 99, 42, 8, 250, 11, 64]
+    tokens = {False: list(prompt), True: list(prompt)}
+    caches = {False: allocate_kv_cache(cfg, 8, block_size, torch.float32, torch.device("cpu")),
+              True: allocate_kv_cache(cfg, 8, block_size, torch.float32, torch.device("cpu"))}
+    table = np.arange(8, dtype=np.int32)[None]
+    start = 0
+    with torch.inference_mode():
+        for _ in range(6):  # the prompt (9 rows), then one-row decode steps
+            hidden = {}
+            for kernels, model in ((False, reference), (True, fast)):
+                ids = tokens[kernels][start:]
+                n, end = len(ids), len(tokens[kernels])
+                meta = AttentionMetadata.build(np.arange(start, end, dtype=np.int64), table,
+                                               np.array([end], np.int32), np.array([0, n], np.int32),
+                                               torch.device("cpu"))
+                h = model(torch.tensor(ids), torch.arange(start, end), caches[kernels], meta, backend)
+                hidden[kernels] = model.compute_logits(h[-1:])
+                tokens[kernels].append(int(hidden[kernels].argmax()))
+            torch.testing.assert_close(hidden[True], hidden[False], rtol=1e-4, atol=1e-4)
+            start = len(tokens[False]) - 1
+    assert tokens[True] == tokens[False]
