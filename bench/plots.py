@@ -6,6 +6,8 @@
                                  2000-token system prompt and with the cache off
   spec_speedup_vs_batch.png      spec_decode.json: speculative / plain throughput against batch
                                  size, n-gram and draft model
+  decode_vs_batch.png            batch1_decode.json (run with --sweep): decode tokens/s of the
+                                 25M model against batch size
 
 A plot whose JSON is missing is skipped (and said so). Usage: python bench/plots.py [RESULTS] [--out DIR]
 """
@@ -78,6 +80,20 @@ def spec_speedup_vs_batch(report: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def decode_vs_batch(report: dict, path: Path) -> None:
+    sweep = report["models"]["25m"]["sweep"]
+    batch = [int(b) for b in sweep]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(batch, list(sweep.values()), "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch, [str(b) for b in batch])
+    ax.set_xlabel("requests decoding at once")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"greedy decode, 25M Llama, fp32 CPU, {report['tokens']} tokens each")
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -89,6 +105,7 @@ PLOTS = [
     ("concurrency.json", throughput_vs_concurrency, "throughput_vs_concurrency.png"),
     ("prefix_cache.json", ttft_prefix_cache, "ttft_prefix_cache.png"),
     ("spec_decode.json", spec_speedup_vs_batch, "spec_speedup_vs_batch.png"),
+    ("batch1_decode.json", decode_vs_batch, "decode_vs_batch.png"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""bench/plots.py draws the README's three plots from results JSON, and skips a missing one."""
+"""bench/plots.py draws the README's plots from results JSON, and skips a missing one."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ SPEC = {"results": {name: {"requests": n, "batch": b, "ngram_ratio": r, "draft_r
                     for name, n, b, r in (("code", 8, 1, 1.4), ("batch4", 4, 4, 1.2), ("batch16", 16, 16, 1.05),
                                           ("batch64", 64, 64, 1.0))}}
 
+DECODE = {"tokens": 64, "models": {"25m": {"sweep": {"1": 150.0, "2": 280.0, "4": 500.0}}}}
+
 
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
@@ -28,13 +30,14 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_plots_are_drawn_from_results_json(tmp_path):
-    for name, report in (("concurrency.json", CONCURRENCY), ("prefix_cache.json", PREFIX), ("spec_decode.json", SPEC)):
+    for name, report in (("concurrency.json", CONCURRENCY), ("prefix_cache.json", PREFIX), ("spec_decode.json", SPEC),
+                         ("batch1_decode.json", DECODE)):
         (tmp_path / name).write_text(json.dumps(report))
     written = plots.main([str(tmp_path), "--out", str(tmp_path / "png")])
     assert [p.name for p in written] == [
-        "throughput_vs_concurrency.png", "ttft_prefix_cache.png", "spec_speedup_vs_batch.png"]
+        "throughput_vs_concurrency.png", "ttft_prefix_cache.png", "spec_speedup_vs_batch.png", "decode_vs_batch.png"]
     assert png_size(written[0]) == (600, 600)  # 6 x 6 inches at 100 dpi
-    assert png_size(written[1]) == png_size(written[2]) == (600, 400)
+    assert png_size(written[1]) == png_size(written[2]) == png_size(written[3]) == (600, 400)
 
 
 def test_a_plot_without_its_json_is_skipped(tmp_path, capsys):
