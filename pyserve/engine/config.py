@@ -32,7 +32,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}', type=str)
     max_inter_token_latency: float | None = option(  # 0 or None = off
-        0.1, "seconds: while streams decode, a prompt is computed in chunks sized from the measured cost of a step "
+        0.125, "seconds: while streams decode, a prompt is computed in chunks sized from the measured cost of a step "
         "so that each step's forward stays under this (0 = off: chunks of max-num-batched-tokens)", type=float)
     watchdog_timeout: float | None = option(  # None = off
         60.0, "seconds with requests held but no step completed before the engine is stalled and /health fails "

@@ -1,18 +1,21 @@
 """The token budget of each step, chosen so that running streams keep an inter-token target.
 
-A step's cost is modelled as a line in the tokens it schedules, seconds = a + b * tokens, fitted
-to the worker's measured seconds per step. Steps of very different sizes must all keep their say
-in the slope: in a plain exponentially weighted fit (like the speculative DepthController's, whose
-steps vary little), a stream's long run of one-token steps would soon drown the few prompt steps
-that measure the slope. So observations are kept per power-of-two bucket of token counts, each an
-exponentially weighted mean of (tokens, seconds), and the line is the least-squares fit through
-the bucket means, one point per bucket.
+A step's cost is a curve in the tokens it schedules, fitted to the worker's measured seconds per
+step. Observations are kept per power-of-two bucket of token counts, each an exponentially
+weighted mean of (tokens, seconds), so steps of every size keep their say: in one exponentially
+weighted line (like the speculative DepthController's, whose steps vary little) a stream's long
+run of one-token steps would soon drown the few prompt steps that measure the slope. The curve is
+piecewise linear through the bucket means (made non-decreasing) and goes on past the largest
+with the slope of its last segment. On a CPU a step's cost is far from one line (a fixed cost
+per step, cheaper tokens in mid-sized steps, dearer ones in long prompts), so the budget is read
+off the curve where it crosses the target, between the two sizes measured nearest to it; steps
+taken there refine exactly that stretch.
 
-The budget of the next step is the token count whose predicted forward takes the target,
-(target - a) / b, within [0, max_tokens]. The scheduler gives the decodes their tokens first and
-prompts the rest (at least a block), and ignores the budget while nothing decodes, so a lone
-prompt is never slowed. Before two buckets have data there is no budget (None: the fixed
-max_num_batched_tokens). No torch here: the EngineCore calls it around each step.
+The budget of the next step is the token count whose predicted forward takes the target, within
+[0, max_tokens]. The scheduler gives the decodes their tokens first and prompts the rest (at
+least a block), and ignores the budget while nothing decodes, so a lone prompt is never slowed.
+Before two buckets have data there is no budget (None: the fixed max_num_batched_tokens). No
+torch here: the EngineCore calls it around each step.
 """
 
 from __future__ import annotations
@@ -39,24 +42,19 @@ class StepBudget:
         bucket[1] = DECAY * bucket[1] + num_tokens
         bucket[2] = DECAY * bucket[2] + seconds
 
-    def cost(self) -> tuple[float, float] | None:
-        """(a, b) of seconds = a + b * tokens, a >= 0; None before two buckets have data or while
-        the fitted slope is not positive."""
-        points = [(tokens / w, seconds / w) for w, tokens, seconds in self.buckets.values()]
-        if len(points) < 2:
-            return None
-        mx = sum(x for x, _ in points) / len(points)
-        my = sum(y for _, y in points) / len(points)
-        covariance = sum((x - mx) * (y - my) for x, y in points)
-        if covariance <= 0:
-            return None
-        b = covariance / sum((x - mx) ** 2 for x, _ in points)
-        return max(0.0, my - b * mx), b
-
     def next_budget(self) -> int | None:
         """Tokens for the next step (decodes and prompts together), or None (no fit yet)."""
-        fit = self.cost()
-        if fit is None:
+        points = sorted((tokens / w, seconds / w) for w, tokens, seconds in self.buckets.values())
+        if len(points) < 2:
             return None
-        a, b = fit
-        return round(min(self.max_tokens, max(0.0, (self.target - a) / b)))
+        curve, top = [], 0.0
+        for x, y in points:
+            top = max(top, y)
+            curve.append((x, top))
+        if curve[0][1] >= self.target:
+            return 0
+        segments = list(zip(curve, curve[1:]))
+        (x0, y0), (x1, y1) = next(((p, q) for p, q in segments if q[1] > self.target), segments[-1])
+        if y1 <= y0:  # past the largest size measured, a cost that does not grow
+            return self.max_tokens
+        return round(min(self.max_tokens, x0 + (self.target - y0) * (x1 - x0) / (y1 - y0)))
