@@ -18,6 +18,7 @@ from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.request import Abort, Add, EngineRequest
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.watchdog import Watchdog
 from pyserve.engine.worker_call import worker_call
 from pyserve.lora.request import LoRARequest
@@ -107,7 +108,10 @@ class AsyncEngine:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
                         if spec.method == "ngram" else WorkerProposer(self.worker, call_worker))
             speculator = Speculator(spec, self.scheduler, proposer)
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker)
+        target = config.max_inter_token_latency
+        step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker,
+                                      step_budget)
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ class EngineConfig:
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}', type=str)
+    max_inter_token_latency: float | None = option(  # 0 or None = off
+        0.125, "seconds: while streams decode, a prompt is computed in chunks sized from the measured cost of a step "
+        "so that each step's forward stays under this (0 = off: chunks of max-num-batched-tokens)", type=float)
     watchdog_timeout: float | None = option(  # None = off
         60.0, "seconds with requests held but no step completed before the engine is stalled and /health fails "
         "(0 = off)", type=float)
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.max_inter_token_latency is not None and not 0 <= self.max_inter_token_latency < math.inf:
+            raise ValueError(f"max_inter_token_latency must be >= 0 seconds or None, got {self.max_inter_token_latency}")
         if self.watchdog_timeout is not None and not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be positive or None, got {self.watchdog_timeout}")
         if self.max_loras < 0 or self.max_lora_rank < 1:

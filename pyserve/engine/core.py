@@ -1,6 +1,7 @@
 """EngineCore: the step loop, the one owner of the Rust scheduler.
 
-Each turn: drain the inbox (adds, aborts), `schedule`, run the model worker, `update` the
+Each turn: drain the inbox (adds, aborts), `schedule` (within the StepBudget's token budget,
+fitted to the measured seconds of the worker's steps), run the model worker, `update` the
 scheduler with the sampled tokens, and send the step's output, as `update` returned it, to the
 OutputProcessor. The scheduler holds every request's tokens; this actor keeps only what the
 scheduler does not know (sampling parameters, samples waiting to fork). It never touches tensors.
@@ -17,6 +18,7 @@ import structlog
 from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
+from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.worker_call import WorkerCall, worker_call
 from pyserve.speculative.speculator import speculation_stats
 
@@ -27,9 +29,10 @@ NO_TOKENS = np.empty(0, dtype=np.int64)
 
 class EngineCore(Actor):
     def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None,
-                 call_worker: WorkerCall = worker_call(on_loop=False)):
+                 call_worker: WorkerCall = worker_call(on_loop=False), step_budget: StepBudget | None = None):
         super().__init__("engine_core")
         self.call_worker = call_worker
+        self.step_budget = step_budget  # None: every step may take max_num_batched_tokens
         self.speculator = speculator
         self.scheduler = scheduler
         self.worker = worker
@@ -60,7 +63,7 @@ class EngineCore(Actor):
         return now - self.last_progress
 
     async def step(self) -> None:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(None if self.step_budget is None else self.step_budget.next_budget())
         if out.num_reqs == 0:
             ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
             if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
@@ -89,6 +92,8 @@ class EngineCore(Actor):
         result = await self.call_worker(self.worker.execute, out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         self.last_progress = time.monotonic()
+        if self.step_budget is not None:
+            self.step_budget.observe(int(out.total_num_tokens), seconds)
         num_sampled = np.zeros(out.num_reqs, dtype=np.int64)
         num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)

@@ -1,5 +1,5 @@
-"""The Rust scheduler through its Python bindings: arrays, errors, a full request lifecycle,
-speculative drafts and n-gram lookup."""
+"""The Rust scheduler through its Python bindings: arrays, errors, a full request lifecycle, a step
+token budget, speculative drafts and n-gram lookup."""
 
 import numpy as np
 import pytest
@@ -105,6 +105,17 @@ def test_speculative_drafts_are_verified_and_rolled_back():
     state = s.request_state(1)
     assert state["token_ids"] == [1, 2, 3, 4, 5, 9]
     assert state["num_computed_tokens"] == 5
+
+
+def test_a_token_budget_holds_prompt_chunks_while_a_request_decodes():
+    s = make(max_num_batched_tokens=64)
+    s.add_request(1, [1, 2, 3, 4], max_tokens=8)
+    assert s.schedule(token_budget=2).num_scheduled_tokens.tolist() == [4]  # nothing decodes: the whole step
+    s.update([9], [1])
+    s.add_request(2, list(range(5, 35)), max_tokens=2)
+    assert s.schedule(token_budget=10).num_scheduled_tokens.tolist() == [1, 9]
+    s.update([9], [1, 0])  # the prompt's chunk samples nothing
+    assert s.schedule().num_scheduled_tokens.tolist() == [1, 21]  # no budget: max_num_batched_tokens
 
 
 def test_ngram_lookup_in_the_scheduler():

@@ -34,7 +34,7 @@ def test_serve_flags_default_to_the_config_defaults():
     engine, settings = _defaults(EngineConfig), _defaults(ServerSettings)
     for name in ("device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank", "seed",
-                 "speculative_config", "watchdog_timeout"):
+                 "speculative_config", "max_inter_token_latency", "watchdog_timeout"):
         assert getattr(args, name) == engine[name], name
     for name in ("api_key", "max_waiting", "max_body_bytes", "public_metrics", "lora_root", "stream_timeout",
                  "max_stream_buffer", "trust_request_chat_template", "chat_template_timeout"):
@@ -46,6 +46,18 @@ def test_flags_set_the_fields_they_name():
                                       "--stream-timeout", "5", "--trust-request-chat-template"])
     assert (args.enable_prefix_caching, args.max_loras, args.api_key) == (False, 2, "k")
     assert (args.stream_timeout, args.trust_request_chat_template) == (5.0, True)
+
+
+def test_the_latency_target_flag_reads_seconds_and_zero_turns_it_off():
+    args = build_parser().parse_args(["serve", "--max-inter-token-latency", "0.25"])
+    assert args.max_inter_token_latency == 0.25
+    assert EngineConfig(model="m", max_inter_token_latency=0.0).max_inter_token_latency == 0.0  # off
+
+
+@pytest.mark.parametrize("value", [-0.1, float("inf"), float("nan")])
+def test_a_bad_latency_target_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="max_inter_token_latency"):
+        EngineConfig(model="m", max_inter_token_latency=value)
 
 
 def test_llm_refuses_a_keyword_that_is_no_config_field():

@@ -1,8 +1,14 @@
-"""EngineCore: n > 1 requests compute their prompt once and their samples fork from it (copy-on-write)."""
+"""EngineCore: n > 1 requests compute their prompt once and their samples fork from it (copy-on-write);
+a prompt arriving while a stream decodes is computed in chunks of the step budget."""
 
 from __future__ import annotations
 
+import pytest
+
 from pyserve import LLM, SamplingParams
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.config import EngineConfig
+from pyserve.engine.step_budget import StepBudget
 
 
 def _count_computed_tokens(llm: LLM) -> list[int]:
@@ -48,3 +54,53 @@ def test_greedy_samples_of_one_request_are_identical_and_free_everything(llama_d
         stats = llm.stats()
         assert (stats["kv_cache_usage_perc"], stats["num_requests_running"]) == (0.0, 0)
         assert stats["kv_free_blocks"] == 63
+
+
+class KnownCost(StepBudget):
+    """Observes a known cost instead of the clock, seconds = 0.01 + 0.001 * tokens: with a target
+    of 0.05 s every step the stream decodes in holds 40 tokens."""
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        super().observe(num_tokens, 0.01 + 0.001 * num_tokens)
+
+
+async def _newcomer_chunks(llama_dir, max_inter_token_latency: float) -> list[int]:
+    """The tokens per step of a 200-token prompt that arrives while a stream decodes."""
+    engine = AsyncEngine(EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=256,
+                                      max_inter_token_latency=max_inter_token_latency))
+    if engine.engine_core.step_budget is not None:
+        engine.engine_core.step_budget = KnownCost(max_inter_token_latency, engine.config.max_num_batched_tokens)
+    steps: list[dict[int, int]] = []
+    execute = engine.worker.execute
+
+    def recording(out, rows, adapter_ids=None):
+        steps.append(dict(zip(out.req_ids.tolist(), out.num_scheduled_tokens.tolist())))
+        return execute(out, rows, adapter_ids)
+
+    engine.worker.execute = recording
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        stream = await engine.add_request("stream", list(range(3, 11)), params)
+        for _ in range(2):  # its prompt step and a decode step: the cost has two sizes to fit
+            await stream.deltas.get()
+        newcomer = await engine.add_request("newcomer", list(range(50, 250)),
+                                            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        await newcomer.done.wait()
+        await stream.done.wait()
+    finally:
+        await engine.stop()
+    stream_id, newcomer_id = stream.internal_ids[0], newcomer.internal_ids[0]
+    assert all(s.get(stream_id) == 1 for s in steps if newcomer_id in s), "the stream decodes at every step"
+    return [s[newcomer_id] for s in steps if newcomer_id in s]
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_arriving_during_a_stream_is_chunked_to_the_step_budget(llama_dir):
+    # 40 tokens a step: the stream's decode token, then 39 of the prompt; then its first decode.
+    assert await _newcomer_chunks(llama_dir, 0.05) == [39, 39, 39, 39, 39, 5, 1]
+
+
+@pytest.mark.asyncio
+async def test_without_a_latency_target_the_prompt_takes_the_whole_step(llama_dir):
+    assert await _newcomer_chunks(llama_dir, 0.0) == [200, 1]

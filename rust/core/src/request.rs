@@ -152,6 +152,13 @@ impl Request {
         }
     }
 
+    /// Caught up with its tokens after producing output: a step computes only its last token
+    /// and its drafts.
+    pub(crate) fn is_decoding(&self) -> bool {
+        self.num_output_tokens() > 0
+            && self.compute_limit().saturating_sub(self.num_computed_tokens) <= 1 + self.spec_token_ids.len()
+    }
+
     /// Queue key: lower sorts first.
     pub(crate) fn key(&self) -> (i32, i64) {
         (self.priority, self.order)

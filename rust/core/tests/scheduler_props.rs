@@ -1,10 +1,11 @@
 //! Property tests: random add / step / abort / fork sequences against the fake model.
 //!
 //! Invariants checked on every step (by the driver): the token budget, `max_num_seqs` and
-//! `max_loras` hold; every KV context read back through the block tables is exactly the request's
-//! tokens; refcounts equal block-table entries and every block is free, cached or referenced.
-//! At the end: each request that was not aborted produced exactly the greedy reference output
-//! (so caching, preemption, chunking and speculation never change outputs), and no block leaked.
+//! `max_loras` hold, and a step budget caps prompt tokens while requests decode; every KV
+//! context read back through the block tables is exactly the request's tokens; refcounts equal
+//! block-table entries and every block is free, cached or referenced. At the end: each request
+//! that was not aborted produced exactly the greedy reference output (so caching, preemption,
+//! chunking, step budgets and speculation never change outputs), and no block leaked.
 
 mod common;
 
@@ -23,7 +24,8 @@ enum Op {
         adapter: u32,
         eos: bool,
     },
-    Step,
+    /// One step, with this token budget.
+    Step(Option<usize>),
     Abort(usize),
     Fork(usize),
 }
@@ -34,7 +36,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(prefix, prefix_len, tail, max_tokens, priority, adapter, eos)| Op::Add {
                 prefix, prefix_len, tail, max_tokens, priority, adapter, eos,
             }),
-        6 => Just(Op::Step),
+        6 => prop::option::of(0..40usize).prop_map(Op::Step),
         1 => (0..64usize).prop_map(Op::Abort),
         1 => (0..64usize).prop_map(Op::Fork),
     ]
@@ -99,8 +101,9 @@ fn run(config: SchedulerConfig, ops: &[Op], good_drafts: usize) -> Result<Driver
                 }
                 next_id += 1;
             }
-            Op::Step => {
+            Op::Step(budget) => {
                 if d.sched.has_unfinished_requests() {
+                    d.token_budget = *budget;
                     d.step(draft);
                 }
             }
@@ -159,7 +162,7 @@ proptest! {
         ops in prop::collection::vec(op(), 1..40),
     ) {
         // Which request an abort or fork picks depends on timing, so both are left out here.
-        let ops: Vec<Op> = ops.into_iter().filter(|o| matches!(o, Op::Add { .. } | Op::Step)).collect();
+        let ops: Vec<Op> = ops.into_iter().filter(|o| matches!(o, Op::Add { .. } | Op::Step(_))).collect();
         let mut roomy = config.clone();
         roomy.num_blocks = 512;
         roomy.enable_prefix_caching = false;

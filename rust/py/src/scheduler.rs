@@ -150,8 +150,11 @@ impl PyScheduler {
         Ok(self.inner.propose_ngram(request_id, k, min_n, max_n).map_err(to_py)?.to_vec())
     }
 
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let out = self.inner.schedule().map_err(to_py)?;
+    /// One step; while requests decode, prompts share what the decodes leave of `token_budget`
+    /// (at least `block_size`), never more than `max_num_batched_tokens` in all.
+    #[pyo3(signature = (token_budget=None))]
+    fn schedule(&mut self, py: Python<'_>, token_budget: Option<usize>) -> PyResult<PySchedulerOutput> {
+        let out = self.inner.schedule_with_budget(token_budget).map_err(to_py)?;
         PySchedulerOutput::new(py, out)
     }
 

@@ -10,17 +10,28 @@ use crate::request::RequestStatus;
 use crate::request_table::Slot;
 
 impl Scheduler {
-    /// Decides one step. Call [`Self::update`] with its results before the next `schedule`
-    /// (with empty arrays when nothing was scheduled).
+    /// Decides one step within `max_num_batched_tokens`. Call [`Self::update`] with its results
+    /// before the next `schedule` (with empty arrays when nothing was scheduled).
     ///
     /// NOTE: drop the state of `finished_req_ids` before setting up the scheduled requests: an
     /// aborted id may be reused by a new request in the same step.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        self.schedule_with_budget(None)
+    }
+
+    /// [`Self::schedule`], with the step held to about `token_budget` tokens while requests
+    /// decode: decoding requests (caught up, with output: their last token and drafts) are
+    /// scheduled as before, and requests computing a prompt share what the decodes leave of the
+    /// budget, at least `block_size` tokens so that they always progress. With no request
+    /// decoding, or `None`, the step may spend all of `max_num_batched_tokens`.
+    pub fn schedule_with_budget(&mut self, token_budget: Option<usize>) -> Result<SchedulerOutput> {
         if self.in_flight {
             return Err(step_err("step", "the previous step has not been updated"));
         }
         let (max_loras, lookahead) = (self.config.max_loras, self.config.num_lookahead_tokens);
         let mut budget = self.config.max_num_batched_tokens;
+        // Tokens of requests that are not decoding; every scheduled token also counts in `budget`.
+        let mut prompt_budget = token_budget.map_or(budget, |b| self.prompt_allowance(b));
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
         let mut loras: Vec<u32> = Vec::new();
@@ -33,7 +44,9 @@ impl Scheduler {
             let slot = self.running[i].1;
             let req = &self.requests[slot];
             let start = req.num_computed_tokens;
-            let num_new = (req.compute_limit() - start).min(budget);
+            let decoding = req.is_decoding();
+            let cap = if decoding { budget } else { budget.min(prompt_budget) };
+            let num_new = (req.compute_limit() - start).min(cap);
             if num_new == 0 || !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
                 i += 1;
                 continue;
@@ -62,12 +75,17 @@ impl Scheduler {
             plan.push((slot, s, start));
             add_lora(&mut loras, req.namespace.adapter_id);
             budget -= num_new;
+            if !decoding {
+                prompt_budget -= num_new;
+            }
             i += 1;
         }
 
         // Waiting requests, only when nothing had to be preempted.
         let mut cursor: Option<QueueKey> = None;
-        while out.preempted_req_ids.is_empty() && budget > 0 && self.running.len() < self.config.max_num_seqs
+        while out.preempted_req_ids.is_empty()
+            && budget.min(prompt_budget) > 0
+            && self.running.len() < self.config.max_num_seqs
         {
             let next = match cursor {
                 None => self.waiting.iter().next(),
@@ -82,7 +100,7 @@ impl Scheduler {
             let hits = self.kv.match_prefix(req);
             let cached = hits.len() * self.config.block_size;
             // A held request's limit is at least `cached`: the last prompt token is never a hit.
-            let num_new = (req.compute_limit() - cached).min(budget);
+            let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
             let reaches_end = cached + num_new >= req.num_tokens();
             let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
             if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
@@ -112,6 +130,7 @@ impl Scheduler {
             };
             plan.push((slot, s, cached));
             budget -= num_new;
+            prompt_budget -= num_new;
         }
 
         self.build_arrays(&mut out, &plan);
@@ -217,6 +236,23 @@ impl Scheduler {
             out.push_request(req, &s, start, bs, width);
             req.num_computed_tokens = start + s.num_tokens;
         }
+    }
+
+    /// The tokens requests computing a prompt may take in a step held to `token_budget`: what
+    /// the running decodes leave of it, at least `block_size`; everything with no decodes.
+    fn prompt_allowance(&self, token_budget: usize) -> usize {
+        let max = self.config.max_num_batched_tokens;
+        let decode_tokens: usize = self
+            .running
+            .iter()
+            .map(|&(_, slot)| &self.requests[slot])
+            .filter(|req| req.is_decoding())
+            .map(|req| req.compute_limit().saturating_sub(req.num_computed_tokens))
+            .sum();
+        if decode_tokens == 0 {
+            return max;
+        }
+        token_budget.min(max).saturating_sub(decode_tokens).max(self.config.block_size)
     }
 
     fn preempt(&mut self, slot: Slot) {

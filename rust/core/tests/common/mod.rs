@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use pyserve_core::{FinishReason, NewRequest, RequestId, Scheduler, SchedulerOutput, UpdateResult};
 
@@ -101,6 +101,8 @@ pub struct Driver {
     pub steps: usize,
     /// What the last `update` returned.
     pub last: UpdateResult,
+    /// The budget each step is scheduled with (see `Scheduler::schedule_with_budget`).
+    pub token_budget: Option<usize>,
 }
 
 impl Driver {
@@ -113,6 +115,7 @@ impl Driver {
             finished: BTreeMap::new(),
             steps: 0,
             last: UpdateResult::default(),
+            token_budget: None,
         }
     }
 
@@ -145,10 +148,23 @@ impl Driver {
 
     /// One schedule/forward/update round. `draft` proposes drafts for a request's tokens.
     pub fn step(&mut self, mut draft: impl FnMut(&[u32]) -> Vec<u32>) -> SchedulerOutput {
-        let out = self.sched.schedule().unwrap();
+        let decoding = self.decoding();
+        let out = self.sched.schedule_with_budget(self.token_budget).unwrap();
         let cfg = self.sched.config().clone();
         let scheduled: usize = out.num_scheduled_tokens.iter().map(|&n| n as usize).sum();
         assert!(scheduled <= cfg.max_num_batched_tokens, "budget exceeded: {scheduled}");
+        if let (Some(budget), false) = (self.token_budget, decoding.is_empty()) {
+            let decode_tokens: usize = (0..out.num_reqs())
+                .filter(|&r| decoding.contains(&out.req_ids[r]))
+                .map(|r| out.num_scheduled_tokens[r] as usize)
+                .sum();
+            let allowed = budget.min(cfg.max_num_batched_tokens).saturating_sub(decode_tokens);
+            let prompt_tokens = scheduled - decode_tokens;
+            assert!(
+                prompt_tokens <= allowed.max(cfg.block_size),
+                "{prompt_tokens} prompt tokens over {budget}"
+            );
+        }
         assert!(out.num_reqs() <= cfg.max_num_seqs);
         let mut adapters: Vec<u32> =
             out.req_ids.iter().map(|id| self.live[id].adapter).filter(|&a| a != 0).collect();
@@ -227,6 +243,21 @@ impl Driver {
         self.steps += 1;
         self.last = result;
         out
+    }
+
+    /// Running requests caught up with their tokens after producing output: at the next step
+    /// they compute their last token and drafts.
+    pub fn decoding(&self) -> HashSet<RequestId> {
+        self.live
+            .keys()
+            .copied()
+            .filter(|&id| {
+                let r = self.sched.request(id).expect("live");
+                r.status == pyserve_core::RequestStatus::Running
+                    && r.num_output_tokens() > 0
+                    && r.num_computed_tokens + 1 == r.num_tokens()
+            })
+            .collect()
     }
 
     /// Steps until nothing is left; panics past `max_steps` (a stuck queue).
