@@ -151,3 +151,34 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
 def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotates heads 0..heads of each row of x [rows, width] in place ("rotate half" RoPE), cos
     and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""
+
+def decoder_layer(
+    x: np.ndarray,
+    input_norm: np.ndarray,
+    qkv: tuple[np.ndarray, np.ndarray | None],
+    o: tuple[np.ndarray, np.ndarray | None],
+    post_norm: np.ndarray,
+    gate_up: tuple[np.ndarray, np.ndarray | None],
+    down: tuple[np.ndarray, np.ndarray | None],
+    eps: float,
+    heads: int,
+    head_dim: int,
+    kv_heads: int,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    scale: float,
+    threads: int = 1,
+) -> None:
+    """One Llama-family decoder layer over a few rows, x [rows, hidden] (the residual stream)
+    updated in place: RMSNorm, fused q/k/v projection, rotary, the new K/V written at `slots`,
+    paged attention of each row over its own prefix (block_tables [rows, width] int32, seq_lens
+    [rows] int32), output projection, residual add + RMSNorm, fused gate/up, SiLU product, down
+    projection, residual add. Linears are (weight [fan_out, fan_in], bias or None); caches
+    [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the
+    index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
+    at fault."""

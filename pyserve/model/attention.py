@@ -80,6 +80,11 @@ class AttentionBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def in_place_rows(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> InPlaceDecode | None:
+        """The per-row layout when the CPU kernel attends every row of the step in place and no
+        slot is padding (a whole layer can then run in one kernel call), else None."""
+        return None
+
 
 # A decode layout per group of sequences of similar length: (rows of the group, None for all
 # rows in order; decode_layout of the group).
@@ -214,6 +219,14 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, cpu_kernel: bool = True):
         self.cpu_kernel = cpu_kernel
+
+    def in_place_rows(self, meta, k_cache):
+        plan = meta.torch_plan
+        if plan is None:
+            plan = meta.torch_plan = TorchPlan.build(meta, k_cache, self.cpu_kernel)
+        if plan.keep is None and plan.extend is None and isinstance(plan.decode, InPlaceDecode):
+            return plan.decode
+        return None
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan = meta.torch_plan

@@ -49,8 +49,8 @@ class CpuLinear(nn.Module):
         # path, whose bits differ.
         self.register_buffer("weight", linear.weight.detach().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        self._weight_np = self.weight.numpy()
-        self._bias_np = None if self.bias is None else self.bias.numpy()
+        self.weight_view = self.weight.numpy()  # numpy views for the kernels (no copies)
+        self.bias_view = None if self.bias is None else self.bias.numpy()
         self.packed = None
         if self.weight.numel() >= min_packed_elements and _can_pack():
             with torch.no_grad():
@@ -59,7 +59,7 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= FEW_ROWS:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            _core.linear(x.contiguous().numpy(), self._weight_np, self._bias_np, out.numpy(),
+            _core.linear(x.contiguous().numpy(), self.weight_view, self.bias_view, out.numpy(),
                          threads=torch.get_num_threads())
             return out
         if self.packed is not None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyserve import _core
 from pyserve.model import cpu_ops
 from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
-from pyserve.model.cpu_linear import FEW_ROWS
+from pyserve.model.cpu_linear import FEW_ROWS, CpuLinear
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -135,6 +136,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def use_layer_kernel(self) -> bool:
+        """Readies `kernel_weights` (numpy views, in `_core.decoder_layer`'s order) where the
+        whole layer can run in one kernel call: fused projections on CpuLinear, no q/k norm.
+        Returns whether it can."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.qk_norm or not all(isinstance(p, CpuLinear) for p in projections):
+            return False
+        qkv, o, gate_up, down = ((p.weight_view, p.bias_view) for p in projections)
+        self.kernel_weights = (self.input_layernorm.weight_view, qkv, o, self.post_attention_layernorm.weight_view,
+                               gate_up, down, self.input_layernorm.eps)
+        return self.input_layernorm.eps == self.post_attention_layernorm.eps
+
     def forward(self, rope, x, kv_cache, meta, backend, fused: bool = False) -> torch.Tensor:
         """`fused`: x is a few fp32 CPU rows of a model that uses the CPU kernels; x is then
         updated in place (the residual stream) and returned."""
@@ -167,6 +181,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, dtype, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cpu_ops = False  # set by use_cpu_ops
+        self.layer_kernel = False  # every layer can run as one kernel call (use_cpu_ops)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -181,8 +196,20 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions)
         fused = self.cpu_ops and x.shape[0] <= FEW_ROWS
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv, meta, backend, fused)
+        rows = backend.in_place_rows(meta, kv_caches[0][0]) if fused and self.layer_kernel else None
+        if rows is not None:  # every layer in one kernel call
+            x = x.contiguous()
+            x_np, slots = x.numpy(), meta.slot_mapping.numpy()
+            cos, sin = (t.numpy().reshape(len(x_np), -1) for t in rope)
+            threads = torch.get_num_threads()
+            for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+                attn = layer.self_attn
+                _core.decoder_layer(x_np, *layer.kernel_weights, attn.num_heads, attn.head_dim, attn.num_kv_heads,
+                                    k_cache.numpy(), v_cache.numpy(), slots, rows.block_tables, rows.seq_lens,
+                                    cos, sin, attn.scale, threads=threads)
+        else:
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(rope, x, kv, meta, backend, fused)
         norm = self.model.norm
         return cpu_ops.rms_norm(x, norm.weight_view, norm.eps) if fused else norm(x)
 
@@ -193,6 +220,8 @@ class CausalLM(nn.Module):
             if isinstance(m, RMSNorm):
                 m.weight_view = cpu_ops.weight_view(m.weight)
         self.cpu_ops = True
+        layers = self.model.layers
+        self.layer_kernel = all(layer.use_layer_kernel() for layer in layers)
 
     def fuse_projections(self) -> None:
         """Fused q/k/v and gate/up projections in every layer, for a model that serves no LoRA."""

@@ -57,37 +57,45 @@ def test_rotary_has_the_bits_of_apply_rotary_and_leaves_v_alone():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
+    """Same greedy tokens and close logits as the torch reference; the whole-layer kernel gives
+    the bits of the same kernels called op by op."""
     model_dir = build_model(tmp_path, arch)
     cfg = ModelConfig.from_dir(model_dir)
 
-    def load(kernels: bool):
+    def load(kernels: bool, layer_kernel: bool = False):
         model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64)
         model.fuse_projections()
         if kernels:
             use_cpu_linears(model)
             model.use_cpu_ops()
+            assert model.layer_kernel
+            model.layer_kernel = layer_kernel
         return model
 
-    reference, fast = load(False), load(True)
+    models = {"torch": load(False), "ops": load(True), "layers": load(True, layer_kernel=True)}
     backend = make_backend("torch")
-    block_size, prompt = 4, [5, 17, 3, 99, 42, 8, 250, 11, 64]
-    tokens = {False: list(prompt), True: list(prompt)}
-    caches = {False: allocate_kv_cache(cfg, 8, block_size, torch.float32, torch.device("cpu")),
-              True: allocate_kv_cache(cfg, 8, block_size, torch.float32, torch.device("cpu"))}
+    prompt = [5, 17, 3, 99, 42, 8, 250, 11, 64]
+    tokens = {name: list(prompt) for name in models}
+    caches = {name: allocate_kv_cache(cfg, 8, 4, torch.float32, torch.device("cpu")) for name in models}
     table = np.arange(8, dtype=np.int32)[None]
     start = 0
     with torch.inference_mode():
         for _ in range(6):  # the prompt (9 rows), then one-row decode steps
-            hidden = {}
-            for kernels, model in ((False, reference), (True, fast)):
-                ids = tokens[kernels][start:]
-                n, end = len(ids), len(tokens[kernels])
+            logits = {}
+            for name, model in models.items():
+                ids = tokens[name][start:]
+                n, end = len(ids), len(tokens[name])
                 meta = AttentionMetadata.build(np.arange(start, end, dtype=np.int64), table,
                                                np.array([end], np.int32), np.array([0, n], np.int32),
                                                torch.device("cpu"))
-                h = model(torch.tensor(ids), torch.arange(start, end), caches[kernels], meta, backend)
-                hidden[kernels] = model.compute_logits(h[-1:])
-                tokens[kernels].append(int(hidden[kernels].argmax()))
-            torch.testing.assert_close(hidden[True], hidden[False], rtol=1e-4, atol=1e-4)
-            start = len(tokens[False]) - 1
-    assert tokens[True] == tokens[False]
+                h = model(torch.tensor(ids), torch.arange(start, end), caches[name], meta, backend)
+                logits[name] = model.compute_logits(h)
+                tokens[name].append(int(logits[name][-1].argmax()))
+            torch.testing.assert_close(logits["ops"], logits["torch"], rtol=1e-4, atol=1e-4)
+            assert torch.equal(logits["layers"], logits["ops"])
+            start = len(tokens["torch"]) - 1
+    assert tokens["layers"] == tokens["ops"] == tokens["torch"]
+    for name in ("ops", "layers"):
+        for (k, v), (k_ref, v_ref) in zip(caches[name], caches["torch"]):
+            torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)

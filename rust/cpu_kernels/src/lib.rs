@@ -3,11 +3,13 @@
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once;
-//! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding.
+//! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
+//! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed.
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
+mod decoder_layer;
 mod layer_ops;
 mod linear;
 #[cfg(target_arch = "x86_64")]
@@ -19,6 +21,7 @@ mod parallel;
 mod vector;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
+pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};

@@ -1,0 +1,95 @@
+//! `decoder_layer`: one Llama-family layer over a few rows (`pyserve-cpu-kernels`), over numpy
+//! views of the model's weights, the step's tensors and the layer's KV cache (no copies), with
+//! the GIL released while it runs.
+
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyReadwriteArray4, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyserve_cpu_kernels::{decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, RowLayout};
+
+use crate::arrays::{contiguous, contiguous_mut};
+use crate::openmp;
+
+type Weight<'py> = (PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>);
+
+fn linear_weights<'a>(name: &str, w: &'a Weight<'_>) -> PyResult<LinearWeights<'a>> {
+    let shape = w.0.shape();
+    Ok(LinearWeights {
+        weight: contiguous(name, &w.0)?,
+        bias: w.1.as_ref().map(|b| contiguous(name, b)).transpose()?,
+        fan_in: shape[1],
+        fan_out: shape[0],
+    })
+}
+
+/// x [rows, hidden] f32 (the residual stream) updated in place by the layer. Linear layers come
+/// as (weight [fan_out, fan_in], bias [fan_out] or None); `qkv` has q's then k's then v's outputs
+/// and `gate_up` gate's then up's. k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
+/// per row: slots [rows] int64, block_tables [rows, width] int32, seq_lens [rows] int32 (keys
+/// with the row's own), cos, sin [rows, head_dim]. ValueError names what is at fault. With
+/// `threads` > 1 the linears and attention run on the calling thread's OpenMP team (torch's).
+#[pyfunction]
+#[pyo3(signature = (x, input_norm, qkv, o, post_norm, gate_up, down, eps, heads, head_dim,
+                    kv_heads, k_cache, v_cache, slots, block_tables, seq_lens, cos, sin, scale, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn decoder_layer(
+    py: Python<'_>,
+    mut x: PyReadwriteArray2<'_, f32>,
+    input_norm: PyReadonlyArray1<'_, f32>,
+    qkv: Weight<'_>,
+    o: Weight<'_>,
+    post_norm: PyReadonlyArray1<'_, f32>,
+    gate_up: Weight<'_>,
+    down: Weight<'_>,
+    eps: f32,
+    heads: usize,
+    head_dim: usize,
+    kv_heads: usize,
+    mut k_cache: PyReadwriteArray4<'_, f32>,
+    mut v_cache: PyReadwriteArray4<'_, f32>,
+    slots: PyReadonlyArray1<'_, i64>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+    scale: f32,
+    threads: usize,
+) -> PyResult<()> {
+    let cache_shape = k_cache.shape().to_vec();
+    if v_cache.shape() != cache_shape.as_slice() || cache_shape[2] != kv_heads || cache_shape[3] != head_dim {
+        return Err(PyValueError::new_err(format!(
+            "k_cache and v_cache: shapes {cache_shape:?} and {:?} must both be [num_blocks, block_size, {kv_heads}, {head_dim}]",
+            v_cache.shape()
+        )));
+    }
+    let weights = LayerWeights {
+        input_norm: contiguous("input_norm", &input_norm)?,
+        qkv: linear_weights("qkv", &qkv)?,
+        o: linear_weights("o", &o)?,
+        post_norm: contiguous("post_norm", &post_norm)?,
+        gate_up: linear_weights("gate_up", &gate_up)?,
+        down: linear_weights("down", &down)?,
+        eps,
+    };
+    let rows = RowLayout {
+        slots: contiguous("slots", &slots)?,
+        table_width: block_tables.shape()[1],
+        block_tables: contiguous("block_tables", &block_tables)?,
+        seq_lens: contiguous("seq_lens", &seq_lens)?,
+        cos: contiguous("cos", &cos)?,
+        sin: contiguous("sin", &sin)?,
+    };
+    let cache = PagedCacheMut {
+        keys: contiguous_mut("k_cache", &mut k_cache)?,
+        values: contiguous_mut("v_cache", &mut v_cache)?,
+        block_size: cache_shape[1],
+    };
+    let x = contiguous_mut("x", &mut x)?;
+    let heads = Heads { q: heads, kv: kv_heads, dim: head_dim };
+    py.detach(|| {
+        openmp::on_team(threads, |pool| decoder_layer_on(pool, x, &weights, &heads, cache, &rows, scale))
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
+}
