@@ -138,6 +138,9 @@ class TorchPlan:
     def _in_place(cls, meta: AttentionMetadata, k_cache: torch.Tensor, keep) -> TorchPlan:
         """Every token of a short query through the CPU kernel; longer queries (prefill chunks)
         through the extend reference, which computes them blockwise."""
+        if meta.all_decode:  # one row per sequence: its own table and length
+            tables = np.ascontiguousarray(meta.block_tables.numpy(force=True))
+            return cls(keep, InPlaceDecode(tables, meta.seq_lens_host.astype(np.int32, copy=False)), None, None, None)
         qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
         short = q_lens <= extend.SHORT_QUERY
