@@ -34,7 +34,16 @@ class Actor:
 
     async def send(self, message: Any) -> None:
         """Queues a message, waiting while the inbox is full; EngineDeadError once the actor is
-        closed (a sender blocked on a full inbox is woken up by that too)."""
+        closed (a sender blocked on a full inbox is woken up by that too). With room in the inbox
+        it returns without yielding to the loop: the engine's step loop sends each step's output
+        and yields once per step elsewhere."""
+        try:
+            self._inbox_send.send_nowait(message)
+            return
+        except anyio.WouldBlock:
+            pass
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
         try:
             await self._inbox_send.send(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
@@ -63,7 +72,11 @@ class Actor:
         self._inbox_recv.close()
 
     async def receive(self) -> Any:
-        return await self._inbox_recv.receive()
+        """The next message; waits (yielding to the loop) only when the inbox is empty."""
+        try:
+            return self._inbox_recv.receive_nowait()
+        except anyio.WouldBlock:
+            return await self._inbox_recv.receive()
 
     def receive_nowait(self) -> Any | None:
         try:
