@@ -45,8 +45,12 @@ async def _in_thread(fn: Callable[[], AsyncEngine]) -> AsyncEngine:
     done: asyncio.Future = loop.create_future()
 
     def deliver(ok: bool, value) -> None:
-        if not done.cancelled():
-            done.set_result(value) if ok else done.set_exception(value)
+        if done.cancelled():  # the server stopped while it loaded
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
 
     def work() -> None:
         try:
