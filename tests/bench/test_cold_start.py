@@ -20,10 +20,11 @@ def test_events_keep_the_last_json_line_of_each_name():
 
 def test_healthy_minus_torch_is_the_median_of_each_rounds_difference():
     def run(healthy):
-        return {"first_answer_s": 0.5, "healthy_s": healthy, "weights_s": 0.1, "weights_gb_per_s": 2.0,
+        return {"first_answer_s": 0.5, "healthy_s": healthy, "server_torch_import_s": 3.0, "weights_s": 0.1, "weights_gb_per_s": 2.0,
                 "weights_bytes": 100, "weights_tensors": 3, "weights_in_place": 3}
 
     out = cold_start.summarize([run(4.0), run(5.0), run(9.0)], [3.5, 3.0, 3.2])
     # differences 0.5, 2.0, 5.8: not median(healthy) - median(torch) = 5.0 - 3.2
     assert (out["healthy_s"], out["torch_import_s"], out["healthy_minus_torch_s"]) == (5.0, 3.2, 2.0)
+    assert out["healthy_minus_server_torch_s"] == 2.0  # 5.0 - 3.0
     assert (out["weights_bytes"], out["weights_in_place"], out["first_answer_s"]) == (100, 3, 0.5)
