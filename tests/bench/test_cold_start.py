@@ -20,8 +20,8 @@ def test_events_keep_the_last_json_line_of_each_name():
 
 def test_healthy_minus_torch_is_the_median_of_each_rounds_difference():
     def run(healthy):
-        return {"first_answer_s": 0.5, "healthy_s": healthy, "server_torch_import_s": 3.0, "weights_s": 0.1, "weights_gb_per_s": 2.0,
-                "weights_bytes": 100, "weights_tensors": 3, "weights_in_place": 3}
+        return {"first_answer_s": 0.5, "healthy_s": healthy, "server_torch_import_s": 3.0, "weights_s": 0.1,
+                "weights_gb_per_s": 2.0, "weights_bytes": 100, "weights_tensors": 3, "weights_in_place": 3}
 
     out = cold_start.summarize([run(4.0), run(5.0), run(9.0)], [3.5, 3.0, 3.2])
     # differences 0.5, 2.0, 5.8: not median(healthy) - median(torch) = 5.0 - 3.2
