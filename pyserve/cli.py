@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from pathlib import Path
 
 from pyserve.default_model import resolve_model, served_name
@@ -21,17 +22,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig)
 
 
-def _engine(args: argparse.Namespace):
-    from pyserve.engine.async_engine import AsyncEngine
+def _engine_config(args: argparse.Namespace):
+    """The EngineConfig the flags ask for (a bad value is a ValueError naming it; no torch yet)."""
     from pyserve.engine.config import EngineConfig
     from pyserve.options import from_args
 
     lora_on_demand = bool(getattr(args, "lora_modules", None) or getattr(args, "lora_root", None))
-    config = EngineConfig(**from_args(
+    return EngineConfig(**from_args(
         EngineConfig, args, model=resolve_model(args.model), enable_lora=args.enable_lora or lora_on_demand,
         watchdog_timeout=args.watchdog_timeout or None,
     ))
-    return AsyncEngine(config)
+
+
+def _engine(config):
+    """Builds the engine; logs `engine_loaded` with the seconds spent importing torch, importing
+    the rest of the engine, and building it (weights, KV cache, tokenizer, draft)."""
+    import structlog
+
+    began = time.perf_counter()
+    import torch  # noqa: F401 - timed apart: the floor under any start
+
+    torch_done = time.perf_counter()
+    from pyserve.engine.async_engine import AsyncEngine
+
+    imported = time.perf_counter()
+    engine = AsyncEngine(config)
+    structlog.get_logger("pyserve.cli").info(
+        "engine_loaded", torch_import_seconds=round(torch_done - began, 3),
+        import_seconds=round(imported - torch_done, 3), build_seconds=round(time.perf_counter() - imported, 3))
+    return engine
 
 
 def lora_module(item: str) -> tuple[str, str]:
@@ -48,6 +67,8 @@ def lora_module(item: str) -> tuple[str, str]:
 
 
 def serve(args: argparse.Namespace) -> None:
+    """Binds the socket at once and builds the engine behind it (/health: 503 "loading", then
+    200); exits non-zero when the engine fails to load."""
     import uvicorn
 
     from pyserve.logs import configure_logging
@@ -56,17 +77,28 @@ def serve(args: argparse.Namespace) -> None:
     from pyserve.server.settings import ServerSettings
 
     configure_logging()
-    engine = _engine(args)
+    config = _engine_config(args)
     settings = ServerSettings(**from_args(
         ServerSettings, args, served_model_name=args.served_model_name or served_name(args.model),
         lora_modules=dict(args.lora_modules),
     ))
-    app = build_app(engine, settings)
+    failures: list[BaseException] = []
+
+    def load_failed(error: BaseException) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    app = build_app(lambda: _engine(config), settings, on_load_failure=load_failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
     # one a no-op so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server.run()
+    if failures:
+        sys.exit(f"pyserve serve: the model failed to load: {failures[0]!r}")
+    if not server.started:
+        sys.exit(3)  # what uvicorn.run exits with when the server never started
 
 
 def batch(args: argparse.Namespace) -> None:
@@ -76,7 +108,7 @@ def batch(args: argparse.Namespace) -> None:
     configure_logging()
     if not Path(args.input).is_file():  # before the model loads
         sys.exit(f"pyserve batch: no input file {args.input}")
-    engine = _engine(args)
+    engine = _engine(_engine_config(args))
     name = args.served_model_name or served_name(args.model)
     num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
     print(f"batch: wrote {args.output} ({num_errors} lines with errors)", file=sys.stderr, flush=True)

@@ -1,13 +1,22 @@
-"""The CLI's own parsing: --lora-modules entries and the two subcommands."""
+"""The CLI's own parsing (--lora-modules entries, the two subcommands) and `serve`'s start: the
+socket answers while the model loads, and a model that fails to load ends the process with 1."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 
 from pyserve.cli import build_parser, lora_module
 from pyserve.default_model import ADAPTER_DIRS
+from pyserve.testing import copy_model
 
 
 def test_lora_module_takes_name_equals_path_or_an_embedded_short_name():
@@ -24,3 +33,55 @@ def test_batch_needs_its_files_and_serve_its_address():
     assert (args.host, args.port, args.lora_modules) == ("127.0.0.1", 9000, [("tests", str(ADAPTER_DIRS["tests"]))])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["batch", "--input", "in.jsonl"])
+
+
+def _serve(model_dir, workdir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (workdir / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
+                             "--num-kv-blocks", "64", "--block-size", "4"], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=workdir)
+    return proc, f"http://127.0.0.1:{port}", workdir / "serve.log"
+
+
+def _events(log_path) -> dict[str, dict]:
+    return {e["event"]: e for e in (json.loads(ln) for ln in log_path.read_text().splitlines() if ln.startswith("{"))}
+
+
+def test_serve_answers_loading_while_the_engine_loads_then_ok(llama_dir, tmp_path):
+    """The socket is bound before torch is imported: the first answer is the 503 "loading"."""
+    proc, base, log_path = _serve(llama_dir, tmp_path)
+    answers = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+            except httpx.HTTPError:
+                time.sleep(0.01)
+                continue
+            if not answers or answers[-1] != (r.status_code, r.json()):
+                answers.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                break
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert answers == [(503, {"status": "loading"}), (200, {"status": "ok"})]
+    events = _events(log_path)
+    loaded, ready = events["engine_loaded"], events["server_ready"]
+    assert 0 < loaded["torch_import_seconds"] < ready["seconds"] and ready["kv_blocks"] == 64
+    assert events["weights_loaded"]["in_place"] == events["weights_loaded"]["tensors"] > 0
+
+
+def test_serve_exits_non_zero_when_the_model_fails_to_load(llama_dir, tmp_path):
+    model = copy_model(llama_dir, tmp_path / "no-weights")
+    (model / "model.safetensors").unlink()
+    proc, _, log_path = _serve(model, tmp_path)
+    assert proc.wait(timeout=120) == 1
+    log = log_path.read_text()
+    assert "server_load_failed" in _events(log_path)
+    assert "pyserve serve: the model failed to load: WeightsError" in log and "no *.safetensors" in log

@@ -1,22 +1,47 @@
-"""Reads safetensors weights (one file or sharded with an index). Pickled weights are refused."""
+"""Reads safetensors weights (one file or sharded with an index). Pickled weights are refused.
+
+The files are memory-mapped (safetensors does it): a checkpoint tensor already in the serving
+dtype on the CPU becomes the parameter itself, with no copy; others are converted or moved once.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pyserve.model.config import ModelConfig
 from pyserve.model.decoder import CausalLM
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# What the layers' reset_parameters call to fill a new tensor in place (nn.init's functions reach a
+# TorchFunctionMode themselves, before the tensor methods they call).
+_INIT_CALLS = {nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_,
+               torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_}
+
+log = structlog.get_logger("pyserve.model")
 
 
 class WeightsError(ValueError):
     """The model directory has no usable safetensors weights."""
+
+
+class _SkipInit(TorchFunctionMode):
+    """Leaves tensors built under it uninitialized: on `meta` there is nothing to fill, yet torch
+    runs `normal_` (and `empty_like`) there through its Python decompositions, whose first use
+    imports torch._dynamo and sympy (~2 s of a start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _INIT_CALLS:
+            return args[0] if args else kwargs["tensor"]  # nn.init passes its tensor by name
+        return func(*args, **(kwargs or {}))
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -43,7 +68,8 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from every shard, on the CPU."""
+    """(name, tensor) pairs from every shard, on the CPU: views of the memory-mapped file, which
+    stay valid after the file is closed (the mapping lives as long as a tensor uses it)."""
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -53,16 +79,24 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> CausalLM:
-    """Builds the model on `device` and fills every parameter from the checkpoint, strictly: a
-    missing or unexpected tensor, or a shape mismatch, is an error naming it."""
-    with torch.device("meta"):
+    """Builds the model on `device` with every parameter taken from the checkpoint, strictly: a
+    missing or unexpected tensor, or a shape mismatch, is an error naming it. Logs
+    `weights_loaded` (tensors, bytes, seconds, GB/s, how many were used in place) where structlog
+    is configured.
+
+    NOTE: a tensor used in place is the file's pages, mapped copy-on-write and read from the page
+    cache when first touched: the file must not be truncated or rewritten in place while the model
+    is served (replacing it by a rename is safe)."""
+    start = time.perf_counter()
+    with torch.device("meta"), _SkipInit():
         model = CausalLM(cfg, dtype, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # moving off `meta` unties shared parameters
-        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # buffers (the RoPE tables) are computed, not loaded
+        for name, buf in module.named_buffers(recurse=False):  # NOTE: not to_empty: see _SkipInit
+            setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected = []
+    num_tensors = num_bytes = in_place = 0
     for name, tensor in iter_weights(model_dir):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a cached buffer some exporters keep
@@ -72,15 +106,22 @@ def load_model(
             continue
         if param.shape != tensor.shape:
             raise WeightsError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor.to(dtype))
+        value = tensor.to(device=device, dtype=dtype)
+        num_tensors, num_bytes, in_place = num_tensors + 1, num_bytes + tensor.nbytes, in_place + (value is tensor)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=param.requires_grad))
         loaded.add(name)
     if unexpected:
         raise WeightsError(f"checkpoint has tensors this architecture does not use: {', '.join(unexpected[:8])}")
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings:  # the head is the input embedding, whatever the checkpoint holds
+        model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise WeightsError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
     model.model.rotary.reset()
+    seconds = time.perf_counter() - start
+    if structlog.is_configured():  # by the server (pyserve.logs); an offline LLM's stdout stays clean
+        log.info("weights_loaded", path=str(model_dir), tensors=num_tensors, bytes=num_bytes, in_place=in_place,
+                 seconds=round(seconds, 4), gb_per_s=round(num_bytes / seconds / 1e9, 2))
     return model.eval()

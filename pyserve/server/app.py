@@ -1,9 +1,12 @@
-"""The Starlette application: routes, middleware, error mapping and the engine's lifespan."""
+"""The Starlette application: routes, middleware, error mapping and the engine's lifespan (see
+server.startup: the engine may still be loading when the socket answers)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 import orjson
 import structlog
@@ -14,15 +17,17 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.errors import APIError, error_body, error_response
-from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
-from pyserve.server.state import ServerMetrics, ServerState
+from pyserve.server.startup import Startup
+from pyserve.server.state import ServerState
+
+if TYPE_CHECKING:
+    from pyserve.engine.async_engine import AsyncEngine
 
 log = structlog.get_logger("pyserve.server")
 
@@ -43,6 +48,11 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    startup: Startup = request.app.state.startup
+    if startup.status == "loading":
+        return _json({"status": "loading"}, 503)
+    if startup.status == "failed":
+        return _json({"status": "failed", "error": repr(startup.error)}, 503)
     state: ServerState = request.app.state.pyserve
     health = state.engine.health()
     if health.status == "dead":
@@ -85,27 +95,31 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return Response(error_body(500, "internal_error", "internal server error"), 500, media_type="application/json")
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
-    state = ServerState(engine, settings, ServerMetrics.create(engine), LoraRegistry(engine, settings.lora_root))
+def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerSettings,
+              on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+    """`engine`: a built engine (the app serves at once; the lifespan starts the engine, or the
+    caller does when no lifespan runs), or a function that builds one, called in a thread once the
+    lifespan has begun, so the socket answers meanwhile (see server.startup); `on_load_failure`
+    is told if it raises.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        await engine.start()
-        for name, path in settings.lora_modules.items():
-            await state.loras.add(name, path)
-        log.info("server_started", model=settings.served_model_name, max_model_len=engine.max_model_len,
-                 kv_blocks=engine.num_kv_blocks)
+        if startup.in_background:
+            startup.begin()
+        else:
+            await startup.run()
         try:
             yield
         finally:
-            state.draining = True
-            await engine.stop()
+            await startup.stop()
             log.info("server_stopped")
 
     public = {"/health", "/openapi.json"} | ({"/metrics"} if settings.public_metrics else set())
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
+    middleware.append(Middleware(LoadingGate, open_paths=frozenset({"/health"})))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -122,5 +136,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> Starlette:
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
     )
-    app.state.pyserve = state
+    startup = Startup(app, engine, settings, on_load_failure)
+    app.state.startup = startup
     return app

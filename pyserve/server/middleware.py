@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: API-key auth and the request body size limit.
+"""Pure ASGI middleware: API-key auth, the request body size limit, and the gate that answers 503
+while the model loads.
 
 Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
 compare keys in constant time. The `Bearer` scheme is matched case-insensitively (RFC 9110: auth
@@ -87,3 +88,22 @@ class BodyLimitMiddleware:
         except BodyTooLarge:
             if not started:
                 await _send_error(send, 413, "invalid_request_error", f"request body exceeds {self.max_bytes} bytes")
+
+
+class LoadingGate:
+    """503 (`service_unavailable`, Retry-After: 1) on every path but `open_paths` until the app's
+    Startup (`app.state.startup`, see server.startup) is ready: the handlers need the engine."""
+
+    def __init__(self, app, open_paths: frozenset[str]):
+        self.app = app
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        status = scope["app"].state.startup.status
+        if status == "ready":
+            return await self.app(scope, receive, send)
+        message = ("the model is loading; retry once /health answers 200" if status == "loading"
+                   else "the model failed to load; the server is exiting")
+        return await _send_error(send, 503, "service_unavailable", message, [(b"retry-after", b"1")])

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pyserve.engine.async_engine import AsyncEngine
-from pyserve.server.settings import ServerSettings
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+from pyserve.server.settings import ServerSettings
+
+if TYPE_CHECKING:  # the engine (and torch) load after the socket is bound: see server.startup
+    from pyserve.engine.async_engine import AsyncEngine
 
 
 @dataclass(slots=True)

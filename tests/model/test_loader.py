@@ -1,14 +1,18 @@
 """Loading a model directory's weights: safetensors (one file or sharded with an index), strict
-matching of tensors to the architecture, tied embeddings, and pickled weights refused unread."""
+matching of tensors to the architecture, tied embeddings, pickled weights refused unread, and the
+tensors used in place from the mapped file (converted once when the dtype differs)."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -143,3 +147,50 @@ def test_untied_embeddings_load_their_own_lm_head(model_dirs):
     assert not model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(model.lm_head.weight, load_file(path / "model.safetensors")["lm_head.weight"])
+
+
+# --- in place, converted, and built without compiler imports ------------------------------------
+
+
+def test_parameters_are_the_checkpoint_tensors_used_in_place(model_dirs):
+    path = model_dirs["llama"]
+    want = load_file(path / "model.safetensors")
+    with structlog.testing.capture_logs() as logs:
+        model = load(path)
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float32 for k in want)
+    event = next(e for e in logs if e["event"] == "weights_loaded")
+    nbytes = sum(t.nbytes for t in want.values())
+    assert (event["tensors"], event["in_place"], event["bytes"]) == (len(want), len(want), nbytes)
+    assert event["gb_per_s"] == round(nbytes / event["seconds"] / 1e9, 2)
+
+
+def test_a_checkpoint_in_another_dtype_is_converted_once(model_dirs, tmp_path):
+    dst = copy_model(model_dirs["llama"], tmp_path / "half")
+    _edit_weights(dst, lambda t: t.update({k: v.half() for k, v in t.items()}))
+    want = load_file(dst / "model.safetensors")
+    with structlog.testing.capture_logs() as logs:
+        got = load(dst).state_dict()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k].float()) for k in want)
+    assert next(e for e in logs if e["event"] == "weights_loaded")["in_place"] == 0
+
+
+def test_tied_embeddings_stay_tied_when_the_checkpoint_also_holds_the_head(model_dirs, tmp_path):
+    dst = copy_model(model_dirs["qwen2"], tmp_path / "m")
+    _edit_weights(dst, lambda t: t.update({"lm_head.weight": torch.randn_like(t["model.embed_tokens.weight"])}))
+    model = load(dst)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, load_file(dst / "model.safetensors")["model.embed_tokens.weight"])
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(model_dirs):
+    """Building the model on `meta` ran torch's Python decompositions, which import torch._dynamo
+    and sympy: ~2 s of every start."""
+    code = ("import sys, torch\nfrom pyserve.model.config import ModelConfig\n"
+            "from pyserve.model.loader import load_model\n"
+            f"path = {str(model_dirs['llama'])!r}\n"
+            "load_model(path, ModelConfig.from_dir(path), torch.float32, torch.device('cpu'), 64)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout.strip()) == (0, "[]"), run.stderr  # nor a log line: structlog unconfigured
