@@ -38,6 +38,14 @@ class IncrementalDetokenizer:
             self._decode(flush=False)
         return len(token_ids)
 
+    def extend(self, token_ids: list[int]) -> None:
+        """Appends tokens without decoding them, for an output whose text is read only once it
+        ended: the final take_delta then decodes them all in one call, and its text is what
+        pushing them one by one would have given. NOTE: only without stop strings, which are
+        looked for as the text is decoded."""
+        self._ids += token_ids
+        self._num_tokens += len(token_ids)
+
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out. Unless `final`, the tail that could still begin a stop
         string is held back. When `final`, tokens held for an incomplete UTF-8 sequence are

@@ -2,6 +2,8 @@
 
 It detokenizes incrementally, applies stop strings, assembles logprobs, and publishes to each
 request's stream: one cumulative RequestOutput plus a queue of deltas for streaming consumers.
+A sample whose text nobody reads before it ends (not streaming, no stop strings) keeps only its
+token ids while it runs and is decoded once, when it finishes.
 `process` returns the sequences that must stop (a stop string hit, a client too slow) as data;
 the actor sends their Aborts back to the step's sender.
 """
@@ -61,7 +63,9 @@ class _Sample:
     completion: CompletionOutput
     detok: IncrementalDetokenizer | None  # None: the request asked for token ids only
     num_logprobs: int | None
-    # Token ids only, no logprobs, no stream: a step that does not end it just appends tokens.
+    # The text is decoded once, when the sample ends: nothing reads it before (no stream, no stop strings).
+    deferred: bool = False
+    # No text until the end, no logprobs, no stream: a step that does not end it just appends tokens.
     ids_only: bool = False
 
 
@@ -85,8 +89,9 @@ class OutputProcessor(Actor):
             if p.logprobs is not None:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
-            ids_only = detok is None and p.logprobs is None and not stream.streaming
-            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs, ids_only)
+            deferred = detok is not None and not p.stop and not stream.streaming
+            ids_only = (detok is None or deferred) and p.logprobs is None and not stream.streaming
+            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs, deferred, ids_only)
 
     def forget(self, request_id: str) -> list[int]:
         """Drops a request (client gone); returns the ids of its still-running sequences."""
@@ -143,7 +148,12 @@ class OutputProcessor(Actor):
         # NOTE: a stop token (EOS or a stop_token_ids entry) ends the sequence: it is in token_ids
         # but, as in vLLM, its text is not part of the output.
         text_tokens = tokens[:-1] if finish == "stop" else tokens
-        taken = detok.push(text_tokens) if detok is not None else len(text_tokens)
+        taken = len(text_tokens)
+        if sample.deferred:
+            if finish is not None:  # the whole output, decoded by take_delta below
+                detok.extend(c.token_ids + text_tokens)
+        elif detok is not None:
+            taken = detok.push(text_tokens)
         stop_reason: str | int | None = None
         if detok is not None and detok.stop_hit is not None:
             finish, stop_reason = "stop", detok.stop_hit
@@ -164,7 +174,7 @@ class OutputProcessor(Actor):
             c.logprobs.extend(new_logprobs)
             c.cumulative_logprob += float(delta.logprobs.sampled.sum())
         text = ""
-        if detok is not None:
+        if detok is not None and (finish is not None or not sample.deferred):
             text = detok.take_delta(final=finish is not None)
             c.text += text
         if finish is not None:
