@@ -102,3 +102,63 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text_and_a_full_decode
         assert deferred.token_ids == streamed.token_ids == out
         assert (deferred.finish_reason, deferred.stop_reason) == (streamed.finish_reason, streamed.stop_reason)
     assert any("\ufffd" in tok.decode([i]) for i in range(tok.vocab_size))  # the vocabulary has byte pieces
+
+
+def test_a_batched_step_gives_each_sample_what_it_gets_alone(tmp_path):
+    """Samples of all kinds in the same steps (streamed or not, stop strings, min_tokens, both
+    skip_special_tokens, several tokens in one step, a stop token) get the outputs and the stream
+    each gets when it is the only one."""
+    build_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    rng = random.Random(2)
+    text = tok.encode("The quick brown fox jumps. Ünïcödé ✓ 日本語 text.\n    return a + b\n", add_special_tokens=False)
+    kinds = []
+    for _ in range(40):
+        params = SamplingParams(max_tokens=100, skip_special_tokens=rng.random() < 0.5, min_tokens=rng.randrange(3),
+                                stop=rng.choice([[], ["o"], ["fox", " b"], ["語 t"], ["never"]]))
+        out = text[: rng.randrange(5, len(text))] if rng.random() < 0.7 else [rng.randrange(tok.vocab_size) for _ in range(30)]
+        finish = rng.choice(["length", "stop"])
+        if finish == "stop":
+            out = out + [tok.eos_token_id]
+        kinds.append((params, rng.random() < 0.5, out, finish))
+    steps = max(len(out) for _, _, out, _ in kinds)
+    # Per step, each sample's tokens: mostly one, sometimes two (speculation), none once it ended.
+    chunks = [[] for _ in kinds]
+    for k, (_, _, out, _) in enumerate(kinds):
+        at = 0
+        while at < len(out):
+            n = 2 if rng.random() < 0.15 else 1
+            chunks[k].append(out[at : at + n])
+            at += n
+
+    def run(which: list[int]):
+        op = OutputProcessor(tok, eos_token_id=tok.eos_token_id)
+        streams = {}
+        for k in which:
+            params, streaming, _, _ = kinds[k]
+            stream = RequestStream(RequestOutput(f"r{k}", None, [5], [CompletionOutput(0)]), [k], streaming=streaming)
+            op.register(stream, [EngineRequest(k, f"r{k}", 0, params, [5], [])])
+            streams[k] = stream
+        for step in range(steps):
+            rows = [k for k in which if step < len(chunks[k]) and not streams[k].done.is_set()]
+            if not rows:
+                break
+            ids, starts = [], [0]
+            for k in rows:
+                ids += chunks[k][step]
+                starts.append(len(ids))
+            finished = {k: kinds[k][3] for k in rows if step == len(chunks[k]) - 1}
+            op.process(StepOutput(rows, ids, starts, finished, {k: 0 for k in rows} if step == 0 else {}))
+        result = {}
+        for k, stream in streams.items():
+            deltas = []
+            while (d := stream.deltas.get_nowait()) is not None:
+                deltas.append((d.text, d.token_ids, d.finish_reason))
+            c = stream.output.outputs[0]
+            result[k] = (c.text, c.token_ids, c.finish_reason, c.stop_reason, deltas)
+        return result
+
+    together = run(list(range(len(kinds))))
+    for k in range(len(kinds)):
+        assert together[k] == run([k])[k], k
+    assert sum(r[3] is not None and isinstance(r[3], str) for r in together.values()) >= 5  # stop strings hit
