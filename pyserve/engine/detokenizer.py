@@ -38,6 +38,38 @@ class IncrementalDetokenizer:
             self._decode(flush=False)
         return len(token_ids)
 
+    @staticmethod
+    def push_each(tokenizer: Tokenizer, pushes: list[tuple[IncrementalDetokenizer, int]]) -> None:
+        """`detok.push([token])` for each (detok, token), with the windows decoded in one batched
+        call per skip_special_tokens setting (one call in all, as a rule); a one-token prefix
+        window, the usual one, is the token's text from the tokenizer's memo. NOTE: for
+        detokenizers that have not hit a stop string; a detokenizer appears at most once."""
+        windows: dict[bool, list[list[int]]] = {True: [], False: []}
+        prefixes: list[str | None] = []
+        for d, token in pushes:
+            d._ids.append(token)
+            d._num_tokens += 1
+            ids, lo, hi = d._ids, d._prefix_offset, d._read_offset
+            batch = windows[d._skip]
+            if hi - lo == 1:
+                prefixes.append(tokenizer.token_text(ids[lo], d._skip))
+            else:
+                prefixes.append(None)
+                batch.append(ids[lo:hi])
+            batch.append(ids[lo:])
+        texts = {skip: iter(tokenizer.decode_batch(w, skip)) for skip, w in windows.items() if w}
+        for (d, _), prefix in zip(pushes, prefixes):
+            it = texts[d._skip]
+            d._advance(next(it) if prefix is None else prefix, next(it), flush=False)
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Appends tokens without decoding them, for an output whose text is read only once it
+        ended: the final take_delta then decodes them all in one call, and its text is what
+        pushing them one by one would have given. NOTE: only without stop strings, which are
+        looked for as the text is decoded."""
+        self._ids += token_ids
+        self._num_tokens += len(token_ids)
+
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out. Unless `final`, the tail that could still begin a stop
         string is held back. When `final`, tokens held for an incomplete UTF-8 sequence are
@@ -52,6 +84,11 @@ class IncrementalDetokenizer:
     def _decode(self, flush: bool) -> None:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
         full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        self._advance(prefix, full, flush)
+
+    def _advance(self, prefix: str, full: str, flush: bool) -> None:
+        """Takes the decoded windows: the text of the tokens before `_read_offset` (`prefix`) and
+        with the new ones (`full`), both from `_prefix_offset`."""
         if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not flush):
             return  # an incomplete UTF-8 sequence: wait for the next token
         start = len(self.text)

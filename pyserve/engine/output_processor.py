@@ -2,6 +2,8 @@
 
 It detokenizes incrementally, applies stop strings, assembles logprobs, and publishes to each
 request's stream: one cumulative RequestOutput plus a queue of deltas for streaming consumers.
+A sample whose text nobody reads before it ends (not streaming, no stop strings) keeps only its
+token ids while it runs and is decoded once, when it finishes.
 `process` returns the sequences that must stop (a stop string hit, a client too slow) as data;
 the actor sends their Aborts back to the step's sender.
 """
@@ -61,8 +63,12 @@ class _Sample:
     completion: CompletionOutput
     detok: IncrementalDetokenizer | None  # None: the request asked for token ids only
     num_logprobs: int | None
-    # Token ids only, no logprobs, no stream: a step that does not end it just appends tokens.
+    # The text is decoded once, when the sample ends: nothing reads it before (no stream, no stop strings).
+    deferred: bool = False
+    # No text until the end, no logprobs, no stream: a step that does not end it just appends tokens.
     ids_only: bool = False
+    # Decoded as it runs, no logprobs: a one-token step that does not start or end it is a plain row.
+    plain: bool = False
 
 
 class OutputProcessor(Actor):
@@ -85,8 +91,10 @@ class OutputProcessor(Actor):
             if p.logprobs is not None:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
-            ids_only = detok is None and p.logprobs is None and not stream.streaming
-            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs, ids_only)
+            deferred = detok is not None and not p.stop and not stream.streaming
+            ids_only = (detok is None or deferred) and p.logprobs is None and not stream.streaming
+            plain = detok is not None and not deferred and p.logprobs is None
+            self._samples[req.internal_id] = _Sample(stream, completion, detok, p.logprobs, deferred, ids_only, plain)
 
     def forget(self, request_id: str) -> list[int]:
         """Drops a request (client gone); returns the ids of its still-running sequences."""
@@ -109,18 +117,46 @@ class OutputProcessor(Actor):
                 msg.reply_to.post(Abort(internal_id))
 
     def process(self, msg: StepOutput) -> list[int]:
-        """Publishes one step's tokens; returns the sequences to abort (their output is complete)."""
+        """Publishes one step's tokens; returns the sequences to abort (their output is complete).
+        The plain rows (one new token of a sample decoded as it runs, no logprobs, neither its
+        first step nor its last) are detokenized together, in one batched call."""
         aborts: list[int] = []
         samples = self._samples
-        tokens, starts = msg.token_ids, msg.starts
+        ids, tokens, starts = msg.internal_ids, msg.token_ids, msg.starts
         special = msg.finish_reasons.keys() | msg.num_cached_tokens.keys()
-        for i, (rid, lo, hi) in enumerate(zip(msg.internal_ids, starts, starts[1:])):
+        plain: list[tuple[_Sample, int]] = []  # (sample, its row)
+        rows: list[int] = []  # the other rows, each handled on its own
+        for i, (rid, lo, hi) in enumerate(zip(ids, starts, starts[1:])):
             sample = samples.get(rid)
             if sample is None:
                 continue
-            if sample.ids_only and rid not in special:
+            if rid in special:
+                rows.append(i)
+            elif sample.ids_only:
                 sample.completion.token_ids += tokens[lo:hi]
-            elif self._apply(sample, msg.delta(i), aborts):
+            elif sample.plain and hi - lo == 1:
+                plain.append((sample, i))
+            else:
+                rows.append(i)
+        if plain:
+            IncrementalDetokenizer.push_each(self.tokenizer, [(s.detok, tokens[starts[i]]) for s, i in plain])
+        for sample, i in plain:
+            if ids[i] not in samples:  # its stream failed meanwhile
+                continue
+            if sample.detok.stop_hit is not None:
+                if self._apply(sample, msg.delta(i), aborts, pushed=True):
+                    self._finish_if_done(sample.stream)
+                continue
+            c = sample.completion
+            token = tokens[starts[i]]
+            c.token_ids.append(token)
+            text = sample.detok.take_delta(final=False)
+            c.text += text
+            if sample.stream.streaming:
+                self._publish(sample.stream, StreamDelta(c.index, text, [token], None, None), aborts)
+        for i in rows:
+            sample = samples.get(ids[i])
+            if sample is not None and self._apply(sample, msg.delta(i), aborts):
                 self._finish_if_done(sample.stream)
         return aborts
 
@@ -131,8 +167,9 @@ class OutputProcessor(Actor):
             stream.done.set()
             stream.deltas.put_nowait(None)
 
-    def _apply(self, sample: _Sample, delta: SampleDelta, aborts: list[int]) -> bool:
-        """Adds one delta to its sample's output; True when the sample finished."""
+    def _apply(self, sample: _Sample, delta: SampleDelta, aborts: list[int], pushed: bool = False) -> bool:
+        """Adds one delta to its sample's output (`pushed`: its text tokens are in its detokenizer
+        already); True when the sample finished."""
         c = sample.completion
         out = sample.stream.output
         if delta.num_cached_tokens is not None and c.index == 0:
@@ -143,7 +180,12 @@ class OutputProcessor(Actor):
         # NOTE: a stop token (EOS or a stop_token_ids entry) ends the sequence: it is in token_ids
         # but, as in vLLM, its text is not part of the output.
         text_tokens = tokens[:-1] if finish == "stop" else tokens
-        taken = detok.push(text_tokens) if detok is not None else len(text_tokens)
+        taken = len(text_tokens)
+        if sample.deferred:
+            if finish is not None:  # the whole output, decoded by take_delta below
+                detok.extend(c.token_ids + text_tokens)
+        elif detok is not None and not pushed:
+            taken = detok.push(text_tokens)
         stop_reason: str | int | None = None
         if detok is not None and detok.stop_hit is not None:
             finish, stop_reason = "stop", detok.stop_hit
@@ -164,7 +206,7 @@ class OutputProcessor(Actor):
             c.logprobs.extend(new_logprobs)
             c.cumulative_logprob += float(delta.logprobs.sampled.sum())
         text = ""
-        if detok is not None:
+        if detok is not None and (finish is not None or not sample.deferred):
             text = detok.take_delta(final=finish is not None)
             c.text += text
         if finish is not None:
@@ -172,19 +214,26 @@ class OutputProcessor(Actor):
             del self._samples[delta.internal_id]
         stream = sample.stream
         if stream.streaming:
-            stream.deltas.put_nowait(StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason))
-            if stream.max_pending is not None and stream.deltas.qsize() > stream.max_pending and not stream.done.is_set():
-                aborts += self.forget(stream.output.request_id)
-                stream.fail(ClientTooSlow(f"the client left {stream.max_pending} chunks unread; request aborted"))
-                return False
+            return self._publish(stream, StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason), aborts) \
+                and finish is not None
         return finish is not None
+
+    def _publish(self, stream: RequestStream, delta: StreamDelta, aborts: list[int]) -> bool:
+        """Queues a streaming delta; False when that left more than `max_pending` unread: the
+        request is then dropped (its running sequences join `aborts`) and its stream failed."""
+        stream.deltas.put_nowait(delta)
+        if stream.max_pending is not None and stream.deltas.qsize() > stream.max_pending and not stream.done.is_set():
+            aborts += self.forget(stream.output.request_id)
+            stream.fail(ClientTooSlow(f"the client left {stream.max_pending} chunks unread; request aborted"))
+            return False
+        return True
 
     def _logprobs(self, delta: SampleDelta, k: int, decode: bool) -> list[dict[int, Logprob]]:
         """Per token: the sampled token's logprob and rank, then the top-k alternatives; each
         with its text unless `decode` is False (then None, as for detokenize=False in vLLM)."""
 
         def text(token: int) -> str | None:
-            return self.tokenizer.decode([token], skip_special_tokens=False) if decode else None
+            return self.tokenizer.token_text(token, skip_special_tokens=False) if decode else None
 
         lp = delta.logprobs
         out = []

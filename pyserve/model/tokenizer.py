@@ -51,6 +51,8 @@ class Tokenizer:
     eos_token: str | None
     eos_token_id: int | None
     _compiled_template: tuple[str, Any] | None = field(default=None, repr=False)
+    # token_text's memo, one dict per skip_special_tokens value (index 1: True).
+    _token_texts: tuple[dict[int, str], dict[int, str]] = field(default_factory=lambda: ({}, {}), repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -82,6 +84,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each sequence, in one call (the library decodes them in parallel)."""
+        return self.inner.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, memoized: a token's text alone never changes."""
+        memo = self._token_texts[skip_special_tokens]
+        text = memo.get(token_id)
+        if text is None:
+            text = memo[token_id] = self.inner.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.inner.id_to_token(token_id)

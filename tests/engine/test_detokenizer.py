@@ -140,3 +140,27 @@ def test_stop_string_ending_within_the_first_min_tokens_is_ignored(tok, ids):
     assert (detok.stop_hit, detok.text) == (" q", "The")
     detok, _ = stream(tok, [], ids, stop=[" q"], min_tokens=4)
     assert (detok.stop_hit, detok.text) == (None, TEXT)
+
+
+def test_batched_pushes_equal_one_at_a_time_pushes(tok, ids):
+    """push_each over detokenizers with mixed settings (skip_special_tokens, stop strings,
+    min_tokens, prompts ending inside a character) gives each the text, deltas and stop string
+    that pushing its tokens one by one gives."""
+    rng = random.Random(1)
+    vocab = tok.vocab_size
+    cases = []
+    for _ in range(60):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+        out = ids[rng.randrange(len(ids) // 2):] if rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(40)]
+        stop = rng.choice([[], ["e"], [" b", "本語"], [TEXT[10:14]], ["\n "]])
+        args = (prompt, rng.random() < 0.5, stop, rng.randrange(4))
+        cases.append((IncrementalDetokenizer(tok, *args), IncrementalDetokenizer(tok, *args), out))
+    for step in range(40):
+        live = [(b, one, out[step]) for b, one, out in cases if step < len(out) and b.stop_hit is None]
+        IncrementalDetokenizer.push_each(tok, [(b, token) for b, _, token in live])
+        for b, one, token in live:
+            assert one.push([token]) == 1
+            assert (b.text, b.stop_hit, b.take_delta(final=False)) == (one.text, one.stop_hit, one.take_delta(final=False))
+    for b, one, _ in cases:
+        assert b.take_delta(final=True) == one.take_delta(final=True) and b.text == one.text
+    assert sum(b.stop_hit is not None for b, _, _ in cases) >= 10  # stop strings were found
