@@ -15,6 +15,9 @@ use crate::vector::LANES;
 /// within the sixteen vector registers.
 const TILE_ROWS: usize = 2;
 
+/// Bytes of a cache line: eight weight rows of eight floats each step are four lines.
+const CACHE_LINE: usize = 64;
+
 /// `linear::run_outputs` with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn run_outputs(
@@ -68,8 +71,21 @@ unsafe fn block<const W: usize, const X: usize>(
     let body = k - k % LANES;
     let (xp, wp) = (x.as_ptr().add(r * k), w.weight.as_ptr().add(o * k));
     let mut acc = [[_mm256_setzero_ps(); X]; W];
+    // The next tile's weights follow this tile's in memory: the first pass over this tile
+    // (r == 0) asks for them a little at a time, the whole next tile over the loop, so they are
+    // on their way while this tile computes.
+    let next = wp.wrapping_add(W * k) as *const i8;
+    let prefetch = r == 0;
+    let lines_per_step = W.div_ceil(2);
+    let mut line = 0;
     let mut i = 0;
     while i < body {
+        if prefetch {
+            for _ in 0..lines_per_step {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * CACHE_LINE));
+                line += 1;
+            }
+        }
         let mut xv = [_mm256_setzero_ps(); X];
         for (b, v) in xv.iter_mut().enumerate() {
             *v = _mm256_loadu_ps(xp.add(b * k + i));
