@@ -22,13 +22,14 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--server-flags", default="", help="extra flags for pyserve serve, space-separated")
     args = ap.parse_args()
     head = harness.header(__file__)
     harness.print_header(head)
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base = start_server(None, "--device", args.device, workdir=Path(tmp))
+        proc, base = start_server(None, "--device", args.device, *args.server_flags.split(), workdir=Path(tmp))
         try:
             def load(concurrency: int, seed: int) -> dict:
                 return serving.main([
