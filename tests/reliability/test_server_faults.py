@@ -157,8 +157,10 @@ def _fail_after(calls: int, fn, where: str):
     return broken
 
 
-def _break_kernel(engine):
-    engine.worker.backend.forward = _fail_after(6, engine.worker.backend.forward, "attention kernel")
+def _break_forward(engine):
+    # the model's forward: its attention runs in the backend or, on a CPU step of few rows, in
+    # the Rust layer kernel
+    engine.worker.model.forward = _fail_after(6, engine.worker.model.forward, "forward")
 
 
 def _break_sampler(engine):
@@ -176,7 +178,7 @@ def _break_proposer(engine):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("where, breaker, spec", [
-    ("kernel", _break_kernel, None),
+    ("forward", _break_forward, None),
     ("sampler", _break_sampler, None),
     ("output processor", _break_output_processor, None),
     ("draft model", _break_proposer, {"method": "draft_model", "num_speculative_tokens": 2}),
