@@ -184,7 +184,7 @@ def test_tied_embeddings_stay_tied_when_the_checkpoint_also_holds_the_head(model
     assert torch.equal(model.lm_head.weight, load_file(dst / "model.safetensors")["model.embed_tokens.weight"])
 
 
-def test_loading_imports_neither_dynamo_nor_sympy(model_dirs):
+def test_loading_imports_neither_dynamo_nor_sympy(model_dirs, tmp_path):
     """Building the model on `meta` ran torch's Python decompositions, which import torch._dynamo
     and sympy: ~2 s of every start."""
     code = ("import sys, torch\nfrom pyserve.model.config import ModelConfig\n"
@@ -192,5 +192,6 @@ def test_loading_imports_neither_dynamo_nor_sympy(model_dirs):
             f"path = {str(model_dirs['llama'])!r}\n"
             "load_model(path, ModelConfig.from_dir(path), torch.float32, torch.device('cpu'), 64)\n"
             "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # from outside the repository: the installed package, with its native module
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert (run.returncode, run.stdout.strip()) == (0, "[]"), run.stderr  # nor a log line: structlog unconfigured
