@@ -38,12 +38,10 @@ class Actor:
         it returns without yielding to the loop: the engine's step loop sends each step's output
         and yields once per step elsewhere."""
         try:
-            self._inbox_send.send_nowait(message)
+            self.send_nowait(message)
             return
         except anyio.WouldBlock:
             pass
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
         try:
             await self._inbox_send.send(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:

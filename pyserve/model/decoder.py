@@ -68,16 +68,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`fused`: x is a few fp32 CPU rows and the model uses the CPU kernels (CausalLM.use_cpu_ops)."""
         n, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and not self.qk_norm and fused:  # q and k rotated in place, in one call
+        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
             qkv = self.qkv_proj(x)
-            cpu_ops.rotary_(qkv, h + hkv, d, rope)
-            q = qkv[:, : h * d].view(n, h, d)
-            k = qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
-            v = qkv[:, (h + hkv) * d :].view(n, hkv, d)
-        elif self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
-            qkv = self.qkv_proj(x)
-            qk = apply_rotary(qkv[:, : (h + hkv) * d].view(n, h + hkv, d), rope)
-            q, k = qk[:, :h], qk[:, h:]
+            if fused:  # in place, in one call
+                cpu_ops.rotary_(qkv, h + hkv, d, rope)
+                q, k = qkv[:, : h * d].view(n, h, d), qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
+            else:
+                qk = apply_rotary(qkv[:, : (h + hkv) * d].view(n, h + hkv, d), rope)
+                q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + hkv) * d :].view(n, hkv, d)
         else:
             if self.qkv_proj is not None:
@@ -220,8 +218,7 @@ class CausalLM(nn.Module):
             if isinstance(m, RMSNorm):
                 m.weight_view = cpu_ops.weight_view(m.weight)
         self.cpu_ops = True
-        layers = self.model.layers
-        self.layer_kernel = all(layer.use_layer_kernel() for layer in layers)
+        self.layer_kernel = all(layer.use_layer_kernel() for layer in self.model.layers)
 
     def fuse_projections(self) -> None:
         """Fused q/k/v and gate/up projections in every layer, for a model that serves no LoRA."""
