@@ -1,19 +1,24 @@
 """Actors: asyncio tasks with one job and a bounded inbox, and the system that supervises them.
 
 An actor shares nothing mutable; others talk to it by sending small messages to its inbox (an
-anyio memory object stream, so a full inbox applies back-pressure). A crashed actor is never
-silent: the system records the failure, tells every registered listener (which fail their waiting
-requests), and stops the other actors.
+anyio memory object stream, so a full inbox applies back-pressure). An actor may run on a loop of
+its own thread (pyserve.actors.loop_thread): a message sent from another thread is handed to the
+actor's loop, in order, and never blocks the sender. A crashed actor is never silent: the system
+records the failure, tells every registered listener (which fail their waiting requests), and
+stops the other actors.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import structlog
+
+from pyserve.actors.loop_thread import LoopThread
 
 log = structlog.get_logger("pyserve.actors")
 
@@ -31,12 +36,37 @@ class Actor:
     def __init__(self, name: str, inbox_size: int = 1024):
         self.name = name
         self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Any](inbox_size)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop `run` runs on, once started
+        self._closed = False
+
+    def bind(self) -> None:
+        """Called on the loop the actor will run on, before its task starts."""
+        self._loop = asyncio.get_running_loop()
+
+    def _elsewhere(self) -> bool:
+        """Whether the caller runs outside the actor's loop (another thread's loop, or none)."""
+        return self._loop is not None and asyncio._get_running_loop() is not self._loop
+
+    def _hand_over(self, message: Any) -> None:
+        """Queues a message sent from another thread: the actor's loop posts it, in order."""
+        if self._closed:
+            raise EngineDeadError(f"actor {self.name} is closed")
+        try:
+            self._loop.call_soon_threadsafe(self._post_here, message)
+        except RuntimeError as e:  # the actor's loop is closed
+            raise EngineDeadError(f"actor {self.name} is closed") from e
+
+    def _post_here(self, message: Any) -> None:
+        try:
+            self.post(message)
+        except EngineDeadError:  # closed while the message was on its way: the engine is dead
+            pass
 
     async def send(self, message: Any) -> None:
         """Queues a message, waiting while the inbox is full; EngineDeadError once the actor is
         closed (a sender blocked on a full inbox is woken up by that too). With room in the inbox
         it returns without yielding to the loop: the engine's step loop sends each step's output
-        and yields once per step elsewhere."""
+        and yields once per step elsewhere. From another thread it never waits (see `post`)."""
         try:
             self.send_nowait(message)
             return
@@ -49,7 +79,11 @@ class Actor:
 
     def send_nowait(self, message: Any) -> None:
         """Queues a message from synchronous code; raises anyio.WouldBlock when the inbox is full
-        and EngineDeadError once the actor is closed."""
+        and EngineDeadError once the actor is closed. From another thread it never raises
+        WouldBlock (see `post`)."""
+        if self._elsewhere():
+            self._hand_over(message)
+            return
         try:
             self._inbox_send.send_nowait(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
@@ -57,7 +91,8 @@ class Actor:
 
     def post(self, message: Any) -> None:
         """Queues a message from synchronous code without ever failing on a full inbox: the send
-        then waits in a task of its own. Raises EngineDeadError once the actor is closed."""
+        then waits in a task of its own (from another thread: on the actor's loop). Raises
+        EngineDeadError once the actor is closed."""
         try:
             self.send_nowait(message)
         except anyio.WouldBlock:
@@ -67,7 +102,14 @@ class Actor:
 
     def close(self) -> None:
         """Stops accepting messages: pending and future sends fail with EngineDeadError."""
-        self._inbox_recv.close()
+        self._closed = True
+        if not self._elsewhere():
+            self._inbox_recv.close()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._inbox_recv.close)
+        except RuntimeError:  # its loop is closed already
+            pass
 
     async def receive(self) -> Any:
         """The next message; waits (yielding to the loop) only when the inbox is empty."""
@@ -85,51 +127,70 @@ class Actor:
     async def run(self) -> None:
         raise NotImplementedError
 
-    async def on_stop(self) -> None:
-        """Called once when the system stops (after `run` ended or was cancelled)."""
+
+@dataclass(slots=True)
+class _Running:
+    actor: Actor
+    task: asyncio.Task[None]
+    loop: asyncio.AbstractEventLoop
+
+    def cancel(self) -> None:
+        if self.task.done():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+        except RuntimeError:  # its loop is closed: the task cannot run again
+            pass
 
 
 class ActorSystem:
-    """Starts actors as tasks on the running loop and supervises them."""
+    """Starts actors as tasks, on the running loop or on a LoopThread's, and supervises them from
+    the loop that started them (its failure listeners run there)."""
 
     def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._actors: list[Actor] = []
+        self._running: list[_Running] = []
         self._failure_listeners: list[Callable[[BaseException], None]] = []
+        self._home: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
 
     @property
     def alive(self) -> bool:
-        return self.error is None and bool(self._tasks)
+        return self.error is None and bool(self._running)
 
     def on_failure(self, listener: Callable[[BaseException], None]) -> None:
         self._failure_listeners.append(listener)
 
-    def start(self, *actors: Actor) -> None:
+    def start(self, *actors: Actor, thread: LoopThread | None = None) -> None:
+        """Starts `actors` on the running loop, or with `thread` on that thread's loop."""
+        self._home = asyncio.get_running_loop()
         for actor in actors:
-            task = asyncio.get_running_loop().create_task(actor.run(), name=actor.name)
-            task.add_done_callback(lambda t, a=actor: self._on_done(a, t))
-            self._tasks[actor.name] = task
-            self._actors.append(actor)
+            self._running.append(self._spawn(actor) if thread is None else thread.call(lambda a=actor: self._spawn(a)))
+
+    def _spawn(self, actor: Actor) -> _Running:
+        actor.bind()
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(actor.run(), name=actor.name)
+        if loop is self._home:
+            task.add_done_callback(lambda t: self._on_done(actor, t))
+        else:
+            task.add_done_callback(lambda t: self._home.call_soon_threadsafe(self._on_done, actor, t))
+        return _Running(actor, task, loop)
 
     def check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"engine is dead: {self.error!r}") from self.error
 
     async def stop(self) -> None:
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # noqa: BLE001 - already recorded by the supervisor
-                pass
-        for actor in self._actors:
-            await actor.on_stop()
-        self._tasks.clear()
+        """Cancels every actor and waits until each has ended (an actor stuck in blocking work on
+        its own thread ends once that work returns)."""
+        for running in self._running:
+            running.cancel()
+        for running in self._running:
+            if running.loop is self._home:
+                await _ended(running.task)
+            elif not running.loop.is_closed():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_ended(running.task), running.loop))
+        self._running.clear()
 
     def _on_done(self, actor: Actor, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -143,8 +204,15 @@ class ActorSystem:
         log.error("actor_crashed", actor=actor.name, error=repr(exc))
         for listener in self._failure_listeners:
             listener(exc)
-        for other in self._actors:
-            other.close()
-        for task in self._tasks.values():
-            if not task.done():
-                task.cancel()
+        for running in self._running:
+            running.actor.close()
+            running.cancel()
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:  # noqa: BLE001 - already recorded by the supervisor
+        pass

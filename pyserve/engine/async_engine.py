@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
+from pyserve.actors.loop_thread import LoopThread, resolve
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
@@ -20,7 +21,6 @@ from pyserve.engine.request import Abort, Add, EngineRequest
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.watchdog import Watchdog
-from pyserve.engine.worker_call import worker_call
 from pyserve.lora.request import LoRARequest
 from pyserve.model.config import ModelConfig
 from pyserve.model.tokenizer import Tokenizer
@@ -56,11 +56,14 @@ class AsyncEngine:
     `stats()`, `wait_idle()`, and the model facts `tokenizer`, `vocab_size`, `max_model_len`,
     `model_path`, `num_kv_blocks`. The actors and the worker inside are not part of it."""
 
-    def __init__(self, config: EngineConfig, worker_on_loop: bool = False):
-        """`worker_on_loop`: run the model's steps on the event loop thread instead of a worker
-        thread (see pyserve.engine.worker_call); only for a loop that serves nothing else."""
+    def __init__(self, config: EngineConfig, own_thread: bool = True):
+        """`own_thread`: the EngineCore, which runs the model's forwards inline, gets a thread and
+        loop of its own, so the caller's loop keeps serving during a forward (the server); without
+        it the EngineCore shares the caller's loop (the offline LLM, whose loop serves nothing
+        else: no thread hop per step)."""
         self.config = config
-        call_worker = worker_call(worker_on_loop)
+        self.own_thread = own_thread
+        self._engine_thread: LoopThread | None = None
         self.model_config = ModelConfig.from_dir(config.model)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -106,12 +109,11 @@ class AsyncEngine:
         speculator = None
         if spec is not None:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if spec.method == "ngram" else WorkerProposer(self.worker, call_worker))
+                        if spec.method == "ngram" else WorkerProposer(self.worker))
             speculator = Speculator(spec, self.scheduler, proposer)
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, call_worker,
-                                      step_budget)
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget)
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
@@ -131,7 +133,10 @@ class AsyncEngine:
         return draft_cfg
 
     async def start(self) -> None:
-        self.system.start(self.engine_core, self.output_processor, *([self.watchdog] if self.watchdog else []))
+        self.system.start(self.output_processor, *([self.watchdog] if self.watchdog else []))
+        if self.own_thread:
+            self._engine_thread = LoopThread("pyserve-engine")
+        self.system.start(self.engine_core, thread=self._engine_thread)
         # What exists now lives as long as the engine (modules, tokenizer, imported libraries:
         # ~400k objects): out of the collector's sight, a full collection while serving scans
         # only what requests create instead of pausing the steps for ~0.3 s. Unfrozen when the
@@ -140,6 +145,9 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         await self.system.stop()
+        if self._engine_thread is not None:
+            self._engine_thread.close()
+            self._engine_thread = None
         gc.unfreeze()  # a stopped engine's cycles are collectable again
 
     async def add_request(
@@ -213,8 +221,7 @@ class AsyncEngine:
 
     def _fail_pending_adds(self, error: BaseException) -> None:
         for accepted in self._pending_adds:
-            if not accepted.done():
-                accepted.set_exception(EngineDeadError(f"engine is dead: {error!r}"))
+            resolve(accepted, EngineDeadError(f"engine is dead: {error!r}"))
 
     async def wait_idle(self) -> None:
         """Returns once the engine has no unfinished sequence (the offline LLM, whose requests are

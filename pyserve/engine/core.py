@@ -3,7 +3,8 @@
 Each turn: drain the inbox (adds, aborts), `schedule` (within the StepBudget's token budget,
 fitted to the measured seconds of the worker's steps), run the model worker, `update` the
 scheduler with the sampled tokens, and send the step's output, as `update` returned it, to the
-OutputProcessor. The scheduler holds every request's tokens; this actor keeps only what the
+OutputProcessor. The worker's forwards run inline, so this actor's loop serves nothing that must
+answer meanwhile: the server gives it a thread of its own (see AsyncEngine). The scheduler holds every request's tokens; this actor keeps only what the
 scheduler does not know (sampling parameters, samples waiting to fork). It never touches tensors.
 """
 
@@ -18,8 +19,8 @@ import structlog
 from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
+from pyserve.actors.loop_thread import resolve
 from pyserve.engine.step_budget import StepBudget
-from pyserve.engine.worker_call import WorkerCall, worker_call
 from pyserve.speculative.speculator import speculation_stats
 
 log = structlog.get_logger("pyserve.engine")
@@ -29,9 +30,8 @@ NO_TOKENS = np.empty(0, dtype=np.int64)
 
 class EngineCore(Actor):
     def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None,
-                 call_worker: WorkerCall = worker_call(on_loop=False), step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None):
         super().__init__("engine_core")
-        self.call_worker = call_worker
         self.step_budget = step_budget  # None: every step may take max_num_batched_tokens
         self.speculator = speculator
         self.scheduler = scheduler
@@ -67,7 +67,7 @@ class EngineCore(Actor):
         if out.num_reqs == 0:
             ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
             if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
-                await self.call_worker(self.worker.execute, out, StepRows([], []))
+                self.worker.execute(out, StepRows([], []))
                 if self.speculator is not None:
                     self.speculator.forget(out.finished_req_ids.tolist())
             self._fork(ready)
@@ -88,8 +88,9 @@ class EngineCore(Actor):
         adapter_ids = None
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
+        await anyio.sleep(0)  # once per step: the loop delivers what arrived meanwhile
         start = time.perf_counter()
-        result = await self.call_worker(self.worker.execute, out, rows, adapter_ids)
+        result = self.worker.execute(out, rows, adapter_ids)
         seconds = time.perf_counter() - start
         self.last_progress = time.monotonic()
         if self.step_budget is not None:
@@ -137,11 +138,9 @@ class EngineCore(Actor):
             try:
                 self._add(msg.request, msg, hold_for_fork=bool(msg.forks))
             except _core.InvalidRequestError as e:
-                if not msg.accepted.done():
-                    msg.accepted.set_exception(RequestRefused(str(e), e.field))
+                resolve(msg.accepted, RequestRefused(str(e), e.field))
                 return
-            if not msg.accepted.done():
-                msg.accepted.set_result(None)
+            resolve(msg.accepted)
             if msg.forks:
                 self.pending_forks[msg.request.internal_id] = msg
             for req in (msg.request, *msg.forks):

@@ -41,7 +41,7 @@ class LLM:
         if "watchdog_timeout" in config:
             raise TypeError("watchdog_timeout: the offline LLM runs its forwards on its own loop; nothing could watch them")
         config = EngineConfig(model=resolve_model(model), watchdog_timeout=None, **config)
-        self.engine = AsyncEngine(config, worker_on_loop=True)  # first: a model refused here leaves no loop to close
+        self.engine = AsyncEngine(config, own_thread=False)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.engine.start())
         _open.add(self)

@@ -74,7 +74,7 @@ class LoraSlots:
         self.use_triton = use_triton
         self.adapters: dict[int, LoraAdapter] = {}  # loaded adapters (CPU), by adapter id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapters, least recent first
-        # Adapters queued to be added (or None: removed) by the next step, in the worker thread,
+        # Adapters queued to be added (or None: removed) by the next step, on the engine's thread,
         # so the slots never change under a running forward.
         self._changes: list[tuple[int, LoraAdapter | None]] = []
 

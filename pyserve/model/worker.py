@@ -1,8 +1,9 @@
 """ModelWorker: owns the device, the weights, the KV tensors and the sampler, and runs one step:
 inputs -> forward -> sample (drafts go to speculative.verify, adapters' slots to lora.slots).
 
-`execute` is synchronous and meant to run in a worker thread (torch releases the GIL), so the
-event loop keeps serving while the forward runs. Tensors exist only here and in what runs inside
+`execute` is synchronous; it runs inline on the EngineCore's loop, which the server gives a
+thread of its own (torch and the Rust kernels release the GIL), so the server's loop keeps
+serving while the forward runs. Tensors exist only here and in what runs inside
 it (the layers, the kernels, the verifier, the draft model, the LoRA slots).
 """
 
@@ -164,7 +165,7 @@ class ModelWorker:
         return StepResult(res.token_ids.cpu().numpy(), np.ones(len(reqs), dtype=np.int64), logprobs)
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        """Draft tokens from the worker's proposer (a draft model), in the worker thread."""
+        """Draft tokens from the worker's proposer (a draft model), on the EngineCore's thread."""
         return self.proposer.propose(batch, [self._generator(r) for r in batch.requests])
 
     def _generator(self, req: EngineRequest) -> torch.Generator | None:

@@ -16,7 +16,6 @@ from typing import Protocol
 import numpy as np
 
 from pyserve.engine.request import EngineRequest
-from pyserve.engine.worker_call import WorkerCall
 
 
 @dataclass(slots=True)
@@ -43,7 +42,7 @@ class Proposer(Protocol):
 
 class ModelProposer(Protocol):
     """What the ModelWorker needs of a proposer that runs inside it (the draft model now; a
-    self-speculation head later): it proposes in the worker thread, keeps each guess's
+    self-speculation head later): it proposes on the EngineCore's thread, keeps each guess's
     distribution for the verification, and hears how many of a request's drafts were kept."""
 
     def propose(self, batch: ProposalBatch, generators: list) -> list[list[int]]:
@@ -85,17 +84,16 @@ class NgramProposer:
 
 
 class WorkerProposer:
-    """A proposer that lives in the ModelWorker (it owns tensors): called as the worker's steps
-    are (see pyserve.engine.worker_call)."""
+    """A proposer that lives in the ModelWorker (it owns tensors): it runs inline on the
+    EngineCore's loop, as the worker's steps do."""
 
     reads_tokens = True
 
-    def __init__(self, worker, call_worker: WorkerCall):
+    def __init__(self, worker):
         self.worker = worker
-        self.call_worker = call_worker
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        return await self.call_worker(self.worker.propose, batch)
+        return self.worker.propose(batch)
 
     def forget(self, request_ids: list[int]) -> None:
         self.worker.proposer.forget(request_ids)

@@ -1,12 +1,15 @@
-"""The actor microkernel: supervision, closed inboxes, posting to a full inbox."""
+"""The actor microkernel: supervision, closed inboxes, posting to a full inbox, actors on a thread
+of their own."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from pyserve.actors import Actor, ActorSystem, EngineDeadError
+from pyserve.actors.loop_thread import LoopThread, resolve
 
 
 class Crasher(Actor):
@@ -66,3 +69,73 @@ async def test_post_to_a_full_inbox_is_delivered_in_order_later():
         await asyncio.sleep(0.01)
     assert sorted(sink.got) == [0, 1, 2, 3, 4] and sink.got[:2] == [0, 1]
     await system.stop()
+
+
+class Echo(Actor):
+    """Replies to every message with (message, the thread it was handled on); crashes on "die"."""
+
+    def __init__(self, name: str, reply_to: Sink):
+        super().__init__(name)
+        self.reply_to = reply_to
+
+    async def run(self) -> None:
+        while True:
+            msg = await self.receive()
+            if msg == "die":
+                raise RuntimeError("died on its thread")
+            await self.reply_to.send((msg, threading.get_ident()))
+
+
+async def test_an_actor_on_its_own_thread_gets_messages_in_order_and_replies_across():
+    system = ActorSystem()
+    sink = Sink("sink", inbox_size=4)
+    sink.gate.set()
+    thread = LoopThread("test-actor-thread")
+    echo = Echo("echo", sink)
+    system.start(sink)
+    system.start(echo, thread=thread)
+    for i in range(50):  # more than the sink's inbox holds: replies from the thread never block
+        await echo.send(i)
+    for _ in range(500):
+        if len(sink.got) == 50:
+            break
+        await asyncio.sleep(0.01)
+    assert [m for m, _ in sink.got] == list(range(50))
+    assert {t for _, t in sink.got} == {thread._thread.ident} != {threading.get_ident()}
+    await system.stop()
+    thread.close()
+    thread._thread.join(5)
+    assert not thread._thread.is_alive()
+
+
+async def test_a_crash_on_another_thread_is_reported_on_the_starting_loop():
+    system = ActorSystem()
+    sink = Sink("sink", inbox_size=4)
+    thread = LoopThread("test-actor-thread")
+    echo = Echo("echo", sink)
+    heard: list[tuple[str, int]] = []
+    system.on_failure(lambda e: heard.append((str(e), threading.get_ident())))
+    system.start(sink)
+    system.start(echo, thread=thread)
+    echo.post("die")
+    for _ in range(500):
+        if heard:
+            break
+        await asyncio.sleep(0.01)
+    assert heard == [("died on its thread", threading.get_ident())]
+    with pytest.raises(EngineDeadError):
+        await echo.send(1)  # closed: refused at once, from this thread too
+    await system.stop()
+    thread.close()
+
+
+async def test_resolve_settles_a_future_from_another_thread_once():
+    loop = asyncio.get_running_loop()
+    accepted, refused = loop.create_future(), loop.create_future()
+    worker = threading.Thread(target=lambda: (resolve(accepted), resolve(refused, ValueError("no")),
+                                              resolve(refused)))
+    worker.start()
+    worker.join()
+    assert await asyncio.wait_for(accepted, 5) is None
+    with pytest.raises(ValueError, match="no"):
+        await asyncio.wait_for(refused, 5)

@@ -1,16 +1,21 @@
-"""The engine's face (what the server may use of it), the layering rules, and an engine's end
-without noise."""
+"""The engine's face (what the server may use of it), the layering rules, where the forwards run,
+and an engine's end without noise."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import pyserve
+from pyserve import SamplingParams
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.config import EngineConfig
 
 PACKAGE = Path(pyserve.__file__).parent
 
@@ -42,3 +47,21 @@ def test_an_llm_left_open_ends_quietly(llama_dir, tmp_path, ending):
     run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stdout.strip()) == (0, "3"), run.stderr
     assert "actor_crashed" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("own_thread", [True, False])
+async def test_the_forwards_run_on_the_engines_thread_or_the_callers_loop(llama_dir, own_thread):
+    engine = AsyncEngine(EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64,
+                                      watchdog_timeout=None), own_thread=own_thread)
+    ran_on = []
+    execute = engine.worker.execute
+    engine.worker.execute = lambda *a: (ran_on.append(threading.current_thread().name), execute(*a))[1]
+    await engine.start()
+    try:
+        stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+        await asyncio.wait_for(stream.done.wait(), 60)
+    finally:
+        await engine.stop()
+    assert len(stream.output.outputs[0].token_ids) == 4
+    here = threading.current_thread().name
+    assert ran_on and set(ran_on) == ({"pyserve-engine"} if own_thread else {here})

@@ -53,7 +53,7 @@ async def test_a_hung_forward_fails_health_until_the_step_completes(llama_dir):
     hang = {"seconds": 0.0}
 
     def slow_execute(*args):
-        time.sleep(hang["seconds"])  # in the worker thread, as a stuck kernel would be
+        time.sleep(hang["seconds"])  # on the engine's thread, as a stuck kernel would be
         return execute(*args)
 
     engine.worker.execute = slow_execute

@@ -21,7 +21,6 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings
-from pyserve.server.startup import process_seconds
 
 MODEL = "tiny"
 COMPLETION = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
