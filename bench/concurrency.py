@@ -1,7 +1,7 @@
 """Serving throughput and latency against the number of clients: `pyserve serve` (the embedded
 model, CPU unless --device says otherwise) on loopback, driven by bench/serving.py's load
 generator at each --concurrency (random dataset, --input-len prompt tokens, --output-len output
-tokens, EOS ignored, 2 x concurrency requests, at least 8). One server serves every level; a
+tokens, EOS ignored, --requests-per-client x concurrency requests, at least 8). One server serves every level; a
 warm-up round runs first. Writes bench/results/concurrency.json (one row per level: output
 tokens/s, requests/s, TTFT and TPOT median and p99), which bench/plots.py draws.
 """
@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--server-flags", default="", help="extra flags for pyserve serve, space-separated")
     args = ap.parse_args()
     head = harness.header(__file__)
@@ -34,7 +35,7 @@ def main() -> None:
             def load(concurrency: int, seed: int) -> dict:
                 return serving.main([
                     "--base-url", base, "--dataset", "random", "--input-len", str(args.input_len),
-                    "--output-len", str(args.output_len), "--num-prompts", str(max(8, 2 * concurrency)),
+                    "--output-len", str(args.output_len), "--num-prompts", str(max(8, args.requests_per_client * concurrency)),
                     "--max-concurrency", str(concurrency), "--seed", str(seed)])
 
             load(4, seed=999)  # warm-up
