@@ -11,9 +11,18 @@ in block block_tables[i, p // block_size] at offset p % block_size. GQA: q head 
 h // (num_q_heads // num_kv_heads). A sequence with seq_lens[i] == 0 (batch padding) gets zeros.
 Invariant: seq_lens[i] <= max_blocks * block_size (positions past the table are masked out).
 
-Two launches. Stage 1: one program per (sequence, kv head, split) takes a contiguous range of the
-sequence's keys for all the q heads of its group and writes a normalised partial output and its
-log-sum-exp (base 2). Stage 2: one program per (sequence, q head) merges the splits.
+Stage 1: one program per (sequence, kv head, split) takes a contiguous range of the sequence's
+keys for all the q heads of its group and writes a normalised partial output and its
+log-sum-exp (base 2). Stage 2: one program per (sequence, q head) merges the splits. With one
+split, stage 1 writes the output itself and stage 2 does not run.
+
+Compiled variants (see kernels._launch): the split count, the block table's width and the
+workspace strides that follow them are runtime arguments, so the variants are fixed by the
+model (dtype, head_dim, GQA group, block_size) and whether the step has one split or several:
+two of stage 1, one of stage 2. The split count follows the device's multiprocessor count:
+enough programs to fill it, none shorter than TOKENS_PER_SPLIT keys, at most MAX_SPLITS.
+The partial results live in a DecodeWorkspace the caller keeps: allocated when it must grow,
+reused by every layer and step after.
 """
 
 from typing import NamedTuple
@@ -24,22 +33,31 @@ import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
 from pyserve.kernels._gather import gather_pages
+from pyserve.kernels._launch import launch
 from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_N = 32            # keys per inner iteration (independent of the cache's block_size)
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: a GQA group is padded up to this
-MAX_SPLITS = 32
-TOKENS_PER_SPLIT = 256  # auto split: at most this many keys per split ...
-TARGET_PROGRAMS = 1024  # ... but no more splits than needed to launch this many stage-1 programs
+MAX_SPLITS = 128
+TOKENS_PER_SPLIT = 256  # at most this many keys per split ...
+PROGRAMS_PER_SM = 4     # ... but no more splits than needed for this many stage-1 programs an SM
+BLOCK_S = 16            # splits per iteration of stage 2
+CPU_SMS = 8             # the "multiprocessors" of the interpreter (CPU tensors)
 LOG2E = 1.4426950408889634
 
+# Per-step integers (see kernels._launch): never specialised on.
+STAGE1_RUNTIME = ("max_blocks", "num_splits", "stride_bt_seq", "stride_mo_seq", "stride_mo_head",
+                  "stride_mo_split", "stride_ml_seq", "stride_ml_head")
+STAGE2_RUNTIME = ("num_splits", "stride_mo_seq", "stride_mo_head", "stride_mo_split", "stride_ml_seq",
+                  "stride_ml_head")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STAGE1_RUNTIME)
 def _decode_stage1_kernel(
     # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     # sizes
-    num_q_heads, head_dim, block_size, max_blocks, scale_log2,
+    num_q_heads, head_dim, block_size, max_blocks, num_splits, scale_log2,
     # strides
     stride_q_seq, stride_q_head,
     stride_kc_block, stride_kc_off, stride_kc_head,
@@ -47,17 +65,18 @@ def _decode_stage1_kernel(
     stride_bt_seq,
     stride_mo_seq, stride_mo_head, stride_mo_split,
     stride_ml_seq, stride_ml_head,
+    stride_out_seq, stride_out_head,
     # meta-parameters
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split covers a whole number of BLOCK_N tiles; short sequences leave late splits empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -89,44 +108,84 @@ def _decode_stage1_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-    tl.store(mid_o_ptr + seq * stride_mo_seq + heads[:, None] * stride_mo_head
-             + split * stride_mo_split + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + seq * stride_ml_seq + heads * stride_ml_head + split, lse, mask=g_mask)
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:  # the only split: o is the output (zeros for seq_len == 0)
+        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(mid_o_ptr + seq * stride_mo_seq + heads[:, None] * stride_mo_head
+                 + split * stride_mo_split + d[None, :], o, mask=o_mask)
+        tl.store(mid_lse_ptr + seq * stride_ml_seq + heads * stride_ml_head + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STAGE2_RUNTIME)
 def _decode_stage2_kernel(
     # pointers
     mid_o_ptr, mid_lse_ptr, out_ptr,
     # sizes
-    head_dim,
+    head_dim, num_splits,
     # strides
     stride_mo_seq, stride_mo_head, stride_mo_split,
     stride_ml_seq, stride_ml_head,
     stride_out_seq, stride_out_head,
     # meta-parameters
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = sp < NUM_SPLITS
     d_mask = d < head_dim
+    lse_row = mid_lse_ptr + seq * stride_ml_seq + head * stride_ml_head
+    o_row = mid_o_ptr + seq * stride_mo_seq + head * stride_mo_head
 
-    lse = tl.load(mid_lse_ptr + seq * stride_ml_seq + head * stride_ml_head + sp,
-                  mask=s_mask, other=float("-inf"))
-    o = tl.load(mid_o_ptr + seq * stride_mo_seq + head * stride_mo_head
-                + sp[:, None] * stride_mo_split + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    m = tl.max(lse, 0)
+    # Pass 1: the largest log-sum-exp over every split, BLOCK_S at a time.
+    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        m_vec = tl.maximum(m_vec, tl.load(lse_row + sp, mask=sp < num_splits, other=float("-inf")))
+    m = tl.max(m_vec, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len == 0: every weight is 0, output 0
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    # Pass 2: the splits' outputs weighted by exp2(lse - m).
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        s_mask = sp < num_splits
+        w = tl.exp2(tl.load(lse_row + sp, mask=s_mask, other=float("-inf")) - m)
+        o = tl.load(o_row + sp[:, None] * stride_mo_split + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        total += w
+        acc += w[:, None] * o
+    denom = tl.sum(total, 0)
+    out = tl.sum(acc, 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+class DecodeWorkspace:
+    """The partial outputs and log-sum-exps of stage 1, grown when a step needs more, else
+    reused (every layer and step of an engine shares one)."""
+
+    def __init__(self) -> None:
+        self._o: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
+
+    def views(self, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int, device) -> tuple:
+        """(mid_o [num_seqs, num_q_heads, num_splits, head_dim], mid_lse [.., num_splits]) f32."""
+        n = num_seqs * num_q_heads * num_splits
+        if self._lse is None or self._lse.numel() < n or self._o.numel() < n * head_dim \
+                or self._o.device != torch.device(device):
+            self._lse = torch.empty(max(n, 1), dtype=torch.float32, device=device)
+            self._o = torch.empty(max(n * head_dim, 1), dtype=torch.float32, device=device)
+        return (self._o[:n * head_dim].view(num_seqs, num_q_heads, num_splits, head_dim),
+                self._lse[:n].view(num_seqs, num_q_heads, num_splits))
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SMS
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits):
@@ -142,18 +201,21 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
 
 
-def choose_num_splits(num_seqs, num_kv_heads, max_seq_len):
-    """Splits per sequence: enough to fill the device, none shorter than TOKENS_PER_SPLIT keys."""
+def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms):
+    """Splits per sequence: enough stage-1 programs to fill `num_sms` multiprocessors, none
+    shorter than TOKENS_PER_SPLIT keys, at most MAX_SPLITS."""
     by_len = triton.cdiv(max(max_seq_len, 1), TOKENS_PER_SPLIT)
-    by_occupancy = triton.cdiv(TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1))
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(by_len, by_occupancy, MAX_SPLITS))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None,
+                           workspace: DecodeWorkspace | None = None):
     """softmax(q K^T * scale) V per sequence and q head, keys read through block_tables.
 
     NOTE: with num_splits=None the split count comes from the block table's width
     (max_blocks * block_size bounds every seq_len), so the launch never syncs with the device.
+    Without `workspace` the partial results are allocated for this call.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -161,35 +223,39 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_blocks * block_size)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_blocks * block_size,
+                                       multiprocessor_count(q.device))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    mid_o = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32,
-                        device=q.device)
-    mid_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = (workspace or DecodeWorkspace()).views(num_seqs, num_q_heads, num_splits, head_dim, q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
-        num_q_heads, head_dim, block_size, max_blocks, float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, NUM_SPLITS=num_splits,
-        BLOCK_G=max(MIN_GROUP, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    launch(
+        _decode_stage1_kernel, (num_seqs, num_kv_heads, num_splits), STAGE1_RUNTIME,
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        mid_o_ptr=mid_o, mid_lse_ptr=mid_lse, out_ptr=out,
+        num_q_heads=num_q_heads, head_dim=head_dim, block_size=block_size, max_blocks=max_blocks,
+        num_splits=num_splits, scale_log2=float(scale) * LOG2E,
+        stride_q_seq=q.stride(0), stride_q_head=q.stride(1),
+        stride_kc_block=k_cache.stride(0), stride_kc_off=k_cache.stride(1), stride_kc_head=k_cache.stride(2),
+        stride_vc_block=v_cache.stride(0), stride_vc_off=v_cache.stride(1), stride_vc_head=v_cache.stride(2),
+        stride_bt_seq=block_tables.stride(0),
+        stride_mo_seq=mid_o.stride(0), stride_mo_head=mid_o.stride(1), stride_mo_split=mid_o.stride(2),
+        stride_ml_seq=mid_lse.stride(0), stride_ml_head=mid_lse.stride(1),
+        stride_out_seq=out.stride(0), stride_out_head=out.stride(1),
+        GROUP=group, BLOCK_G=max(MIN_GROUP, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=num_splits == 1,
     )
-    _decode_stage2_kernel[(num_seqs, num_q_heads)](
-        mid_o, mid_lse, out,
-        head_dim,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-    )
+    if num_splits > 1:
+        launch(
+            _decode_stage2_kernel, (num_seqs, num_q_heads), STAGE2_RUNTIME,
+            mid_o_ptr=mid_o, mid_lse_ptr=mid_lse, out_ptr=out,
+            head_dim=head_dim, num_splits=num_splits,
+            stride_mo_seq=mid_o.stride(0), stride_mo_head=mid_o.stride(1), stride_mo_split=mid_o.stride(2),
+            stride_ml_seq=mid_lse.stride(0), stride_ml_head=mid_lse.stride(1),
+            stride_out_seq=out.stride(0), stride_out_head=out.stride(1),
+            BLOCK_S=BLOCK_S, BLOCK_D=block_d,
+        )
     return out
 
 

@@ -19,8 +19,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402,F401  (a hard dependency: these tests must not skip silently)
 
 from pyserve.kernels.extend_attention import extend_attention, extend_attention_ref
+from pyserve.kernels._launch import recording
 from pyserve.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from pyserve.kernels.paged_decode_attention import (
+    DecodeWorkspace,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -145,7 +147,7 @@ def test_extend_ref_matches_dense_causal_attention(num_q_heads, num_kv_heads, se
 
 # --- Triton launchers against the references ------------------------------------------------
 
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 20])  # 20: stage 2 merges two chunks of 16
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
 def test_paged_decode_attention_matches_ref(num_q_heads, num_kv_heads, num_splits):
     k_cache, v_cache, tables, _ = make_paged_kv(SEQ_LENS, num_kv_heads, torch.float32)
@@ -174,10 +176,43 @@ def test_paged_decode_attention_zero_length_sequence_gives_zeros():
     torch.testing.assert_close(out, paged_decode_attention_ref(*args), **TOL[torch.float32])
 
 
-def test_auto_num_splits_splits_long_contexts_only():
-    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=200) == 1
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=8192) > 1
-    assert choose_num_splits(num_seqs=4, num_kv_heads=2, max_seq_len=10**6) <= 32
+def test_a_shared_workspace_keeps_its_storage_and_the_results():
+    workspace = DecodeWorkspace()
+    k_cache, v_cache, tables, _ = make_paged_kv(SEQ_LENS, 2, torch.float32)
+    q = randn(len(SEQ_LENS), 4, HEAD_DIM, dtype=torch.float32)
+    args = (q, k_cache, v_cache, tables, i32(SEQ_LENS), HEAD_DIM**-0.5)
+    first = paged_decode_attention(*args, num_splits=3, workspace=workspace)
+    storage = workspace.views(len(SEQ_LENS), 4, 3, HEAD_DIM, DEVICE)[0].data_ptr()
+    second = paged_decode_attention(*args, num_splits=2, workspace=workspace)  # fewer splits: same buffer
+    assert workspace.views(len(SEQ_LENS), 4, 2, HEAD_DIM, DEVICE)[0].data_ptr() == storage
+    torch.testing.assert_close(first, paged_decode_attention_ref(*args), **TOL[torch.float32])
+    torch.testing.assert_close(second, first, **TOL[torch.float32])
+
+
+def test_decode_compiles_a_fixed_set_of_variants_whatever_the_batch_and_table_width():
+    """Batch sizes 1-17, table widths 1-16, split counts 1-6: one stage-1 variant with a single
+    split, one with several, one stage 2 (the per-step integers are runtime arguments)."""
+    workspace = DecodeWorkspace()
+    with recording() as seen:
+        for num_seqs, width, num_splits in [(1, 1, None), (2, 3, 2), (3, 5, 1), (5, 16, 6), (8, 4, None),
+                                            (16, 7, 3), (17, 9, 5)]:
+            lens = [(i % 4) + 1 for i in range(num_seqs)]  # one page each: any width >= 1 holds them
+            k_cache, v_cache, tables, _ = make_paged_kv(lens, 2, torch.float32)
+            tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))  # crops to width 1
+            q = randn(num_seqs, 4, HEAD_DIM, dtype=torch.float32)
+            paged_decode_attention(q, k_cache, v_cache, tables, i32(lens), 0.25, num_splits=num_splits,
+                                   workspace=workspace)
+    assert {name: len(keys) for name, keys in seen.items()} == {"_decode_stage1_kernel": 2,
+                                                               "_decode_stage2_kernel": 1}
+
+
+def test_auto_num_splits_fills_the_device_with_long_contexts_only():
+    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=200, num_sms=132) == 1
+    # batch 1, 2 KV heads, 32k context on 132 SMs: 4 programs an SM -> 264 splits, capped at 128
+    assert choose_num_splits(num_seqs=1, num_kv_heads=2, max_seq_len=32768, num_sms=132) == 128
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 32  # by length
+    assert choose_num_splits(num_seqs=8, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 9  # by occupancy
+    assert choose_num_splits(num_seqs=8, num_kv_heads=8, max_seq_len=8192, num_sms=16) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
