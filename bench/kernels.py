@@ -103,7 +103,7 @@ def main():
 
     import triton.testing
 
-    from pyserve.kernels.extend_attention import extend_attention, extend_attention_ref
+    from pyserve.kernels.extend_attention import extend_attention, extend_attention_ref, extend_tiles
     from pyserve.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
     from pyserve.kernels.paged_decode_attention import (
         paged_decode_attention,
@@ -154,9 +154,10 @@ def main():
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device="cuda")
         a = (q, k_cache, v_cache, tables, starts, lens, scale)
-        err = (extend_attention(*a, max_query_len=q_len).float()
+        tiles = torch.from_numpy(extend_tiles(starts.cpu().numpy())).cuda()
+        err = (extend_attention(*a, tiles=tiles).float()
                - extend_attention_ref(*a).float()).abs().max()
-        ms = do_bench(partial(extend_attention, *a, max_query_len=q_len))
+        ms = do_bench(partial(extend_attention, *a, tiles=tiles))
         nbytes = (2 * sum(seq_lens) * HKV * D + 2 * q.numel()) * elt
         visible = sum(q_len * (n - q_len) + q_len * (q_len + 1) // 2 for n in seq_lens)
         flops = 4 * visible * HQ * D

@@ -17,28 +17,35 @@ Invariants: the new tokens' K/V are already in the cache (write_kv_cache ran fir
 is read through block_tables; qlen_i <= seq_lens[i] <= max_blocks * block_size. GQA: q head h
 reads kv head h // (num_q_heads // num_kv_heads).
 
-One program per (sequence, tile of BLOCK_M queries, q head); tiles past a sequence's qlen exit.
+One program per (query tile, q head) over a flat list of tiles: (sequence, tile of BLOCK_M of its
+queries) pairs built on the host from the query offsets (`extend_tiles`), so a mixed batch
+launches programs only where there are queries, and the launcher can leave sequences out (the
+decode rows the decode kernel takes). The block table's width is a runtime argument: the
+compiled variants are fixed by the model (see kernels._launch).
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor
 from pyserve.kernels._gather import gather_pages
+from pyserve.kernels._launch import launch
 from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_M = 16  # queries per program
 BLOCK_N = 32  # keys per inner iteration (independent of the cache's block_size)
 LOG2E = 1.4426950408889634
+RUNTIME = ("max_blocks", "stride_bt_seq")  # per-step integers, never specialised on
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME)
 def _extend_attention_kernel(
     # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tiles_ptr, out_ptr,
     # sizes
     head_dim, block_size, max_blocks, scale_log2,
     # strides
@@ -51,15 +58,14 @@ def _extend_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    head = tl.program_id(2)
+    tile_id = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     kv_head = head // GROUP
+    seq = tl.load(tiles_ptr + 2 * tile_id).to(tl.int64)
+    m_tile = tl.load(tiles_ptr + 2 * tile_id + 1)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_tile * BLOCK_M >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
 
@@ -96,7 +102,7 @@ def _extend_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len):
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles=None):
     check_tensor("q", q, 3, FLOAT_DTYPES)
     check_kv_cache("q", q, k_cache, v_cache)
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,), q.device)
@@ -107,35 +113,50 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_que
                          f"{num_seqs} sequences")
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), q.device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
-        raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
+    if tiles is not None:
+        check_tensor("tiles", tiles, 2, (torch.int32,), q.device)
+        if tiles.shape[1] != 2 or not tiles.is_contiguous():
+            raise ValueError(f"tiles must be a contiguous [num_tiles, 2] tensor, got shape {tuple(tiles.shape)}")
 
 
-def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                     max_query_len=None):
-    """Causal softmax(q K^T * scale) V for every new token of every sequence, in one launch.
+def extend_tiles(query_start_loc: np.ndarray, seqs: np.ndarray | None = None) -> np.ndarray:
+    """int32 [num_tiles, 2]: (sequence, query tile) for every BLOCK_M queries of sequences `seqs`
+    (default: all), from the host copy of query_start_loc."""
+    q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+    if seqs is None:
+        seqs = np.arange(len(q_lens))
+    per_seq = -(-q_lens[seqs] // BLOCK_M)
+    tiles = np.empty((int(per_seq.sum()), 2), dtype=np.int32)
+    tiles[:, 0] = np.repeat(seqs, per_seq)
+    tiles[:, 1] = np.arange(len(tiles)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    return tiles
 
-    NOTE: pass max_query_len (the scheduler knows it) to size the grid; None reads it from
-    query_start_loc, which syncs with the device.
+
+def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, tiles=None):
+    """Causal softmax(q K^T * scale) V for every new token of the sequences `tiles` covers (rows
+    of other sequences are left unwritten), in one launch.
+
+    NOTE: pass `tiles` (extend_tiles of the host's query offsets, on q's device); None builds
+    them for every sequence from query_start_loc, which syncs with the device.
     """
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if max_query_len is None:
-        max_query_len = int(query_start_loc.diff().max()) if num_seqs else 0
-    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+    if tiles is None:
+        tiles = torch.from_numpy(extend_tiles(query_start_loc.cpu().numpy())).to(q.device)
+    if num_tokens == 0 or tiles.shape[0] == 0:
         return out
-    grid = (num_seqs, triton.cdiv(max_query_len, BLOCK_M), num_q_heads)
-    _extend_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        head_dim, block_size, block_tables.shape[1], float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+    launch(
+        _extend_attention_kernel, (tiles.shape[0], num_q_heads), RUNTIME,
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=block_tables,
+        query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, tiles_ptr=tiles, out_ptr=out,
+        head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1], scale_log2=float(scale) * LOG2E,
+        stride_q_tok=q.stride(0), stride_q_head=q.stride(1),
+        stride_kc_block=k_cache.stride(0), stride_kc_off=k_cache.stride(1), stride_kc_head=k_cache.stride(2),
+        stride_vc_block=v_cache.stride(0), stride_vc_off=v_cache.stride(1), stride_vc_head=v_cache.stride(2),
+        stride_bt_seq=block_tables.stride(0),
+        stride_out_tok=out.stride(0), stride_out_head=out.stride(1),
         GROUP=num_q_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -146,13 +167,12 @@ def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_len
 SHORT_QUERY = 16  # the reference batches sequences with at most this many query tokens
 
 
-def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                         max_query_len=None):
+def extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
     """Torch reference and CPU backend: scaled_dot_product_attention (fp32) over each sequence's
     keys gathered through its block table, with a causal mask offset by the cached prefix.
     Sequences with short queries (speculative verification, small chunks) go through one
-    padded batch; longer ones one by one. `max_query_len` is accepted and ignored."""
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    padded batch; longer ones one by one."""
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     layout = extend_layout(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     return extend_attention_with_layout(q, k_cache, v_cache, layout, scale)
 

@@ -31,10 +31,10 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray  # the same, on the host
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     query_start_loc_host: np.ndarray  # the same, on the host
-    max_query_len: int
     all_decode: bool
     slots_valid: bool = True  # no negative (padding) slot in slot_mapping
     torch_plan: TorchPlan | None = None  # the torch backend's per-step layout, built by its first layer
+    triton_plan: TritonPlan | None = None  # the triton backend's, for a step that is not all decode
 
     @classmethod
     def build(
@@ -58,7 +58,6 @@ class AttentionMetadata:
             seq_lens_host=seq_lens,
             query_start_loc=dev(query_start_loc),
             query_start_loc_host=query_start_loc,
-            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
             all_decode=bool((query_lens == 1).all()),
         )
 
@@ -247,19 +246,54 @@ class TorchBackend(AttentionBackend):
         return out
 
 
+@dataclass(slots=True)
+class TritonPlan:
+    """A mixed step on the Triton path, from the host's query offsets, built by the first layer:
+    the one-token rows (and their sequences' tables and lengths) for the split-K decode kernel,
+    the query tiles of the other sequences for the extend kernel."""
+
+    decode_tokens: torch.Tensor | None  # int64 q rows; None: no decode row
+    decode_block_tables: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    extend_tiles: torch.Tensor  # int32 [num_tiles, 2]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> TritonPlan:
+        qsl = meta.query_start_loc_host
+        q_lens = np.diff(qsl)
+        tiles = _on(meta, extend.extend_tiles(qsl, np.flatnonzero(q_lens != 1)))
+        dec_seqs = np.flatnonzero(q_lens == 1)
+        if not len(dec_seqs):
+            return cls(None, None, None, tiles)
+        rows = _on(meta, dec_seqs)
+        return cls(_on(meta, qsl[dec_seqs].astype(np.int64)), meta.block_tables[rows], meta.seq_lens[rows], tiles)
+
+
 class TritonBackend(AttentionBackend):
-    """The CUDA path: one launch per layer for the cache write and one for attention."""
+    """The CUDA path: per layer one launch for the cache write, then the split-K decode kernel
+    for one-token rows (every row of a decode step) and the extend kernel over the query tiles
+    of the others. The decode kernel's workspace is the backend's, reused by every layer."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        self.workspace = decode.DecodeWorkspace()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         kv_write.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.all_decode:
-            return decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        return extend.extend_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            max_query_len=meta.max_query_len,
-        )
+            return decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                                 workspace=self.workspace)
+        plan = meta.triton_plan
+        if plan is None:
+            plan = meta.triton_plan = TritonPlan.build(meta)
+        out = extend.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                      scale, tiles=plan.extend_tiles)
+        if plan.decode_tokens is not None:
+            out[plan.decode_tokens] = decode.paged_decode_attention(
+                q[plan.decode_tokens], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, scale,
+                workspace=self.workspace)
+        return out
 
 
 def make_backend(name: str) -> AttentionBackend:

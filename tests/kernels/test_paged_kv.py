@@ -10,6 +10,7 @@ mis-handles bf16 (numpy has no bf16).
 
 import os
 
+import numpy as np
 import pytest
 
 import torch
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402,F401  (a hard dependency: these tests must not skip silently)
 
-from pyserve.kernels.extend_attention import extend_attention, extend_attention_ref
+from pyserve.kernels.extend_attention import extend_attention, extend_attention_ref, extend_tiles
 from pyserve.kernels._launch import recording
 from pyserve.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from pyserve.kernels.paged_decode_attention import (
@@ -225,9 +226,25 @@ def test_extend_attention_mixed_batch_matches_ref(num_q_heads, num_kv_heads, dty
     q = randn(sum(q_lens), num_q_heads, HEAD_DIM, dtype=dtype)
     starts = i32([0, 18, 38, 39, 40])
     args = (q, k_cache, v_cache, tables, starts, i32(seq_lens), HEAD_DIM**-0.5)
-    out = extend_attention(*args, max_query_len=20)
+    tiles = extend_tiles(starts.cpu().numpy())
+    assert tiles.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]  # only tiles with queries
+    out = extend_attention(*args, tiles=torch.from_numpy(tiles).to(DEVICE))
     torch.testing.assert_close(out, extend_attention_ref(*args), **TOL[dtype])
-    torch.testing.assert_close(extend_attention(*args), out)  # max_query_len read from starts
+    torch.testing.assert_close(extend_attention(*args), out)  # tiles built from starts
+
+
+def test_extend_attention_computes_only_the_sequences_its_tiles_name():
+    seq_lens, q_lens = [38, 20, 40, 1], [18, 20, 1, 1]
+    k_cache, v_cache, tables, _ = make_paged_kv(seq_lens, 2, torch.float32)
+    q = randn(sum(q_lens), 4, HEAD_DIM, dtype=torch.float32)
+    starts = i32([0, 18, 38, 39, 40])
+    args = (q, k_cache, v_cache, tables, starts, i32(seq_lens), HEAD_DIM**-0.5)
+    tiles = extend_tiles(starts.cpu().numpy(), np.array([1, 3]))
+    assert tiles.tolist() == [[1, 0], [1, 1], [3, 0]]
+    out = extend_attention(*args, tiles=torch.from_numpy(tiles).to(DEVICE))
+    want = extend_attention_ref(*args)
+    rows = [*range(18, 38), 39]
+    torch.testing.assert_close(out[rows], want[rows], **TOL[torch.float32])
 
 
 def test_write_then_extend_then_decode_follow_one_sequence():

@@ -1,6 +1,7 @@
 """The CPU attention path against the plain references: the Rust decode kernel (pages read in
 place) in decode and mixed batches, its argument checks and thread-count invariance, and decode
-rows split into groups of similar length on the reference path."""
+rows split into groups of similar length on the reference path; and the Triton backend's routing
+of a mixed step (under the interpreter on a machine without CUDA)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from pyserve import _core
+from pyserve.kernels._launch import recording
 from pyserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pyserve.model.attention import AttentionMetadata, InPlaceDecode, TorchBackend
+from pyserve.model.attention import AttentionMetadata, InPlaceDecode, TorchBackend, TritonBackend
 
 BLOCK, HKV, HQ, D = 4, 2, 4, 8
 
@@ -109,3 +111,23 @@ def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
     np.testing.assert_array_equal(outs[0], outs[1])
     want = paged_decode_attention_ref(q, kc, vc, tables, torch.from_numpy(lens), 0.3)
     torch.testing.assert_close(torch.from_numpy(outs[1]), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 5, 1, 17, 1], [3, 5, 2, 17, 4]])
+def test_the_triton_backend_sends_one_token_rows_to_decode_and_the_rest_to_extend_tiles(q_lens):
+    seq_lens = [9, 30, 3, 40, 22]
+    q, k, v, kc, vc, meta, _ = _paged_batch(seq_lens, q_lens, seed=2)
+    ref_meta = AttentionMetadata.build(meta.slot_mapping.numpy(), meta.block_tables.numpy(), meta.seq_lens_host,
+                                       meta.query_start_loc_host, torch.device("cpu"))
+    want = TorchBackend(cpu_kernel=False).forward(q, k, v, kc.clone(), vc.clone(), ref_meta, 0.3)
+    backend = TritonBackend()
+    with recording() as seen:
+        out = backend.forward(q, k, v, kc, vc, meta, 0.3)
+        out_again = backend.forward(q, k, v, kc, vc, meta, 0.3)  # the next layer: the step's plan is reused
+    plan = meta.triton_plan
+    decode_rows = [int(s) for s, n in zip(np.cumsum([0] + q_lens), q_lens) if n == 1]
+    assert (plan.decode_tokens.tolist() if plan.decode_tokens is not None else []) == decode_rows
+    assert plan.extend_tiles.tolist() == [[i, t] for i, n in enumerate(q_lens) if n != 1 for t in range((n + 15) // 16)]
+    assert ("_decode_stage1_kernel" in seen) == bool(decode_rows)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out_again, out)
