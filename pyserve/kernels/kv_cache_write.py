@@ -31,7 +31,7 @@ def _write_kv_cache_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per token: copies its [num_kv_heads, head_dim] K and V rows into its slot."""
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)  # tok * stride may pass 2**31
     slot = tl.load(slot_mapping_ptr + tok)
     if (slot < 0) | (slot >= num_slots):
         return

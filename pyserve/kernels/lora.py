@@ -25,7 +25,7 @@ GATHER_LIMIT = 1 << 22  # the reference gathers per-token matrices up to this ma
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, fan_in, rank,
                    stride_x, stride_a_slot, stride_a_rank, stride_out,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride may pass 2**31
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + t)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -43,7 +43,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, fan_in, rank,
 def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, slots_ptr, fan_out, rank,
                    stride_y, stride_xa, stride_b_slot, stride_b_out,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:

@@ -13,7 +13,7 @@ Outputs: output_token_ids int64 [R] (request b's accepted drafts, then one sampl
 -1 padding) and num_output int32 [B] (accepted + 1).
 
 Rule: draft j is accepted iff u_j * q_j(d_j) < p_j(d_j) (probability min(1, p/q)) and every draft
-before it was. At the first rejection the token is drawn from max(0, p - q) renormalised; if all
+before it was; a draft id outside [0, V) is rejected (and adds nothing to q's one-hot). At the first rejection the token is drawn from max(0, p - q) renormalised; if all
 drafts pass, from p at the bonus row. Draws are exponential races, argmax(w / noise), which sample
 in proportion to w without normalising. A residual with no mass left (p == q up to rounding) falls
 back to p. With greedy target rows this is exactly "keep drafts while they equal the argmax".
@@ -35,20 +35,21 @@ def _rejection_sample_kernel(
     """One program per request: count the leading accepted drafts, then race over the vocabulary
     for the final token (residual and plain p at once), then write the request's row outputs."""
     b = tl.program_id(0)
-    r0 = tl.load(cu_ptr + b)
+    r0 = tl.load(cu_ptr + b).to(tl.int64)  # r * stride may pass 2**31
     m = tl.load(cu_ptr + b + 1) - r0
     n_acc = 0
     still = 1
     for j in range(0, m - 1):
         r = r0 + j
         d = tl.load(draft_ptr + r)
-        p_d = tl.load(p_ptr + r * stride_p + d)
+        known = (d >= 0) & (d < vocab_size)
+        p_d = tl.load(p_ptr + r * stride_p + d, mask=known, other=0.0)
         if HAS_Q:
-            q_d = tl.load(q_ptr + r * stride_q + d)
+            q_d = tl.load(q_ptr + r * stride_q + d, mask=known, other=1.0)
         else:
             q_d = 1.0
         u = tl.load(u_ptr + r)
-        still = still * (u * q_d < p_d).to(tl.int32)
+        still = still * (known & (u * q_d < p_d)).to(tl.int32)
         n_acc += still
     r = r0 + n_acc
     is_residual = n_acc < m - 1
@@ -133,16 +134,18 @@ def rejection_sample_ref(target_probs, draft_probs, draft_token_ids, uniform, no
     req = torch.repeat_interleave(torch.arange(num_reqs, device=dev), counts)
     pos = torch.arange(num_rows, device=dev) - cu[:-1][req]
     is_draft = pos < (counts - 1)[req]
+    known = (draft_token_ids >= 0) & (draft_token_ids < target_probs.shape[1])
     d = draft_token_ids.clamp(0, target_probs.shape[1] - 1).unsqueeze(1)
     p_d = target_probs.gather(1, d).squeeze(1)
     q_d = draft_probs.gather(1, d).squeeze(1) if draft_probs is not None else torch.ones_like(p_d)
-    stop = ~(is_draft & (uniform * q_d < p_d))  # first stop of a request = its final row
+    stop = ~(is_draft & known & (uniform * q_d < p_d))  # first stop of a request = its final row
     first = torch.where(stop, pos, torch.full_like(pos, num_rows))
     n_acc = torch.full((num_reqs,), num_rows, dtype=torch.int64, device=dev).scatter_reduce(
         0, req, first, reduce="amin")
     final = cu[:-1] + n_acc
     p = target_probs[final]
-    q = draft_probs[final] if draft_probs is not None else torch.zeros_like(p).scatter_(1, d[final], 1.0)
+    q = draft_probs[final] if draft_probs is not None else \
+        torch.zeros_like(p).scatter_(1, d[final], known[final].unsqueeze(1).to(p.dtype))
     residual = (p - q).clamp_min_(0.0)
     use_residual = (n_acc < counts - 1) & (residual.sum(dim=1) > 0)
     w = torch.where(use_residual.unsqueeze(1), residual, p)

@@ -89,3 +89,24 @@ def test_rejection_sampling_preserves_the_target_distribution(with_q):
     accept_rate = float((num == 2).float().mean())
     expected = float(torch.minimum(p_row, q_row).sum()) if with_q else float(p_row[2])
     assert accept_rate == pytest.approx(expected, abs=0.01)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_a_draft_outside_the_vocabulary_is_rejected(with_q):
+    """Drafts -3, V and V + 7 are rejected where they stand (a target that would accept any
+    in-vocabulary draft: p uniform, u = 0); the token at the rejection comes from the residual
+    (from p when q is one-hot: an unknown id adds nothing to it)."""
+    vocab = 13
+    p = torch.full((6, vocab), 1.0 / vocab)
+    q = torch.full((6, vocab), 1.0 / vocab) * 0.5 if with_q else None
+    if q is not None:
+        q[:, 4] += 0.5  # mass off token 4: the residual p - q is positive elsewhere
+    drafts = torch.tensor([5, -3, 7, vocab, 2, vocab + 7])
+    u = torch.zeros(6)
+    noise = torch.ones(6, vocab)
+    noise[:, 9] = 0.5  # the race's winner wherever token 9 has weight
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)  # request 0: drafts 5, -3; request 1: vocab, 2
+    for fn in (rejection_sample_ref, rejection_sample):
+        tokens, num = fn(p, q, drafts, u, noise, cu)
+        assert num.tolist() == [2, 1]
+        assert tokens.tolist() == [5, 9, -1, 9, -1, -1]
