@@ -88,6 +88,7 @@ class AsyncEngine:
             draft_model=draft,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank,
+            max_num_seqs=config.max_num_seqs,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,

@@ -23,6 +23,7 @@ from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_bloc
 from pyserve.model.loader import load_model
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.model.step_buffers import StepBuffers
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
@@ -68,6 +69,7 @@ class ModelWorker:
         draft_model: tuple[str, ModelConfig] | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 64,
+        max_num_seqs: int = 256,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -80,6 +82,9 @@ class ModelWorker:
         self.kv_caches = allocate_kv_cache(cfg, num_kv_blocks, block_size, self.dtype, self.device)
         backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.backend = make_backend(backend)
+        # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
+        # path's kernels take the step's own arrays.
+        self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self._generators: dict[int, torch.Generator] = {}
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
@@ -127,6 +132,11 @@ class ModelWorker:
                 self.proposer.copy_blocks(pairs)
         if self.lora is not None:
             self.lora.prepare_step(adapter_ids, out.num_scheduled_tokens, dev)
+        if self.step_buffers is not None and self.lora is None and len(out.input_ids) == out.num_reqs \
+                and len(rows.requests) == out.num_reqs:  # a decode step: on the fixed buffers, padded
+            input_ids, positions, meta, _ = self.step_buffers.stage(out)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
+            return self._sample(self.model.compute_logits(hidden), rows)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
         )
