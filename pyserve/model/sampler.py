@@ -10,9 +10,10 @@ Per logits row, in this order:
      token = argmax(probs / q) with q ~ Exp(1), which samples from probs (Gumbel-max)
 Logprobs are of the raw logits (log_softmax before step 1), vLLM's default "raw_logprobs".
 
-Seed invariant: a row with its own torch.Generator draws its noise from that generator alone, one
-[V] draw per non-greedy step, so a seeded request gets the same tokens whatever else is in the
-batch and wherever its row sits. The other rows share the sampler's generator (one batched draw).
+Seed invariant: a seeded row's noise is keyed by its request's seed and the index of the token it
+samples (model.noise), so a seeded request gets the same tokens whatever else is in the batch,
+wherever its row sits and whatever speculation did. The other rows share the sampler's generator
+(one batched draw).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.model.noise import NoiseKey, keyed_exponential
 
 _NEG_INF = float("-inf")
 
@@ -42,7 +44,7 @@ class SamplingRows:
     top_k: torch.Tensor  # [N] int64, 0 or -1 (or >= V) = off
     top_p: torch.Tensor  # [N] f32, 1 = off
     min_p: torch.Tensor  # [N] f32, 0 = off
-    generators: list[torch.Generator | None]  # None = the sampler's shared generator
+    noise_keys: list[NoiseKey | None]  # None = the sampler's shared generator
     num_logprobs: list[int | None]  # top logprobs wanted per row; None = no logprobs
     # The three penalties are None when no row uses any penalty.
     presence_penalty: torch.Tensor | None = None  # [N] f32
@@ -57,7 +59,7 @@ class SamplingRows:
     max_top_k: int = 0  # largest top_k among sampled rows; 0 = no row uses top-k
     any_top_p: bool = False
     filter_rows: torch.Tensor | None = None  # rows using top-k/top-p, when not all rows
-    seeded_rows: list[tuple[int, torch.Generator]] = field(default_factory=list)  # sampled rows
+    seeded_rows: list[tuple[int, NoiseKey]] = field(default_factory=list)  # sampled rows
     shared_rows: torch.Tensor | None = None  # rows on the shared generator; None = all rows
     max_num_logprobs: int | None = None
 
@@ -65,7 +67,7 @@ class SamplingRows:
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        noise_keys: list[NoiseKey | None],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         banned_token_ids: Sequence[Sequence[int]] | None,
@@ -73,10 +75,10 @@ class SamplingRows:
     ) -> SamplingRows:
         """Batches per-request state: one host-to-device copy per kind of field, none per row."""
         n = len(params)
-        if not len(generators) == len(prompt_token_ids) == len(output_token_ids) == n or (
+        if not len(noise_keys) == len(prompt_token_ids) == len(output_token_ids) == n or (
             banned_token_ids is not None and len(banned_token_ids) != n
         ):
-            raise ValueError("build needs one generator, prompt, output (and banned) list per row")
+            raise ValueError("build needs one noise key, prompt, output (and banned) list per row")
         per_row = [
             [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
             for p in params
@@ -85,7 +87,7 @@ class SamplingRows:
         greedy = [p.greedy for p in params]
         sampled = [i for i in range(n) if not greedy[i]]
         filt = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
-        seeded = [(i, generators[i]) for i in sampled if generators[i] is not None]
+        seeded = [(i, noise_keys[i]) for i in sampled if noise_keys[i] is not None]
         seeded_ids = {i for i, _ in seeded}
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         rows = cls(
@@ -93,7 +95,7 @@ class SamplingRows:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=floats[1],
             min_p=floats[2],
-            generators=list(generators),
+            noise_keys=list(noise_keys),
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(greedy),
             any_greedy=any(greedy),
@@ -207,16 +209,18 @@ class Sampler:
                 x[idx] = _top_k_top_p(x[idx], rows.top_k[idx], p, rows.max_top_k)
         return x
 
-    def exponential(self, like: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-        """Exp(1) noise shaped like `like`; seeded rows use their own generator (the seed invariant)."""
+    def exponential(self, like: torch.Tensor, rows: SamplingRows, offset: int = 0) -> torch.Tensor:
+        """Exp(1) noise shaped like `like`; seeded rows get their keyed draws, for the token
+        `offset` places after the one their key names (the seed invariant)."""
         q = torch.empty_like(like)
         if rows.shared_rows is None:
             q.exponential_(generator=self.generator)
         elif len(rows.shared_rows):
             shared = torch.empty((len(rows.shared_rows), q.shape[1]), dtype=q.dtype, device=q.device)
             q[rows.shared_rows] = shared.exponential_(generator=self.generator)
-        for i, g in rows.seeded_rows:
-            q[i].exponential_(generator=g)
+        if rows.seeded_rows:
+            idx = torch.tensor([i for i, _ in rows.seeded_rows], device=q.device)
+            q[idx] = keyed_exponential([k.at(offset) for _, k in rows.seeded_rows], q.shape[1], q.device).to(q.dtype)
         # NOTE: the CPU kernel can return exactly 0, and 0/0 is NaN, which argmax would pick.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 

@@ -21,6 +21,7 @@ from pyserve.model.attention import AttentionMetadata, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
+from pyserve.model.noise import NoiseKey
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.step_buffers import StepBuffers
@@ -86,7 +87,6 @@ class ModelWorker:
         # path's kernels take the step's own arrays.
         self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
-        self._generators: dict[int, torch.Generator] = {}
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:
             self.model.fuse_projections()
@@ -100,7 +100,7 @@ class ModelWorker:
                 draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
                 block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
             )
-        self.verifier = Verifier(self.sampler, self.device, self.proposer, self._generator)
+        self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
 
     def add_lora(self, adapter_id: int, path: str) -> None:
         """Loads and validates a PEFT adapter on the CPU (a LoraError says why it was refused);
@@ -120,8 +120,6 @@ class ModelWorker:
         logits, or for a request verifying drafts its accepted drafts and one more. `rows` are the
         requests with logits, in order; `adapter_ids` the LoRA adapter of every scheduled request
         (0 = the base model)."""
-        for rid in out.finished_req_ids.tolist():
-            self._generators.pop(rid, None)
         if out.num_reqs == 0:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device
@@ -161,7 +159,7 @@ class ModelWorker:
             return StepResult(logits.argmax(dim=-1).cpu().numpy(), np.ones(len(reqs), dtype=np.int64))
         sampling = SamplingRows.build(
             [r.params for r in reqs],
-            [self._generator(r) for r in reqs],
+            [noise_key(r, len(r.prompt_token_ids) + n) for r, n in zip(reqs, num_output)],
             [r.prompt_token_ids for r in reqs],
             rows.output_token_ids or [()] * len(reqs),
             [r.banned_token_ids(n) for r, n in zip(reqs, num_output)],
@@ -176,14 +174,17 @@ class ModelWorker:
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         """Draft tokens from the worker's proposer (a draft model), on the EngineCore's thread."""
-        return self.proposer.propose(batch, [self._generator(r) for r in batch.requests])
+        return self.proposer.propose(batch, [noise_seed(r) for r in batch.requests])
 
-    def _generator(self, req: EngineRequest) -> torch.Generator | None:
-        if req.params.seed is None or req.params.greedy:
-            return None
-        gen = self._generators.get(req.internal_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed((req.params.seed + req.index) % (2**63))
-            self._generators[req.internal_id] = gen
-        return gen
+
+def noise_seed(req: EngineRequest) -> int | None:
+    """The seed of a seeded sampled request's keyed noise (each of n samples its own), else None."""
+    if req.params.seed is None or req.params.greedy:
+        return None
+    return (req.params.seed + req.index) % (2**63)
+
+
+def noise_key(req: EngineRequest, position: int) -> NoiseKey | None:
+    """The key of the draws for the token at sequence index `position` of `req` (None: unseeded)."""
+    seed = noise_seed(req)
+    return None if seed is None else NoiseKey(seed, position)

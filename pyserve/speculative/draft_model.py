@@ -20,6 +20,7 @@ from pyserve.model.attention import AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
+from pyserve.model.noise import NoiseKey
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.proposer import ProposalBatch
@@ -64,7 +65,9 @@ class DraftModelProposer:
         return self.draft_probs.pop(request_id)[:num_drafts]
 
     @torch.inference_mode()
-    def propose(self, batch: ProposalBatch, generators: list[torch.Generator | None]) -> list[list[int]]:
+    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:
+        """Up to batch.k guesses per request; a seeded request's guess at sequence index t reads
+        the keyed noise the target's sampling of index t reads (model.noise)."""
         reqs, bs = batch.requests, self.block_size
         capacity = (batch.block_tables > 0).sum(axis=1) * bs  # slots each request owns
         seqs = batch.token_ids
@@ -78,7 +81,8 @@ class DraftModelProposer:
         row = np.repeat(np.arange(len(reqs)), lens - starts)
         qsl = np.concatenate([[0], np.cumsum(lens - starts)]).astype(np.int32)
         greedy = all(r.params.greedy for r in reqs)  # the draft's guess is its argmax: no sampling state
-        rows = None if greedy else SamplingRows.build([r.params for r in reqs], generators, [[]] * len(reqs),
+        keys = [None if seed is None else NoiseKey(seed, int(n)) for seed, n in zip(seeds, lens)]
+        rows = None if greedy else SamplingRows.build([r.params for r in reqs], keys, [[]] * len(reqs),
                                                       [[]] * len(reqs), None, self.device)
         logits = self._forward(ids, positions, row, batch.block_tables, lens.astype(np.int32), qsl,
                                last=qsl[1:] - 1)
@@ -89,7 +93,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         pos = lens - 1  # position of the token fed last
         for j in range(int(depth.max(initial=0))):
-            q, tokens = self._guess(logits, rows)
+            q, tokens = self._guess(logits, rows, j)
             for i in np.flatnonzero(depth > j):
                 drafts[i].append(int(tokens[i]))
                 probs[i].append(q[i])
@@ -112,14 +116,14 @@ class DraftModelProposer:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
 
-    def _guess(self, logits: torch.Tensor, rows: SamplingRows | None) -> tuple[torch.Tensor, np.ndarray]:
-        """(q [B, V], the token drawn from each row of q); rows None: every request is greedy, q is
-        one-hot at the argmax."""
+    def _guess(self, logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:
+        """(q [B, V], the j-th guess drawn from each row of q); rows None: every request is greedy,
+        q is one-hot at the argmax."""
         if rows is None:
             tokens = logits.argmax(dim=-1, keepdim=True)
             return torch.zeros_like(logits).scatter_(1, tokens, 1.0), tokens.squeeze(1).cpu().numpy()
         q = self.sampler.probs(logits, rows)
-        return q, (q / self.sampler.exponential(q, rows)).argmax(dim=-1).cpu().numpy()
+        return q, (q / self.sampler.exponential(q, rows, offset=j)).argmax(dim=-1).cpu().numpy()
 
     def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
         bs = self.block_size

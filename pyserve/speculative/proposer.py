@@ -45,8 +45,8 @@ class ModelProposer(Protocol):
     self-speculation head later): it proposes on the EngineCore's thread, keeps each guess's
     distribution for the verification, and hears how many of a request's drafts were kept."""
 
-    def propose(self, batch: ProposalBatch, generators: list) -> list[list[int]]:
-        """Draft tokens per request; `generators` are the requests' seeded generators (or None)."""
+    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:
+        """Draft tokens per request; `seeds`: each request's noise seed (None: unseeded)."""
         ...
 
     def take_draft_probs(self, request_id: int, num_drafts: int):

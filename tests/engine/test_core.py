@@ -80,14 +80,16 @@ async def _newcomer_chunks(llama_dir, max_inter_token_latency: float) -> list[in
     engine.worker.execute = recording
     await engine.start()
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        # Long enough to be decoding still when the newcomer ends (the engine runs on a thread of
+        # its own, at its own pace); aborted then.
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
         stream = await engine.add_request("stream", list(range(3, 11)), params)
         for _ in range(2):  # its prompt step and a decode step: the cost has two sizes to fit
             await stream.deltas.get()
         newcomer = await engine.add_request("newcomer", list(range(50, 250)),
                                             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         await newcomer.done.wait()
-        await stream.done.wait()
+        await engine.abort("stream")
     finally:
         await engine.stop()
     stream_id, newcomer_id = stream.internal_ids[0], newcomer.internal_ids[0]

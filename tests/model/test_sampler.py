@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pyserve.engine.sampling_params import SamplingParams as SP
+from pyserve.model.noise import NoiseKey
 from pyserve.model.sampler import Sampler, SamplingRows, apply_penalties
 
 
@@ -42,18 +43,18 @@ def test_seeded_row_is_reproducible_alone_elsewhere_and_in_mixed_batches():
     target = SP(temperature=0.9, top_k=50, top_p=0.95, seed=7)
 
     def run(make_batch, sampler_seed, target_seed=7):
-        sampler, g, tokens = Sampler(v, "cpu", seed=sampler_seed), gen(target_seed), []
+        sampler, tokens = Sampler(v, "cpu", seed=sampler_seed), []
         for step in range(steps):
             params, gens, pos = make_batch(step)
             logits = randn(len(params), v, seed=1000 * sampler_seed + step)
             logits[pos] = randn(v, seed=step) * 2  # the target's logits depend on the step only
-            gens[pos] = g
+            gens[pos] = NoiseKey(target_seed, 16 + step)  # the target's token at sequence index 16 + step
             tokens.append(int(sampler.sample(logits, rows_for(params, gens)).token_ids[pos]))
         return tokens
 
     alone = run(lambda s: ([target], [None], 0), sampler_seed=1)
     others = [SP(temperature=1.0), SP(temperature=0.7, min_p=0.05, seed=99), SP(temperature=0.0)]
-    at_2 = run(lambda s: (others[:2] + [target] + others[2:], [None, gen(99 + s), None, None], 2), sampler_seed=2)
+    at_2 = run(lambda s: (others[:2] + [target] + others[2:], [None, NoiseKey(99, s), None, None], 2), sampler_seed=2)
     shifting = run(
         lambda s: ([SP(presence_penalty=1.0, logprobs=2)] * s + [target], [None] * s + [None], s), sampler_seed=3
     )
@@ -117,8 +118,8 @@ def test_temperature_sampling_matches_softmax_for_shared_and_seeded_rows():
     tokens = Sampler(v, "cpu", seed=11).sample(logits.expand(n, v), rows_for([SP(temperature=t)] * n)).token_ids
     assert (torch.bincount(tokens, minlength=v) / n - expected).abs().max() < 0.012
 
-    n = 4000  # every row with its own generator: the per-row draw path
-    rows = rows_for([SP(temperature=t, seed=i) for i in range(n)], [gen(i) for i in range(n)])
+    n = 4000  # every row with its own key: the keyed draws, a distinct (seed, position) each
+    rows = rows_for([SP(temperature=t, seed=i) for i in range(n)], [NoiseKey(i // 2, i % 2) for i in range(n)])
     tokens = Sampler(v, "cpu").sample(logits.expand(n, v), rows).token_ids
     assert (torch.bincount(tokens, minlength=v) / n - expected).abs().max() < 0.03
 
@@ -214,11 +215,12 @@ def test_fast_paths_match_the_general_path():
     # a seeded row: no penalties / top-k via topk  vs  penalty tensors present / top-k via the sort
     row = SP(temperature=0.8, top_k=5, seed=3)
     for other in (SP(presence_penalty=1.0), SP(top_p=0.5), SP(min_p=0.1, repetition_penalty=2.0)):
-        g_alone, g_pair, s_alone, s_pair = gen(3), gen(3), Sampler(v, "cpu"), Sampler(v, "cpu", seed=9)
+        s_alone, s_pair = Sampler(v, "cpu"), Sampler(v, "cpu", seed=9)
         for step in range(4):
             x = randn(2, v, seed=step)
-            a = s_alone.sample(x[:1], rows_for([row], [g_alone])).token_ids[0]
-            b = s_pair.sample(x, rows_for([row, other], [g_pair, None], outputs=[[], [0, 1]])).token_ids[0]
+            key = NoiseKey(3, step)
+            a = s_alone.sample(x[:1], rows_for([row], [key])).token_ids[0]
+            b = s_pair.sample(x, rows_for([row, other], [key, None], outputs=[[], [0, 1]])).token_ids[0]
             assert int(a) == int(b)
 
 
@@ -232,7 +234,7 @@ def test_sample_leaves_the_callers_logits_untouched():
 
 
 def test_build_skips_state_no_row_needs():
-    rows = rows_for([SP(), SP(temperature=0.0, top_k=3, seed=1)], [None, gen(1)], banned=[[], []])
+    rows = rows_for([SP(), SP(temperature=0.0, top_k=3, seed=1)], [None, NoiseKey(1, 0)], banned=[[], []])
     assert rows.presence_penalty is None and rows.output_history is None and rows.repetition_history is None
     assert rows.banned is None and rows.max_num_logprobs is None
     assert rows.max_top_k == 0 and not rows.any_top_p and not rows.any_min_p  # greedy rows' filters ignored

@@ -76,7 +76,6 @@ def assert_nothing_left(engine: AsyncEngine) -> None:
     core = engine.engine_core
     assert not core.requests and not core.pending_forks and not core.fork_parent and core.num_needing_output == 0
     assert not engine.output_processor._streams and not engine.output_processor._samples
-    assert not engine.worker._generators  # per-request RNGs of seeded requests
     proposer = engine.worker.proposer
     if proposer is not None:  # the draft model's per-request KV bookkeeping
         assert not proposer.num_computed and not proposer.draft_probs

@@ -112,3 +112,33 @@ def test_stops_inside_an_accepted_run_end_at_the_right_token(llama_dir):
     assert results[False] == results[True]
     assert [len(r[0]) for r in results[True][0::3]] == [7, 7, 7]
     assert all(r[2] == "stop" for r in results[True][1::3] + results[True][2::3])
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_seeded_request_gives_plain_samplings_tokens_whatever_the_batch_and_depths(method, llama_dir, draft_dir):
+    """The seeded request alone, again on a fresh engine, and inside two different batches,
+    against the same request on an engine without speculation. The draft model with adaptive
+    depth; n-gram lookup at a fixed depth (its drafts come and go with the matches: random
+    weights rarely give the adaptive depth a reason to keep guessing)."""
+    prompts = looping_prompts(300)
+    mine = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=123)
+    others = [SamplingParams(temperature=1.0, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": method == "draft_model"}
+    if method == "draft_model":
+        config["model"] = str(draft_dir)
+    engine = dict(block_size=4, num_kv_blocks=512)
+    with LLM(str(llama_dir), **engine) as llm:
+        plain = llm.generate([prompts[0]], mine, use_tqdm=False)[0].outputs[0].token_ids
+    runs = []
+    for _ in range(2):
+        with LLM(str(llama_dir), speculative_config=config, **engine) as llm:
+            runs.append(llm.generate([prompts[0]], mine, use_tqdm=False)[0].outputs[0].token_ids)
+            runs.append(llm.generate([prompts[1], prompts[0], prompts[2]], [others[0], mine, others[1]],
+                                     use_tqdm=False)[1].outputs[0].token_ids)
+            runs.append(llm.generate([prompts[3], prompts[2], prompts[0]], [others[2], others[1], mine],
+                                     use_tqdm=False)[2].outputs[0].token_ids)
+            stats = llm.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+    assert len(plain) == 24 and all(run == plain for run in runs)
