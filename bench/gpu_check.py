@@ -213,7 +213,7 @@ def extend_rows(c: Check) -> list[dict]:
     k, v, tables = c.paged(lens, hkv, d, dtype)
     q = c.randn(batch * q_len, hq, d, dtype=dtype)
     starts = np.arange(0, batch * q_len + 1, q_len, dtype=np.int32)
-    tiles = torch.from_numpy(extend_tiles(starts)).to(c.dev)
+    tiles = torch.from_numpy(extend_tiles(starts, hq // hkv)).to(c.dev)
     ms = c.ms(partial(extend_attention, q, k, v, tables, torch.from_numpy(starts).to(c.dev), c.i32(lens),
                       d**-0.5, tiles=tiles))
     rows.append({"name": f"verify rows B={batch} q={q_len} ctx={ctx}", "ms": ms,
@@ -333,7 +333,7 @@ def compile_count(c: Check) -> list[dict]:
             q = c.randn(batch * q_len, s["q_heads"], d, dtype=dtype)
             starts = np.arange(0, batch * q_len + 1, q_len, dtype=np.int32)
             ext.extend_attention(q, k, v, tables, c.torch.from_numpy(starts).to(c.dev), c.i32(lens), 0.1,
-                                 tiles=c.torch.from_numpy(ext.extend_tiles(starts)).to(c.dev))
+                                 tiles=c.torch.from_numpy(ext.extend_tiles(starts, s["q_heads"] // hkv)).to(c.dev))
 
     with recording() as seen:
         step(1, s["bw_context"], 1, num_splits=1)

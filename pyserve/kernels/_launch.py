@@ -1,6 +1,7 @@
 """How the launchers start a Triton kernel: by keyword, with the variant it compiles known.
 
-Triton compiles a kernel once per key: its constexprs (upper-case names here), each tensor's
+Triton compiles a kernel once per key: its constexprs (upper-case names here) and launch options
+(num_warps, num_stages), each tensor's
 dtype and 16-byte alignment, and, for each integer it specialises (every one not named in the
 kernel's `do_not_specialize`), whether the value is 1 and whether it is divisible by 16. So an
 integer that changes from step to step (a batch size, a block table's width, a split count, a
@@ -32,7 +33,7 @@ def variant_key(runtime: tuple[str, ...], args: dict) -> tuple:
     """What Triton keys a compiled variant on, for these launch arguments."""
     key = []
     for name, value in args.items():
-        if name.isupper():
+        if name.isupper() or name in ("num_warps", "num_stages"):
             key.append((name, value))
         elif isinstance(value, torch.Tensor):
             key.append((name, value.dtype, value.data_ptr() % 16 == 0))

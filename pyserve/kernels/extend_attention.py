@@ -17,10 +17,12 @@ Invariants: the new tokens' K/V are already in the cache (write_kv_cache ran fir
 is read through block_tables; qlen_i <= seq_lens[i] <= max_blocks * block_size. GQA: q head h
 reads kv head h // (num_q_heads // num_kv_heads).
 
-One program per (query tile, q head) over a flat list of tiles: (sequence, tile of BLOCK_M of its
-queries) pairs built on the host from the query offsets (`extend_tiles`), so a mixed batch
-launches programs only where there are queries, and the launcher can leave sequences out (the
-decode rows the decode kernel takes). The block table's width is a runtime argument: the
+One program per (query tile, KV head) over a flat list of tiles: (sequence, tile of its queries)
+pairs built on the host from the query offsets (`extend_tiles`), so a mixed batch launches
+programs only where there are queries, and the launcher can leave sequences out (the decode rows
+the decode kernel takes). A tile packs its queries for every q head of the KV head's GQA group
+into the rows of one tensor-core tile (BLOCK_M = 64 rows or more, BLOCK_N = 64 keys), so each
+K/V tile is read once per group, not once per q head. The block table's width is a runtime argument: the
 compiled variants are fixed by the model (see kernels._launch).
 """
 
@@ -36,8 +38,7 @@ from pyserve.kernels._gather import gather_pages
 from pyserve.kernels._launch import launch
 from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
-BLOCK_M = 16  # queries per program
-BLOCK_N = 32  # keys per inner iteration (independent of the cache's block_size)
+BLOCK_N = 64  # keys per inner iteration (independent of the cache's block_size)
 LOG2E = 1.4426950408889634
 RUNTIME = ("max_blocks", "stride_bt_seq")  # per-step integers, never specialised on
 
@@ -55,12 +56,11 @@ def _extend_attention_kernel(
     stride_bt_seq,
     stride_out_tok, stride_out_head,
     # meta-parameters
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
     seq = tl.load(tiles_ptr + 2 * tile_id).to(tl.int64)
     m_tile = tl.load(tiles_ptr + 2 * tile_id + 1)
 
@@ -69,20 +69,25 @@ def _extend_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
 
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    # Row m of the tile is query m // GROUP of the tile for q head m % GROUP of the KV head's
+    # group: every head of the group shares the K/V tiles, read once.
+    m = tl.arange(0, BLOCK_M)
+    qi = m // GROUP
+    rows = m_tile * BLOCK_Q + qi                      # query index within the chunk
+    heads = kv_head * GROUP + m % GROUP
     q_pos = prefix_len + rows                         # absolute position of each query
     d = tl.arange(0, BLOCK_D)
-    m_mask = rows < q_len
+    m_mask = (qi < BLOCK_Q) & (rows < q_len)
     d_mask = d < head_dim
     q_rows = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Causal: no query of this tile sees a key past its last query's position.
-    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_Q)
     for tile in range(0, kv_end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         k, v, n_mask = load_kv_tile(
@@ -98,8 +103,20 @@ def _extend_attention_kernel(
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_out_tok + head * stride_out_head + d[None, :],
+    tl.store(out_ptr + q_rows[:, None] * stride_out_tok + heads[:, None] * stride_out_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def tile_rows(group: int) -> tuple[int, int]:
+    """(queries per tile, BLOCK_M rows = those queries x the GQA group): 64-row tiles for tensor
+    cores, more rows when the group is larger."""
+    block_m = max(64, triton.next_power_of_2(group))
+    return block_m // group, block_m
+
+
+def warps_and_stages(head_dim: int) -> tuple[int, int]:
+    """num_warps and num_stages: wider warps for wide heads, fewer stages when a stage is big."""
+    return 4 if head_dim <= 64 else 8, 3 if head_dim <= 128 else 2
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles=None):
@@ -119,13 +136,15 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles=N
             raise ValueError(f"tiles must be a contiguous [num_tiles, 2] tensor, got shape {tuple(tiles.shape)}")
 
 
-def extend_tiles(query_start_loc: np.ndarray, seqs: np.ndarray | None = None) -> np.ndarray:
-    """int32 [num_tiles, 2]: (sequence, query tile) for every BLOCK_M queries of sequences `seqs`
-    (default: all), from the host copy of query_start_loc."""
+def extend_tiles(query_start_loc: np.ndarray, group: int, seqs: np.ndarray | None = None) -> np.ndarray:
+    """int32 [num_tiles, 2]: (sequence, query tile) over the queries of sequences `seqs` (default:
+    all), tiles as the kernel cuts them for GQA `group` (tile_rows), from the host copy of
+    query_start_loc."""
+    queries_per_tile = tile_rows(group)[0]
     q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
     if seqs is None:
         seqs = np.arange(len(q_lens))
-    per_seq = -(-q_lens[seqs] // BLOCK_M)
+    per_seq = -(-q_lens[seqs] // queries_per_tile)
     tiles = np.empty((int(per_seq.sum()), 2), dtype=np.int32)
     tiles[:, 0] = np.repeat(seqs, per_seq)
     tiles[:, 1] = np.arange(len(tiles)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
@@ -142,13 +161,16 @@ def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_len
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_q, block_m = tile_rows(group)
+    num_warps, num_stages = warps_and_stages(head_dim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if tiles is None:
-        tiles = torch.from_numpy(extend_tiles(query_start_loc.cpu().numpy())).to(q.device)
+        tiles = torch.from_numpy(extend_tiles(query_start_loc.cpu().numpy(), group)).to(q.device)
     if num_tokens == 0 or tiles.shape[0] == 0:
         return out
     launch(
-        _extend_attention_kernel, (tiles.shape[0], num_q_heads), RUNTIME,
+        _extend_attention_kernel, (tiles.shape[0], num_kv_heads), RUNTIME,
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=block_tables,
         query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, tiles_ptr=tiles, out_ptr=out,
         head_dim=head_dim, block_size=block_size, max_blocks=block_tables.shape[1], scale_log2=float(scale) * LOG2E,
@@ -157,9 +179,9 @@ def extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_len
         stride_vc_block=v_cache.stride(0), stride_vc_off=v_cache.stride(1), stride_vc_head=v_cache.stride(2),
         stride_bt_seq=block_tables.stride(0),
         stride_out_tok=out.stride(0), stride_out_head=out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -258,10 +258,11 @@ class TritonPlan:
     extend_tiles: torch.Tensor  # int32 [num_tiles, 2]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata) -> TritonPlan:
+    def build(cls, meta: AttentionMetadata, group: int) -> TritonPlan:
+        """`group`: q heads per KV head (the extend kernel's tiles depend on it)."""
         qsl = meta.query_start_loc_host
         q_lens = np.diff(qsl)
-        tiles = _on(meta, extend.extend_tiles(qsl, np.flatnonzero(q_lens != 1)))
+        tiles = _on(meta, extend.extend_tiles(qsl, group, np.flatnonzero(q_lens != 1)))
         dec_seqs = np.flatnonzero(q_lens == 1)
         if not len(dec_seqs):
             return cls(None, None, None, tiles)
@@ -286,7 +287,7 @@ class TritonBackend(AttentionBackend):
                                                  workspace=self.workspace)
         plan = meta.triton_plan
         if plan is None:
-            plan = meta.triton_plan = TritonPlan.build(meta)
+            plan = meta.triton_plan = TritonPlan.build(meta, q.shape[1] // k_cache.shape[2])
         out = extend.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                       scale, tiles=plan.extend_tiles)
         if plan.decode_tokens is not None:

@@ -226,11 +226,25 @@ def test_extend_attention_mixed_batch_matches_ref(num_q_heads, num_kv_heads, dty
     q = randn(sum(q_lens), num_q_heads, HEAD_DIM, dtype=dtype)
     starts = i32([0, 18, 38, 39, 40])
     args = (q, k_cache, v_cache, tables, starts, i32(seq_lens), HEAD_DIM**-0.5)
-    tiles = extend_tiles(starts.cpu().numpy())
-    assert tiles.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]  # only tiles with queries
+    group = num_q_heads // num_kv_heads
+    tiles = extend_tiles(starts.cpu().numpy(), group)
+    per_tile = 64 // group  # queries x group heads fill 64 rows
+    assert tiles.tolist() == [[s, t] for s, n in enumerate([18, 20, 1, 1]) for t in range(-(-n // per_tile))]
     out = extend_attention(*args, tiles=torch.from_numpy(tiles).to(DEVICE))
     torch.testing.assert_close(out, extend_attention_ref(*args), **TOL[dtype])
     torch.testing.assert_close(extend_attention(*args), out)  # tiles built from starts
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (6, 2)])  # 64 queries a tile; 21 (a group of 3)
+def test_extend_attention_tiles_cross_query_tiles_for_any_group(num_q_heads, num_kv_heads):
+    seq_lens, q_lens = [90, 30], [70, 30]  # 70 queries after a 20-token prefix: two or four tiles
+    k_cache, v_cache, tables, _ = make_paged_kv(seq_lens, num_kv_heads, torch.float32)
+    q = randn(sum(q_lens), num_q_heads, HEAD_DIM, dtype=torch.float32)
+    args = (q, k_cache, v_cache, tables, i32([0, 70, 100]), i32(seq_lens), HEAD_DIM**-0.5)
+    tiles = extend_tiles(np.array([0, 70, 100]), num_q_heads // num_kv_heads)
+    assert len(tiles) == (3 if num_q_heads == 2 else 6)
+    out = extend_attention(*args, tiles=torch.from_numpy(tiles).to(DEVICE))
+    torch.testing.assert_close(out, extend_attention_ref(*args), **TOL[torch.float32])
 
 
 def test_extend_attention_computes_only_the_sequences_its_tiles_name():
@@ -239,8 +253,8 @@ def test_extend_attention_computes_only_the_sequences_its_tiles_name():
     q = randn(sum(q_lens), 4, HEAD_DIM, dtype=torch.float32)
     starts = i32([0, 18, 38, 39, 40])
     args = (q, k_cache, v_cache, tables, starts, i32(seq_lens), HEAD_DIM**-0.5)
-    tiles = extend_tiles(starts.cpu().numpy(), np.array([1, 3]))
-    assert tiles.tolist() == [[1, 0], [1, 1], [3, 0]]
+    tiles = extend_tiles(starts.cpu().numpy(), 2, np.array([1, 3]))
+    assert tiles.tolist() == [[1, 0], [3, 0]]
     out = extend_attention(*args, tiles=torch.from_numpy(tiles).to(DEVICE))
     want = extend_attention_ref(*args)
     rows = [*range(18, 38), 39]

@@ -127,7 +127,9 @@ def test_the_triton_backend_sends_one_token_rows_to_decode_and_the_rest_to_exten
     plan = meta.triton_plan
     decode_rows = [int(s) for s, n in zip(np.cumsum([0] + q_lens), q_lens) if n == 1]
     assert (plan.decode_tokens.tolist() if plan.decode_tokens is not None else []) == decode_rows
-    assert plan.extend_tiles.tolist() == [[i, t] for i, n in enumerate(q_lens) if n != 1 for t in range((n + 15) // 16)]
+    per_tile = 64 // (HQ // HKV)  # queries of a tile: its 64 rows hold them for each head of a group
+    assert plan.extend_tiles.tolist() == [[i, t] for i, n in enumerate(q_lens) if n != 1
+                                          for t in range(-(-n // per_tile))]
     assert ("_decode_stage1_kernel" in seen) == bool(decode_rows)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out_again, out)
