@@ -1,5 +1,8 @@
-"""Batched LoRA for a mixed batch (Punica-style gather matmuls): every token uses the adapter in
-its slot, one launch per projection whatever the number of adapters.
+"""Batched LoRA for a mixed batch (segmented gather matmuls): every token uses the adapter in its
+slot, one launch per projection whatever the number of adapters. On the Triton path the tokens
+are grouped by slot on the host (`segments`), and each program multiplies a tile of up to BLOCK_T
+tokens of one adapter through tl.dot: an adapter's matrices are read once per tile, not once per
+token, and the rank is looped in chunks of at most 64 (no register spill at rank 256).
 
 Layouts:
   x:           [T, in] activations (float)
@@ -11,6 +14,7 @@ shrink: xa [T, R] f32 = x @ A[slot].T;  expand: y[t] += scaling[slot] * xa[t] @ 
 Rows of tokens without a slot are left as they are (shrink writes zeros there).
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -19,41 +23,75 @@ from pyserve import _core
 from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 
 GATHER_LIMIT = 1 << 22  # the reference gathers per-token matrices up to this many elements
+BLOCK_T = 16  # tokens of one adapter per program (tl.dot needs 16 rows; a decode step has few)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, fan_in, rank,
+def _shrink_kernel(x_ptr, a_ptr, order_ptr, tiles_ptr, out_ptr, fan_in, rank,
                    stride_x, stride_a_slot, stride_a_rank, stride_out,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)  # t * stride may pass 2**31
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """xa[tokens of the tile, rank chunk] = x[tokens] @ A[slot][rank chunk].T, through tl.dot."""
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    start = tl.load(tiles_ptr + 3 * tile + 1)
+    count = tl.load(tiles_ptr + 3 * tile + 2)
+    i = tl.arange(0, BLOCK_T)
+    t_mask = i < count
+    tok = tl.load(order_ptr + start + i, mask=t_mask, other=0)  # int64: tok * stride may pass 2**31
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    slot = tl.load(slots_ptr + t)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    if slot >= 0:
-        for k0 in range(0, fan_in, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + t * stride_x + k, mask=k < fan_in, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + slot * stride_a_slot + r[:, None] * stride_a_rank + k[None, :],
-                        mask=(r[:, None] < rank) & (k[None, :] < fan_in), other=0.0).to(tl.float32)
-            acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(out_ptr + t * stride_out + r, acc, mask=r < rank)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, fan_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=t_mask[:, None] & (k[None, :] < fan_in),
+                    other=0.0)
+        a = tl.load(a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + k[:, None],
+                    mask=(r[None, :] < rank) & (k[:, None] < fan_in), other=0.0)
+        acc += tl.dot(x, a.to(x.dtype), input_precision=DOT_PRECISION)
+    tl.store(out_ptr + tok[:, None] * stride_out + r[None, :], acc, mask=t_mask[:, None] & (r[None, :] < rank))
 
 
 @triton.jit
-def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, slots_ptr, fan_out, rank,
+def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, order_ptr, tiles_ptr, fan_out, rank,
                    stride_y, stride_xa, stride_b_slot, stride_b_out,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """y[tokens of the tile, n chunk] += scaling[slot] * xa[tokens] @ B[slot][n chunk].T, the rank
+    looped BLOCK_R at a time."""
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    start = tl.load(tiles_ptr + 3 * tile + 1)
+    count = tl.load(tiles_ptr + 3 * tile + 2)
+    i = tl.arange(0, BLOCK_T)
+    t_mask = i < count
+    tok = tl.load(order_ptr + start + i, mask=t_mask, other=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(slots_ptr + t)
-    if slot >= 0:
-        r = tl.arange(0, BLOCK_R)
-        xa = tl.load(xa_ptr + t * stride_xa + r, mask=r < rank, other=0.0)
-        b = tl.load(b_ptr + slot * stride_b_slot + n[:, None] * stride_b_out + r[None, :],
-                    mask=(n[:, None] < fan_out) & (r[None, :] < rank), other=0.0).to(tl.float32)
-        delta = tl.sum(b * xa[None, :], axis=1) * tl.load(scaling_ptr + slot)
-        y = tl.load(y_ptr + t * stride_y + n, mask=n < fan_out, other=0.0)
-        tl.store(y_ptr + t * stride_y + n, (y.to(tl.float32) + delta).to(y.dtype), mask=n < fan_out)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        xa = tl.load(xa_ptr + tok[:, None] * stride_xa + r[None, :], mask=t_mask[:, None] & (r[None, :] < rank),
+                     other=0.0)
+        b = tl.load(b_ptr + slot * stride_b_slot + n[None, :] * stride_b_out + r[:, None],
+                    mask=(n[None, :] < fan_out) & (r[:, None] < rank), other=0.0)
+        acc += tl.dot(xa, b.to(tl.float32), input_precision=DOT_PRECISION)
+    acc *= tl.load(scaling_ptr + slot)
+    mask = t_mask[:, None] & (n[None, :] < fan_out)
+    y_at = y_ptr + tok[:, None] * stride_y + n[None, :]
+    y = tl.load(y_at, mask=mask, other=0.0)
+    tl.store(y_at, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens with a slot grouped by slot: (order int64 [U], the token ids sorted by slot,
+    stable; tiles int32 [n, 3] of (slot, start in order, count <= BLOCK_T)), from the host's slots."""
+    slots = np.asarray(token_slots, dtype=np.int64)
+    used = np.flatnonzero(slots >= 0)
+    order = used[np.argsort(slots[used], kind="stable")]
+    sorted_slots = slots[order]
+    bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
+    starts = np.concatenate([[0], bounds]) if len(order) else np.empty(0, dtype=np.int64)
+    ends = np.concatenate([bounds, [len(order)]]) if len(order) else np.empty(0, dtype=np.int64)
+    tiles = [(int(sorted_slots[a]), t0, min(BLOCK_T, int(b) - t0)) for a, b in zip(starts, ends)
+             for t0 in range(int(a), int(b), BLOCK_T)]
+    return order, np.array(tiles, dtype=np.int32).reshape(-1, 3)
 
 
 def _check(x, lora_a, lora_b, scaling, token_slots, y=None):
@@ -75,33 +113,41 @@ def _check(x, lora_a, lora_b, scaling, token_slots, y=None):
         check_shape("y", y, (x.shape[0], lora_b.shape[1]))
 
 
-def lora_shrink(x, lora_a, token_slots):
-    """Triton launcher: xa [T, R] f32."""
+def lora_shrink(x, lora_a, order, tiles):
+    """Triton launcher: xa [T, R] f32 (zeros for tokens without a slot)."""
     rank, fan_in = lora_a.shape[1], lora_a.shape[2]
-    out = torch.empty((x.shape[0], rank), dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        block_r = min(64, triton.next_power_of_2(rank))
-        _shrink_kernel[(x.shape[0], triton.cdiv(rank, block_r))](
-            x, lora_a, token_slots, out, fan_in, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-            out.stride(0), BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(fan_in)))
+    out = torch.zeros((x.shape[0], rank), dtype=torch.float32, device=x.device)
+    if tiles.shape[0]:
+        block_r = max(16, min(64, triton.next_power_of_2(rank)))
+        _shrink_kernel[(tiles.shape[0], triton.cdiv(rank, block_r))](
+            x, lora_a, order, tiles, out, fan_in, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+            out.stride(0), BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_K=max(16, min(64, triton.next_power_of_2(fan_in))),
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 
-def lora_expand(y, xa, lora_b, scaling, token_slots):
-    """Triton launcher: y += scaling[slot] * xa @ B[slot].T per token, in place."""
+def lora_expand(y, xa, lora_b, scaling, order, tiles):
+    """Triton launcher: y += scaling[slot] * xa @ B[slot].T per token with a slot, in place."""
     fan_out, rank = lora_b.shape[1], lora_b.shape[2]
-    if y.shape[0]:
-        block_n = min(128, triton.next_power_of_2(fan_out))
-        _expand_kernel[(y.shape[0], triton.cdiv(fan_out, block_n))](
-            y, xa, lora_b, scaling, token_slots, fan_out, rank, y.stride(0), xa.stride(0), lora_b.stride(0),
-            lora_b.stride(1), BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank))
+    if tiles.shape[0]:
+        block_n = max(16, min(128, triton.next_power_of_2(fan_out)))
+        _expand_kernel[(tiles.shape[0], triton.cdiv(fan_out, block_n))](
+            y, xa, lora_b, scaling, order, tiles, fan_out, rank, y.stride(0), xa.stride(0), lora_b.stride(0),
+            lora_b.stride(1), BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_R=max(16, min(64, triton.next_power_of_2(rank))),
+            DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
     return y
 
 
-def add_lora(y, x, lora_a, lora_b, scaling, token_slots):
-    """Checked shrink + expand on CUDA: y += the LoRA delta of every token with a slot."""
+def add_lora(y, x, lora_a, lora_b, scaling, token_slots, segmented=None):
+    """Checked shrink + expand on CUDA: y += the LoRA delta of every token with a slot.
+    `segmented`: segments(host slots) on the device; None computes them from token_slots (a
+    device sync)."""
     _check(x, lora_a, lora_b, scaling, token_slots, y)
-    return lora_expand(y, lora_shrink(x, lora_a, token_slots), lora_b, scaling, token_slots)
+    if segmented is None:
+        order, tiles = segments(token_slots.cpu().numpy())
+        segmented = (torch.from_numpy(order).to(x.device), torch.from_numpy(tiles).to(x.device))
+    order, tiles = segmented
+    return lora_expand(y, lora_shrink(x, lora_a, order, tiles), lora_b, scaling, order, tiles)
 
 
 def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref
+from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref, segments
 from pyserve.lora.adapter import TARGETS, LoraAdapter
 
 
@@ -22,6 +22,7 @@ class LoraBatch:
 
     token_slots: torch.Tensor | None = None
     slots_host: np.ndarray | None = None  # token_slots as numpy, for the fp32 CPU kernel
+    segmented: tuple[torch.Tensor, torch.Tensor] | None = None  # kernels.lora.segments, for Triton
 
 
 class LoraLinear(nn.Module):
@@ -51,7 +52,7 @@ class LoraLinear(nn.Module):
         if slots is None:
             return y
         if self.use_triton:
-            return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots)
+            return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots, self.batch.segmented)
         if self.use_cpu_kernel:
             return add_lora_cpu(y, x, self.lora_a, self.b_scaled, self.batch.slots_host)
         return add_lora_ref(y, x, self.lora_a, self.lora_b, self.scaling, slots)
@@ -95,17 +96,21 @@ class LoraSlots:
             else:
                 self.add(adapter_id, adapter)
         if adapter_ids is None or not adapter_ids.any():
-            self.set_tokens(None)
+            self.set_tokens(None, device)
             return
         slot_of = self.activate(set(adapter_ids[adapter_ids > 0].tolist()))
         req_slots = np.array([slot_of.get(a, -1) for a in adapter_ids.tolist()], dtype=np.int64)
-        self.set_tokens(torch.from_numpy(np.repeat(req_slots, num_scheduled_tokens)).to(device))
+        self.set_tokens(np.repeat(req_slots, num_scheduled_tokens), device)
 
-    def set_tokens(self, token_slots: torch.Tensor | None) -> None:
-        """The step's token -> slot map (None: no token uses an adapter)."""
-        self.batch.token_slots = token_slots
-        on_cpu = token_slots is not None and token_slots.device.type == "cpu"
-        self.batch.slots_host = token_slots.numpy() if on_cpu else None
+    def set_tokens(self, slots: np.ndarray | None, device: torch.device) -> None:
+        """The step's token -> slot map, from the host (None: no token uses an adapter)."""
+        batch = self.batch
+        batch.token_slots = None if slots is None else torch.from_numpy(slots).to(device)
+        batch.slots_host = slots if slots is not None and torch.device(device).type == "cpu" else None
+        batch.segmented = None
+        if slots is not None and self.use_triton:
+            order, tiles = segments(slots)
+            batch.segmented = (torch.from_numpy(order).to(device), torch.from_numpy(tiles).to(device))
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features) of the base model."""

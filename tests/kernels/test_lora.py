@@ -81,3 +81,29 @@ def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
         if s >= 0:
             want[t] += b[s].astype(np.float64).T @ (a[s].astype(np.float64) @ x[t])
     np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-3)
+
+
+def test_segments_group_tokens_by_slot_in_tiles_of_sixteen():
+    slots = np.array([2, -1, 0, 2, 0] + [1] * 18)
+    order, tiles = lora_kernels.segments(slots)
+    assert order.tolist() == [2, 4, *range(5, 23), 0, 3]
+    assert tiles.tolist() == [[0, 0, 2], [1, 2, 16], [1, 18, 2], [2, 20, 2]]
+    order, tiles = lora_kernels.segments(np.array([-1, -1]))
+    assert order.size == 0 and tiles.shape == (0, 3)
+
+
+def test_the_triton_kernels_loop_the_rank_and_span_tiles():
+    """Rank 80 (two rank chunks of 64), 20 tokens of one adapter (two tiles), and base tokens."""
+    g = torch.Generator().manual_seed(1)
+    t, fan_in, fan_out, slots, rank = 23, 20, 36, 2, 80
+    x = torch.randn(t, fan_in, generator=g)
+    a = torch.randn(slots, rank, fan_in, generator=g) * 0.1
+    b = torch.randn(slots, fan_out, rank, generator=g) * 0.1
+    scaling = torch.tensor([1.5, 0.5])
+    token_slots = torch.tensor([1] * 20 + [-1, 0, 1])
+    y0 = torch.randn(t, fan_out, generator=g)
+    want = y0.double() + dense_delta(x, a, b, scaling, token_slots)
+    order, tiles = lora_kernels.segments(token_slots.numpy())
+    got = add_lora(y0.clone(), x, a, b, scaling, token_slots, (torch.from_numpy(order), torch.from_numpy(tiles)))
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[20], y0[20])
