@@ -40,7 +40,7 @@ from pyserve.kernels._paged import load_kv_tile, online_softmax_update
 
 BLOCK_N = 64  # keys per inner iteration (independent of the cache's block_size)
 LOG2E = 1.4426950408889634
-RUNTIME = ("max_blocks", "stride_bt_seq")  # per-step integers, never specialised on
+RUNTIME = ("max_blocks", "stride_bt_seq", "stride_q_tok")  # per-step integers and q's row stride: never specialised on
 
 
 @triton.jit(do_not_specialize=RUNTIME)

@@ -14,9 +14,15 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from pyserve.kernels._launch import launch
 
 
-@triton.jit
+# The row strides of k and v follow how the step's projections were laid out (fused or not);
+# never specialised on, so a warm-up with its own tensors compiles the variant steps use.
+RUNTIME = ("stride_k_tok", "stride_v_tok")
+
+
+@triton.jit(do_not_specialize=RUNTIME)
 def _write_kv_cache_kernel(
     # pointers
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -71,13 +77,14 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     num_blocks, block_size = k_cache.shape[:2]
     if num_tokens == 0:
         return
-    _write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        num_kv_heads, head_dim, block_size, num_blocks * block_size,
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+    launch(
+        _write_kv_cache_kernel, (num_tokens,), RUNTIME,
+        k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_mapping_ptr=slot_mapping,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_slots=num_blocks * block_size,
+        stride_k_tok=k.stride(0), stride_k_head=k.stride(1),
+        stride_v_tok=v.stride(0), stride_v_head=v.stride(1),
+        stride_kc_block=k_cache.stride(0), stride_kc_off=k_cache.stride(1), stride_kc_head=k_cache.stride(2),
+        stride_vc_block=v_cache.stride(0), stride_vc_off=v_cache.stride(1), stride_vc_head=v_cache.stride(2),
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )

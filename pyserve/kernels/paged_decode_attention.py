@@ -45,9 +45,10 @@ BLOCK_S = 16            # splits per iteration of stage 2
 CPU_SMS = 8             # the "multiprocessors" of the interpreter (CPU tensors)
 LOG2E = 1.4426950408889634
 
-# Per-step integers (see kernels._launch): never specialised on.
+# Per-step integers (see kernels._launch), and q's row stride (it follows how the projections are
+# laid out): never specialised on.
 STAGE1_RUNTIME = ("max_blocks", "num_splits", "stride_bt_seq", "stride_mo_seq", "stride_mo_head",
-                  "stride_mo_split", "stride_ml_seq", "stride_ml_head")
+                  "stride_mo_split", "stride_ml_seq", "stride_ml_head", "stride_q_seq")
 STAGE2_RUNTIME = ("num_splits", "stride_mo_seq", "stride_mo_head", "stride_mo_split", "stride_ml_seq",
                   "stride_ml_head")
 

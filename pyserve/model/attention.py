@@ -168,7 +168,11 @@ def _query_rows(qsl: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _on(meta: AttentionMetadata, a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a).to(meta.block_tables.device)
+    return _on_device(a, meta.block_tables.device)
+
+
+def _on_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device)
 
 
 def _extend_plan(meta: AttentionMetadata, seqs: np.ndarray, block_size: int):
@@ -279,6 +283,24 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.workspace = decode.DecodeWorkspace()
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> None:
+        """Launches every variant a step of this model uses (the KV write, decode with one split
+        and with several, extend), on the null block with nothing written, so that no compile
+        lands on a request."""
+        dev, dtype = k_cache.device, k_cache.dtype
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        q = torch.zeros(2, num_q_heads, head_dim, dtype=dtype, device=dev)
+        k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
+        lens = torch.ones(2, dtype=torch.int32, device=dev)
+        kv_write.write_kv_cache(k, k, k_cache, v_cache, torch.full((2,), -1, dtype=torch.int64, device=dev))
+        for splits in (1, 2):
+            decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=splits,
+                                          workspace=self.workspace)
+        qsl = np.arange(3, dtype=np.int32)
+        extend.extend_attention(q, k_cache, v_cache, tables, torch.from_numpy(qsl).to(dev), lens, 1.0,
+                                tiles=_on_device(extend.extend_tiles(qsl, num_q_heads // num_kv_heads), dev))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         kv_write.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)

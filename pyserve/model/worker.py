@@ -86,6 +86,8 @@ class ModelWorker:
         # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
         # path's kernels take the step's own arrays.
         self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
+        if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
+            self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:

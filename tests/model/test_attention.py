@@ -17,12 +17,13 @@ from pyserve.model.attention import AttentionMetadata, InPlaceDecode, TorchBacke
 BLOCK, HKV, HQ, D = 4, 2, 4, 8
 
 
-def _paged_batch(seq_lens, q_lens, seed=0):
-    """A random paged cache holding every sequence's context, and the step's layout: each
-    sequence's last `q_lens[i]` positions are this step's queries."""
+def _paged_batch(seq_lens, q_lens, seed=0, num_blocks=None):
+    """A random paged cache (of `num_blocks`, default just enough) holding every sequence's
+    context, and the step's layout: each sequence's last `q_lens[i]` positions are this step's
+    queries."""
     g = torch.Generator().manual_seed(seed)
     pages = [(n + BLOCK - 1) // BLOCK for n in seq_lens]
-    num_blocks = 1 + sum(pages)
+    num_blocks = num_blocks or 1 + sum(pages)
     k_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
     v_cache = torch.randn(num_blocks, BLOCK, HKV, D, generator=g)
     ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
@@ -133,3 +134,25 @@ def test_the_triton_backend_sends_one_token_rows_to_decode_and_the_rest_to_exten
     assert ("_decode_stage1_kernel" in seen) == bool(decode_rows)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out_again, out)
+
+
+def test_the_triton_warm_up_launches_every_variant_later_steps_use():
+    """After warm_up, decode steps of several sizes and mixed steps (q, k, v as views of one fused
+    projection, as the model passes them) launch no variant the warm-up did not."""
+    backend = TritonBackend()
+    pool = 100  # blocks: the engine's pool is one size for its life
+    _, _, _, kc, vc, _, _ = _paged_batch([5], [1], num_blocks=pool)
+    with recording() as warm:
+        backend.warm_up(kc, vc, HQ)
+    warm_keys = {name: set(keys) for name, keys in warm.items()}
+    assert set(warm_keys) == {"_write_kv_cache_kernel", "_decode_stage1_kernel", "_decode_stage2_kernel",
+                              "_extend_attention_kernel"}
+    with recording() as later:
+        for seq_lens, q_lens in [([9], [1]), ([9, 30, 3], [1, 1, 1]), ([40, 7, 12, 3, 8], [1, 6, 1, 3, 1]),
+                                 ([33] * 9, [1] * 9)]:
+            q, k, v, kc, vc, meta, _ = _paged_batch(seq_lens, q_lens, seed=3, num_blocks=pool)
+            fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # one row per token
+            q, k, v = (t.view(len(fused), -1, D) for t in fused.split([HQ * D, HKV * D, HKV * D], 1))
+            backend.forward(q, k, v, kc, vc, meta, 0.3)
+    for name, keys in later.items():
+        assert keys <= warm_keys[name], name
