@@ -250,13 +250,20 @@ class TorchBackend(AttentionBackend):
         return out
 
 
+# On the Triton path a query this short (a verification of drafts, a chunk's tail) attends as one
+# decode row per token, through the split-K decode kernel: the extend kernel would launch only
+# (tiles x KV heads) programs for it, too few to fill a GPU at small batches.
+SPLIT_K_QUERY = 8
+
+
 @dataclass(slots=True)
 class TritonPlan:
-    """A mixed step on the Triton path, from the host's query offsets, built by the first layer:
-    the one-token rows (and their sequences' tables and lengths) for the split-K decode kernel,
-    the query tiles of the other sequences for the extend kernel."""
+    """A step that is not all decode, on the Triton path, from the host's query offsets, built by
+    the first layer: the rows of short queries as decode rows (each token with its sequence's
+    table and its own causal length) for the split-K decode kernel, and the query tiles of the
+    longer ones for the extend kernel."""
 
-    decode_tokens: torch.Tensor | None  # int64 q rows; None: no decode row
+    decode_tokens: torch.Tensor | None  # int64 q rows; None: no short query
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     extend_tiles: torch.Tensor  # int32 [num_tiles, 2]
@@ -264,20 +271,25 @@ class TritonPlan:
     @classmethod
     def build(cls, meta: AttentionMetadata, group: int) -> TritonPlan:
         """`group`: q heads per KV head (the extend kernel's tiles depend on it)."""
-        qsl = meta.query_start_loc_host
+        qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
-        tiles = _on(meta, extend.extend_tiles(qsl, group, np.flatnonzero(q_lens != 1)))
-        dec_seqs = np.flatnonzero(q_lens == 1)
-        if not len(dec_seqs):
+        short = q_lens <= SPLIT_K_QUERY
+        tiles = _on(meta, extend.extend_tiles(qsl, group, np.flatnonzero(~short)))
+        seqs = np.flatnonzero(short)
+        if not len(seqs):
             return cls(None, None, None, tiles)
-        rows = _on(meta, dec_seqs)
-        return cls(_on(meta, qsl[dec_seqs].astype(np.int64)), meta.block_tables[rows], meta.seq_lens[rows], tiles)
+        rows, _ = _query_rows(qsl, seqs)
+        seq_of_row = np.repeat(seqs, q_lens[seqs])
+        row_lens = meta.seq_lens_host[seq_of_row] - q_lens[seq_of_row] + (rows - qsl[seq_of_row]) + 1
+        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)],
+                   _on(meta, row_lens.astype(np.int32)), tiles)
 
 
 class TritonBackend(AttentionBackend):
     """The CUDA path: per layer one launch for the cache write, then the split-K decode kernel
-    for one-token rows (every row of a decode step) and the extend kernel over the query tiles
-    of the others. The decode kernel's workspace is the backend's, reused by every layer."""
+    for decode rows and the tokens of short queries (every row of a decode step) and the extend
+    kernel over the query tiles of the others. The decode kernel's workspace is the backend's,
+    reused by every layer."""
 
     name = "triton"
 

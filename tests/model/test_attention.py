@@ -114,8 +114,8 @@ def test_cpu_kernel_on_torchs_threads_gives_the_bits_of_one_thread():
     torch.testing.assert_close(torch.from_numpy(outs[1]), want, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 5, 1, 17, 1], [3, 5, 2, 17, 4]])
-def test_the_triton_backend_sends_one_token_rows_to_decode_and_the_rest_to_extend_tiles(q_lens):
+@pytest.mark.parametrize("q_lens", [[1, 5, 1, 17, 1], [3, 9, 2, 17, 4], [9, 12, 3, 17, 10], [2, 8, 3, 4, 1]])
+def test_the_triton_backend_sends_short_queries_to_decode_rows_and_the_rest_to_extend_tiles(q_lens):
     seq_lens = [9, 30, 3, 40, 22]
     q, k, v, kc, vc, meta, _ = _paged_batch(seq_lens, q_lens, seed=2)
     ref_meta = AttentionMetadata.build(meta.slot_mapping.numpy(), meta.block_tables.numpy(), meta.seq_lens_host,
@@ -126,12 +126,17 @@ def test_the_triton_backend_sends_one_token_rows_to_decode_and_the_rest_to_exten
         out = backend.forward(q, k, v, kc, vc, meta, 0.3)
         out_again = backend.forward(q, k, v, kc, vc, meta, 0.3)  # the next layer: the step's plan is reused
     plan = meta.triton_plan
-    decode_rows = [int(s) for s, n in zip(np.cumsum([0] + q_lens), q_lens) if n == 1]
+    starts = np.cumsum([0] + q_lens)
+    decode_rows = [r for s, n in zip(starts, q_lens) if n <= 8 for r in range(s, s + n)]
     assert (plan.decode_tokens.tolist() if plan.decode_tokens is not None else []) == decode_rows
+    if decode_rows:  # each token of a short query sees its own causal prefix
+        assert plan.decode_seq_lens.tolist() == [seq_lens[i] - n + j + 1 for i, n in enumerate(q_lens) if n <= 8
+                                                 for j in range(n)]
     per_tile = 64 // (HQ // HKV)  # queries of a tile: its 64 rows hold them for each head of a group
-    assert plan.extend_tiles.tolist() == [[i, t] for i, n in enumerate(q_lens) if n != 1
+    assert plan.extend_tiles.tolist() == [[i, t] for i, n in enumerate(q_lens) if n > 8
                                           for t in range(-(-n // per_tile))]
     assert ("_decode_stage1_kernel" in seen) == bool(decode_rows)
+    assert ("_extend_attention_kernel" in seen) == any(n > 8 for n in q_lens)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out_again, out)
 
