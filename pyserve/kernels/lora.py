@@ -27,17 +27,23 @@ BLOCK_T = 16  # tokens of one adapter per program (tl.dot needs 16 rows; a decod
 
 
 @triton.jit
+def _tile_tokens(order_ptr, tiles_ptr, BLOCK_T: tl.constexpr):
+    """The program's tile: its slot, its tokens (int64: a token times a stride may pass 2**31) and
+    which of the BLOCK_T places hold one."""
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    start = tl.load(tiles_ptr + 3 * tile + 1)
+    t_mask = tl.arange(0, BLOCK_T) < tl.load(tiles_ptr + 3 * tile + 2)
+    tok = tl.load(order_ptr + start + tl.arange(0, BLOCK_T), mask=t_mask, other=0)
+    return slot, tok, t_mask
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, order_ptr, tiles_ptr, out_ptr, fan_in, rank,
                    stride_x, stride_a_slot, stride_a_rank, stride_out,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """xa[tokens of the tile, rank chunk] = x[tokens] @ A[slot][rank chunk].T, through tl.dot."""
-    tile = tl.program_id(0).to(tl.int64)
-    slot = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
-    start = tl.load(tiles_ptr + 3 * tile + 1)
-    count = tl.load(tiles_ptr + 3 * tile + 2)
-    i = tl.arange(0, BLOCK_T)
-    t_mask = i < count
-    tok = tl.load(order_ptr + start + i, mask=t_mask, other=0)  # int64: tok * stride may pass 2**31
+    slot, tok, t_mask = _tile_tokens(order_ptr, tiles_ptr, BLOCK_T)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, fan_in, BLOCK_K):
@@ -56,13 +62,7 @@ def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, order_ptr, tiles_ptr, fan_
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """y[tokens of the tile, n chunk] += scaling[slot] * xa[tokens] @ B[slot][n chunk].T, the rank
     looped BLOCK_R at a time."""
-    tile = tl.program_id(0).to(tl.int64)
-    slot = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
-    start = tl.load(tiles_ptr + 3 * tile + 1)
-    count = tl.load(tiles_ptr + 3 * tile + 2)
-    i = tl.arange(0, BLOCK_T)
-    t_mask = i < count
-    tok = tl.load(order_ptr + start + i, mask=t_mask, other=0)
+    slot, tok, t_mask = _tile_tokens(order_ptr, tiles_ptr, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
