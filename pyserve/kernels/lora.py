@@ -21,6 +21,7 @@ import triton.language as tl
 
 from pyserve import _core
 from pyserve.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from pyserve.kernels._launch import launch
 
 GATHER_LIMIT = 1 << 22  # the reference gathers per-token matrices up to this many elements
 BLOCK_T = 16  # tokens of one adapter per program (tl.dot needs 16 rows; a decode step has few)
@@ -119,10 +120,12 @@ def lora_shrink(x, lora_a, order, tiles):
     out = torch.zeros((x.shape[0], rank), dtype=torch.float32, device=x.device)
     if tiles.shape[0]:
         block_r = max(16, min(64, triton.next_power_of_2(rank)))
-        _shrink_kernel[(tiles.shape[0], triton.cdiv(rank, block_r))](
-            x, lora_a, order, tiles, out, fan_in, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-            out.stride(0), BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_K=max(16, min(64, triton.next_power_of_2(fan_in))),
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        launch(_shrink_kernel, (tiles.shape[0], triton.cdiv(rank, block_r)), (),
+               x_ptr=x, a_ptr=lora_a, order_ptr=order, tiles_ptr=tiles, out_ptr=out, fan_in=fan_in, rank=rank,
+               stride_x=x.stride(0), stride_a_slot=lora_a.stride(0), stride_a_rank=lora_a.stride(1),
+               stride_out=out.stride(0), BLOCK_T=BLOCK_T, BLOCK_R=block_r,
+               BLOCK_K=max(16, min(64, triton.next_power_of_2(fan_in))),
+               DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 
@@ -131,10 +134,12 @@ def lora_expand(y, xa, lora_b, scaling, order, tiles):
     fan_out, rank = lora_b.shape[1], lora_b.shape[2]
     if tiles.shape[0]:
         block_n = max(16, min(128, triton.next_power_of_2(fan_out)))
-        _expand_kernel[(tiles.shape[0], triton.cdiv(fan_out, block_n))](
-            y, xa, lora_b, scaling, order, tiles, fan_out, rank, y.stride(0), xa.stride(0), lora_b.stride(0),
-            lora_b.stride(1), BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_R=max(16, min(64, triton.next_power_of_2(rank))),
-            DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
+        launch(_expand_kernel, (tiles.shape[0], triton.cdiv(fan_out, block_n)), (),
+               y_ptr=y, xa_ptr=xa, b_ptr=lora_b, scaling_ptr=scaling, order_ptr=order, tiles_ptr=tiles,
+               fan_out=fan_out, rank=rank, stride_y=y.stride(0), stride_xa=xa.stride(0),
+               stride_b_slot=lora_b.stride(0), stride_b_out=lora_b.stride(1), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
+               BLOCK_R=max(16, min(64, triton.next_power_of_2(rank))),
+               DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
     return y
 
 

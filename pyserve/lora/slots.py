@@ -112,6 +112,20 @@ class LoraSlots:
             order, tiles = segments(slots)
             batch.segmented = (torch.from_numpy(order).to(device), torch.from_numpy(tiles).to(device))
 
+    def warm_up(self) -> None:
+        """Launches the Triton LoRA kernels once per projection shape (one token in slot 0, its
+        delta added to a scratch output), so that no compile lands on a request."""
+        seen = set()
+        for mod in (m for layer in self.layers for m in layer.values()):
+            w = mod.base.weight
+            if w.shape in seen:
+                continue
+            seen.add(w.shape)
+            x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+            slots = torch.zeros(1, dtype=torch.int64, device=w.device)
+            add_lora(torch.zeros(1, w.shape[0], dtype=w.dtype, device=w.device), x, mod.lora_a, mod.lora_b,
+                     mod.scaling, slots)
+
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features) of the base model."""
         return {name: (m.base.in_features, m.base.out_features) for name, m in self.layers[0].items()}

@@ -86,8 +86,6 @@ class ModelWorker:
         # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
         # path's kernels take the step's own arrays.
         self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
-        if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
-            self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:
@@ -95,6 +93,10 @@ class ModelWorker:
         if can_use(self.device, self.dtype):
             use_cpu_linears(self.model)  # after LoRA wrapped its base projections: those are replaced too
             self.model.use_cpu_ops()
+        if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
+            self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
+            if self.lora is not None:
+                self.lora.warm_up()
         self.max_lora_rank = max_lora_rank
         self.proposer: ModelProposer | None = None
         if draft_model is not None:

@@ -68,3 +68,26 @@ def test_prefix_cache_is_namespaced_per_adapter(llama_dir, adapters):
         cached = [llm.generate([prompt], one, lora_request=lora, use_tqdm=False)[0].num_cached_tokens
                   for lora in (a, b, None, a, b)]
     assert cached == [0, 0, 0, 20, 20]  # 24 tokens: all full blocks but the last (its last token is recomputed)
+
+
+def test_the_triton_lora_path_gives_the_torch_tokens_and_its_warm_up_covers_every_launch(llama_dir, adapters):
+    """The Triton backend (the interpreter here) with two adapters in one batch: the same greedy
+    tokens as the CPU path, and no LoRA kernel variant that LoraSlots.warm_up did not launch."""
+    from pyserve.kernels._launch import recording
+
+    ps = prompts(300, seed=5, lengths=(5, 9, 3))
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    reqs = [LoRARequest("all8", ids["all8"], str(adapters["all8"])), None,
+            LoRARequest("mlp16rs", ids["mlp16rs"], str(adapters["mlp16rs"]))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    config = dict(block_size=4, num_kv_blocks=128, enable_lora=True, max_loras=2)
+    with LLM(str(llama_dir), **config) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, lora_request=reqs, use_tqdm=False)]
+    with LLM(str(llama_dir), attention_backend="triton", **config) as llm:
+        with recording() as warm:
+            llm.engine.worker.lora.warm_up()
+        with recording() as later:
+            got = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, lora_request=reqs, use_tqdm=False)]
+    assert got == want
+    for name in ("_shrink_kernel", "_expand_kernel"):
+        assert later[name] and later[name] <= warm[name]
