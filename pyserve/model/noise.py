@@ -4,8 +4,8 @@ not a stream. So a seeded request gets the same draws for the same token whereve
 whatever the batch, and however many tokens a step verifies or a draft model guessed: plain
 sampling, speculative verification and the draft's guesses all read the same numbers.
 
-The hash is murmur3's 32-bit finaliser over a mix of the three keys; its top 24 bits make a
-uniform u in (0, 1), and the draw is -log(u). Plain torch integer ops, on any device.
+The hash is kernels.keyed_noise's (the rejection kernel computes the same numbers in place);
+the draw is -log(u).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK = 0xFFFFFFFF
+from pyserve.kernels.keyed_noise import keyed_uniform
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,13 +32,5 @@ def keyed_exponential(keys: list[NoiseKey], vocab_size: int, device: torch.devic
     """f32 [len(keys), vocab_size] Exp(1) draws, row i a function of keys[i] alone."""
     seeds = torch.tensor([k.seed for k in keys], dtype=torch.int64, device=device)
     positions = torch.tensor([k.position for k in keys], dtype=torch.int64, device=device)
-    seeds = (seeds & _MASK) ^ ((seeds >> 32) & _MASK)
     ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    x = (seeds[:, None] * 0x9E3779B1 + (positions[:, None] & _MASK) * 0x85EBCA77 + ids[None, :] * 0xC2B2AE3D) & _MASK
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _MASK
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _MASK
-    x ^= x >> 16
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    return -torch.log(keyed_uniform(seeds[:, None], positions[:, None], ids[None, :]))

@@ -1,7 +1,7 @@
 """Verification of speculative drafts: a step's rows that scored drafts keep the drafts the target
 accepts, then one more token from the target (greedy: the target's argmax), so the output follows
 the target's distribution. Unseeded requests by exact rejection sampling; seeded ones by their
-keyed noise, which makes their output plain sampling's token for token. Rows without drafts go
+keyed noise, coupled (which makes their output plain sampling's token for token). Rows without drafts go
 through the plain sampler. Runs in the worker, on the step's logits."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 
 from pyserve.engine.request import EngineRequest, StepResult, StepRows
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
-from pyserve.model.noise import NoiseKey, keyed_exponential
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.proposer import ModelProposer
 
@@ -84,77 +83,33 @@ class Verifier:
         return accepted
 
     def _verify(self, out, logits, rows, counts, spec, spec_rows) -> list[np.ndarray]:
-        """Accepted drafts plus one token, per request of `spec`: seeded requests by their keyed
-        draws, the others by rejection sampling."""
+        """Accepted drafts plus one token, per request of `spec`, in one call of the rejection
+        sampler. A seeded request is coupled, its rows keyed by its seed and the token index each
+        samples (what plain sampling reads there, see model.noise); the others are keyed by a
+        seed drawn for this step from the shared generator and their row."""
         dev = self.device
         params = [rows[i].params for i in spec for _ in range(counts[i])]
         sampling = SamplingRows.build(params, [None] * len(params), [[]] * len(params), [[]] * len(params), None, dev)
         target = self.sampler.probs(logits[torch.from_numpy(spec_rows).to(dev)], sampling)
         drafts, cu = self._drafts(out, counts, spec, spec_rows)
-        seeds = [self.seed_of(rows[i]) for i in spec]
-        accepted: list[np.ndarray | None] = [None] * len(spec)
-        keyed = [j for j, seed in enumerate(seeds) if seed is not None]
-        if keyed:
-            self._verify_keyed(out, target, rows, spec, spec_rows, drafts, cu, keyed, seeds, accepted)
-        rest = [j for j in range(len(spec)) if accepted[j] is None]
-        if rest:
-            self._rejection_sample(target, rows, spec, drafts, cu, rest, accepted)
-        return accepted
-
-    def _verify_keyed(self, out, target, rows, spec, spec_rows, drafts, cu, keyed, seeds, accepted) -> None:
-        """Seeded requests: the token at each row is the target's draw from the request's keyed
-        noise for that sequence index (model.noise), the token plain sampling would pick there;
-        drafts are kept while they equal it. So the output is plain sampling's, whatever the
-        depth and the batch (the draft model guesses with the same noise, so it often agrees)."""
-        row_sets = [np.arange(cu[j], cu[j + 1]) for j in keyed]
-        flat = np.concatenate(row_sets)
-        positions = out.positions[out.logits_indices[spec_rows[flat]]] + 1  # the index each row samples
-        keys = []
-        start = 0
-        for j, r in zip(keyed, row_sets):
-            keys += [NoiseKey(seeds[j], int(p)) for p in positions[start:start + len(r)]]
-            start += len(r)
-        idx = torch.from_numpy(flat).to(self.device)
-        picks = (target[idx] / keyed_exponential(keys, target.shape[1], self.device)).argmax(dim=-1).cpu().numpy()
-        start = 0
-        for j, r in zip(keyed, row_sets):
-            mine = picks[start:start + len(r)]
-            start += len(r)
-            wrong = np.flatnonzero(drafts[r[:-1]] != mine[:-1])
-            num_accepted = int(wrong[0]) if len(wrong) else len(r) - 1
-            accepted[j] = mine[:num_accepted + 1]
-            if self.proposer is not None:
-                internal_id = rows[spec[j]].internal_id
-                self.proposer.take_draft_probs(internal_id, len(r) - 1)
-                self.proposer.accepted(internal_id, num_accepted)
-
-    def _rejection_sample(self, target, rows, spec, drafts, cu, subset, accepted) -> None:
-        """Exact rejection sampling for requests `subset` of `spec` (unseeded or greedy): noise
-        from the sampler's shared generator."""
-        dev = self.device
-        row_sets = [np.arange(cu[j], cu[j + 1]) for j in subset]
-        flat = torch.from_numpy(np.concatenate(row_sets)).to(dev)
-        sub_cu = np.concatenate([[0], np.cumsum([len(r) for r in row_sets])]).astype(np.int32)
-        p = target[flat]
-        # Greedy rows need no randomness: with a one-hot target, u = 0 and unit noise make the
-        # rule "keep drafts equal to the argmax, then the argmax".
-        uniform = torch.zeros(len(flat), device=dev)
-        noise = torch.ones_like(p)
-        sampled = [k for k, j in enumerate(subset) if not rows[spec[j]].params.greedy]
-        if sampled:
-            idx = torch.from_numpy(np.concatenate([np.arange(sub_cu[k], sub_cu[k + 1]) for k in sampled])).to(dev)
-            uniform[idx] = torch.rand(len(idx), generator=self.sampler.generator, device=dev)
-            noise[idx] = torch.empty((len(idx), p.shape[1]), device=dev).exponential_(generator=self.sampler.generator)
+        step_seed = int(torch.randint(0, 2**62, (1,), generator=self.sampler.generator, device=dev))
+        request_seeds = [self.seed_of(rows[i]) for i in spec]
+        row_request = np.repeat(np.arange(len(spec)), np.diff(cu))
+        token_index = out.positions[out.logits_indices[spec_rows]] + 1  # the index each row samples
+        own = np.array([s is not None for s in request_seeds])
+        seeds = np.where(own[row_request], [request_seeds[j] or 0 for j in row_request], step_seed).astype(np.int64)
+        positions = np.where(own[row_request], token_index, np.arange(len(spec_rows))).astype(np.int64)
         draft_probs = None
         if self.proposer is not None:
-            zero = torch.zeros((1, p.shape[1]), device=dev)
-            draft_probs = torch.cat([t for j in subset for t in (
-                self.proposer.take_draft_probs(rows[spec[j]].internal_id, int(cu[j + 1] - cu[j]) - 1), zero)])
+            zero = torch.zeros((1, target.shape[1]), device=dev)
+            draft_probs = torch.cat([t for i in spec for t in (
+                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1), zero)])
         verify = rejection_sample if dev.type == "cuda" else rejection_sample_ref
-        tokens, num = verify(p, draft_probs, torch.from_numpy(drafts).to(dev)[flat], uniform,
-                             noise.clamp_min_(torch.finfo(torch.float32).tiny), torch.from_numpy(sub_cu).to(dev))
+        tokens, num = verify(target, draft_probs, torch.from_numpy(drafts).to(dev), torch.from_numpy(seeds).to(dev),
+                             torch.from_numpy(positions).to(dev), torch.from_numpy(own.astype(np.int32)).to(dev),
+                             torch.from_numpy(cu).to(dev))
         tokens, num = tokens.cpu().numpy(), num.cpu().numpy()
-        for k, j in enumerate(subset):
-            if self.proposer is not None:
-                self.proposer.accepted(rows[spec[j]].internal_id, int(num[k]) - 1)
-            accepted[j] = tokens[sub_cu[k] : sub_cu[k] + num[k]]
+        if self.proposer is not None:
+            for j, i in enumerate(spec):
+                self.proposer.accepted(rows[i].internal_id, int(num[j]) - 1)
+        return [tokens[cu[j] : cu[j] + num[j]] for j in range(len(spec))]
