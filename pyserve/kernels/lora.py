@@ -40,11 +40,15 @@ def _tile_tokens(order_ptr, tiles_ptr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, order_ptr, tiles_ptr, out_ptr, fan_in, rank,
+def _shrink_kernel(x_ptr, a_ptr, ranks_ptr, order_ptr, tiles_ptr, out_ptr, fan_in,
                    stride_x, stride_a_slot, stride_a_rank, stride_out,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """xa[tokens of the tile, rank chunk] = x[tokens] @ A[slot][rank chunk].T, through tl.dot."""
+    """xa[tokens of the tile, rank chunk] = x[tokens] @ A[slot][rank chunk].T, through tl.dot;
+    chunks past the slot's own rank are left at zero."""
     slot, tok, t_mask = _tile_tokens(order_ptr, tiles_ptr, BLOCK_T)
+    rank = tl.load(ranks_ptr + slot)
+    if tl.program_id(1) * BLOCK_R >= rank:
+        return
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, fan_in, BLOCK_K):
@@ -58,12 +62,13 @@ def _shrink_kernel(x_ptr, a_ptr, order_ptr, tiles_ptr, out_ptr, fan_in, rank,
 
 
 @triton.jit
-def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, order_ptr, tiles_ptr, fan_out, rank,
+def _expand_kernel(y_ptr, xa_ptr, b_ptr, scaling_ptr, ranks_ptr, order_ptr, tiles_ptr, fan_out,
                    stride_y, stride_xa, stride_b_slot, stride_b_out,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y[tokens of the tile, n chunk] += scaling[slot] * xa[tokens] @ B[slot][n chunk].T, the rank
-    looped BLOCK_R at a time."""
+    """y[tokens of the tile, n chunk] += scaling[slot] * xa[tokens] @ B[slot][n chunk].T, the slot's
+    own rank looped BLOCK_R at a time."""
     slot, tok, t_mask = _tile_tokens(order_ptr, tiles_ptr, BLOCK_T)
+    rank = tl.load(ranks_ptr + slot)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
@@ -114,14 +119,14 @@ def _check(x, lora_a, lora_b, scaling, token_slots, y=None):
         check_shape("y", y, (x.shape[0], lora_b.shape[1]))
 
 
-def lora_shrink(x, lora_a, order, tiles):
-    """Triton launcher: xa [T, R] f32 (zeros for tokens without a slot)."""
+def lora_shrink(x, lora_a, ranks, order, tiles):
+    """Triton launcher: xa [T, R] f32 (zeros for tokens without a slot and past a slot's rank)."""
     rank, fan_in = lora_a.shape[1], lora_a.shape[2]
     out = torch.zeros((x.shape[0], rank), dtype=torch.float32, device=x.device)
     if tiles.shape[0]:
         block_r = max(16, min(64, triton.next_power_of_2(rank)))
         launch(_shrink_kernel, (tiles.shape[0], triton.cdiv(rank, block_r)), (),
-               x_ptr=x, a_ptr=lora_a, order_ptr=order, tiles_ptr=tiles, out_ptr=out, fan_in=fan_in, rank=rank,
+               x_ptr=x, a_ptr=lora_a, ranks_ptr=ranks, order_ptr=order, tiles_ptr=tiles, out_ptr=out, fan_in=fan_in,
                stride_x=x.stride(0), stride_a_slot=lora_a.stride(0), stride_a_rank=lora_a.stride(1),
                stride_out=out.stride(0), BLOCK_T=BLOCK_T, BLOCK_R=block_r,
                BLOCK_K=max(16, min(64, triton.next_power_of_2(fan_in))),
@@ -129,30 +134,35 @@ def lora_shrink(x, lora_a, order, tiles):
     return out
 
 
-def lora_expand(y, xa, lora_b, scaling, order, tiles):
+def lora_expand(y, xa, lora_b, scaling, ranks, order, tiles):
     """Triton launcher: y += scaling[slot] * xa @ B[slot].T per token with a slot, in place."""
     fan_out, rank = lora_b.shape[1], lora_b.shape[2]
     if tiles.shape[0]:
         block_n = max(16, min(128, triton.next_power_of_2(fan_out)))
         launch(_expand_kernel, (tiles.shape[0], triton.cdiv(fan_out, block_n)), (),
-               y_ptr=y, xa_ptr=xa, b_ptr=lora_b, scaling_ptr=scaling, order_ptr=order, tiles_ptr=tiles,
-               fan_out=fan_out, rank=rank, stride_y=y.stride(0), stride_xa=xa.stride(0),
+               y_ptr=y, xa_ptr=xa, b_ptr=lora_b, scaling_ptr=scaling, ranks_ptr=ranks, order_ptr=order,
+               tiles_ptr=tiles, fan_out=fan_out, stride_y=y.stride(0), stride_xa=xa.stride(0),
                stride_b_slot=lora_b.stride(0), stride_b_out=lora_b.stride(1), BLOCK_T=BLOCK_T, BLOCK_N=block_n,
                BLOCK_R=max(16, min(64, triton.next_power_of_2(rank))),
                DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
     return y
 
 
-def add_lora(y, x, lora_a, lora_b, scaling, token_slots, segmented=None):
+def add_lora(y, x, lora_a, lora_b, scaling, token_slots, segmented=None, ranks=None):
     """Checked shrink + expand on CUDA: y += the LoRA delta of every token with a slot.
     `segmented`: segments(host slots) on the device; None computes them from token_slots (a
-    device sync)."""
+    device sync). `ranks`: int32 [S], each slot's own rank (its matrices are zero past it), so
+    the kernels stop there; None: every slot at the padded rank R."""
     _check(x, lora_a, lora_b, scaling, token_slots, y)
+    if ranks is None:
+        ranks = torch.full((lora_a.shape[0],), lora_a.shape[1], dtype=torch.int32, device=x.device)
+    check_tensor("ranks", ranks, 1, (torch.int32,), x.device)
+    check_shape("ranks", ranks, lora_a.shape[:1])
     if segmented is None:
         order, tiles = segments(token_slots.cpu().numpy())
         segmented = (torch.from_numpy(order).to(x.device), torch.from_numpy(tiles).to(x.device))
     order, tiles = segmented
-    return lora_expand(y, lora_shrink(x, lora_a, order, tiles), lora_b, scaling, order, tiles)
+    return lora_expand(y, lora_shrink(x, lora_a, ranks, order, tiles), lora_b, scaling, ranks, order, tiles)
 
 
 def add_lora_ref(y, x, lora_a, lora_b, scaling, token_slots):

@@ -35,6 +35,7 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, w.shape[1], dtype=w.dtype, device=w.device))
         self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
         self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
+        self.register_buffer("ranks", torch.zeros(num_slots, dtype=torch.int32, device=w.device))  # 0: no delta
         self.use_triton = use_triton
         self.use_cpu_kernel = not use_triton and w.device.type == "cpu" and w.dtype == torch.float32
         # The CPU kernel's layout: each slot's B transposed and scaled.
@@ -52,7 +53,7 @@ class LoraLinear(nn.Module):
         if slots is None:
             return y
         if self.use_triton:
-            return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots, self.batch.segmented)
+            return add_lora(y, x, self.lora_a, self.lora_b, self.scaling, slots, self.batch.segmented, self.ranks)
         if self.use_cpu_kernel:
             return add_lora_cpu(y, x, self.lora_a, self.b_scaled, self.batch.slots_host)
         return add_lora_ref(y, x, self.lora_a, self.lora_b, self.scaling, slots)
@@ -124,7 +125,7 @@ class LoraSlots:
             x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
             slots = torch.zeros(1, dtype=torch.int64, device=w.device)
             add_lora(torch.zeros(1, w.shape[0], dtype=w.dtype, device=w.device), x, mod.lora_a, mod.lora_b,
-                     mod.scaling, slots)
+                     mod.scaling, slots, ranks=mod.ranks)
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """Target module -> (in_features, out_features) of the base model."""
@@ -166,6 +167,7 @@ class LoraSlots:
                 mod.lora_b[slot].zero_()
                 ab = adapter.weights.get((i, name))
                 mod.scaling[slot] = adapter.scaling if ab is not None else 0.0
+                mod.ranks[slot] = r if ab is not None else 0
                 if ab is not None:
                     mod.lora_a[slot, :r].copy_(ab[0])
                     mod.lora_b[slot, :, :r].copy_(ab[1])

@@ -107,3 +107,21 @@ def test_the_triton_kernels_loop_the_rank_and_span_tiles():
     got = add_lora(y0.clone(), x, a, b, scaling, token_slots, (torch.from_numpy(order), torch.from_numpy(tiles)))
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[20], y0[20])
+
+
+def test_the_triton_kernels_stop_at_each_slots_own_rank():
+    """Slot 0 has rank 5 of the padded 80: garbage past it in A and B must not count."""
+    g = torch.Generator().manual_seed(2)
+    t, fan_in, fan_out, rank = 6, 20, 36, 80
+    a = torch.randn(2, rank, fan_in, generator=g) * 0.1
+    b = torch.randn(2, fan_out, rank, generator=g) * 0.1
+    clean_a, clean_b = a.clone(), b.clone()
+    clean_a[0, 5:] = 0.0
+    clean_b[0, :, 5:] = 0.0
+    x = torch.randn(t, fan_in, generator=g)
+    scaling = torch.tensor([1.0, 2.0])
+    token_slots = torch.tensor([0, 1, 0, -1, 1, 0])
+    y0 = torch.randn(t, fan_out, generator=g)
+    want = y0.double() + dense_delta(x, clean_a, clean_b, scaling, token_slots)
+    got = add_lora(y0.clone(), x, a, b, scaling, token_slots, ranks=torch.tensor([5, 80], dtype=torch.int32))
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
