@@ -89,6 +89,7 @@ class AsyncEngine:
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank,
             max_num_seqs=config.max_num_seqs,
+            speculative=spec is not None,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pyserve.kernels._checks import check_shape, check_tensor
+from pyserve.kernels._launch import launch
 from pyserve.kernels.keyed_noise import keyed_uniform, keyed_uniform_tl
 
 
@@ -140,9 +141,11 @@ def rejection_sample(target_probs, draft_probs, draft_token_ids, seeds, position
     if num_reqs == 0:
         return out, num_out
     q = draft_probs if draft_probs is not None else target_probs  # unread when HAS_Q is False
-    _rejection_sample_kernel[(num_reqs,)](
-        target_probs, q, draft_token_ids, seeds, positions, coupled, cu_num_rows, out, num_out,
-        vocab, target_probs.stride(0), q.stride(0),
+    launch(
+        _rejection_sample_kernel, (num_reqs,), (),
+        p_ptr=target_probs, q_ptr=q, draft_ptr=draft_token_ids, seeds_ptr=seeds, positions_ptr=positions,
+        coupled_ptr=coupled, cu_ptr=cu_num_rows, out_ptr=out, num_out_ptr=num_out,
+        vocab_size=vocab, stride_p=target_probs.stride(0), stride_q=q.stride(0),
         HAS_Q=draft_probs is not None, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),
     )
     return out, num_out

@@ -71,6 +71,7 @@ class ModelWorker:
         max_loras: int = 0,
         max_lora_rank: int = 64,
         max_num_seqs: int = 256,
+        speculative: bool = False,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -105,6 +106,8 @@ class ModelWorker:
                 block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
             )
         self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
+        if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
+            self.verifier.warm_up()
 
     def add_lora(self, adapter_id: int, path: str) -> None:
         """Loads and validates a PEFT adapter on the CPU (a LoraError says why it was refused);

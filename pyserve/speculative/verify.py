@@ -25,6 +25,15 @@ class Verifier:
         self.proposer = proposer  # a draft model keeps the distributions its drafts came from
         self.seed_of = seed_of  # a request's noise seed (None: unseeded or greedy)
 
+    def warm_up(self) -> None:
+        """Launches the rejection kernel once (with or without draft distributions, as this
+        engine verifies) so that its compile does not land on a request."""
+        vocab, dev = self.sampler.vocab_size, self.device
+        p = torch.full((2, vocab), 1.0 / vocab, device=dev)
+        ids = torch.zeros(2, dtype=torch.int64, device=dev)
+        rejection_sample(p, p if self.proposer is not None else None, ids, ids, ids,
+                         torch.zeros(1, dtype=torch.int32, device=dev), torch.tensor([0, 2], dtype=torch.int32, device=dev))
+
     def sample_and_verify(self, out, logits: torch.Tensor, rows: StepRows, counts: np.ndarray,
                           sample: Callable[[torch.Tensor, StepRows], StepResult]) -> StepResult:
         """Rows with drafts (count > 1) go through rejection sampling, the others through the

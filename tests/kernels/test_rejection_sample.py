@@ -127,3 +127,19 @@ def test_a_draft_outside_the_vocabulary_is_rejected(with_q, coupled):
         tokens, num = fn(p, q, drafts, *keys(6, 2), torch.full((2,), coupled, dtype=torch.int32), cu)
         assert num.tolist() == [2, 1]
         assert tokens.tolist() == [5, 3, -1, 8, -1, -1]
+
+
+@pytest.mark.parametrize("with_draft_model", [False, True])
+def test_the_verifiers_warm_up_launches_the_variant_steps_use(with_draft_model):
+    from pyserve.kernels._launch import recording
+    from pyserve.model.sampler import Sampler
+    from pyserve.speculative.verify import Verifier
+
+    vocab = 37
+    verifier = Verifier(Sampler(vocab, "cpu"), torch.device("cpu"), object() if with_draft_model else None, None)
+    with recording() as warm:
+        verifier.warm_up()
+    case = random_case([3, 1, 4], vocab=vocab, seed=2, with_q=with_draft_model, coupled=(1,))
+    with recording() as step:
+        rejection_sample(*case)
+    assert step["_rejection_sample_kernel"] == warm["_rejection_sample_kernel"]
