@@ -66,10 +66,8 @@ class EngineCore(Actor):
         out = self.scheduler.schedule(None if self.step_budget is None else self.step_budget.next_budget())
         if out.num_reqs == 0:
             ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
-            if out.finished_req_ids.size:  # aborted while nothing else ran: free their state
-                self.worker.execute(out, StepRows([], []))
-                if self.speculator is not None:
-                    self.speculator.forget(out.finished_req_ids.tolist())
+            if out.finished_req_ids.size and self.speculator is not None:  # aborted while nothing ran
+                self.speculator.forget(out.finished_req_ids.tolist())
             self._fork(ready)
             if self.scheduler.has_unfinished_requests() and not ready:
                 await anyio.sleep(0.001)  # nothing fits yet; let the loop serve others
