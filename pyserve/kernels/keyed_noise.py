@@ -29,6 +29,13 @@ def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, index: torch.Ten
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def keyed_exponential_rows(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """f32 [R, vocab_size] Exp(1) draws: row r is -log of the numbers of (seeds[r], positions[r])
+    at indices 0 .. vocab_size - 1 (what the kernels race with)."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    return -torch.log(keyed_uniform(seeds[:, None], positions[:, None], ids[None, :]))
+
+
 @triton.jit
 def keyed_uniform_tl(seed, position, index):
     """The same in a kernel: `seed` and `position` int64 scalars, `index` an int64 block."""

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from pyserve.kernels._checks import check_shape, check_tensor
 from pyserve.kernels._launch import launch
-from pyserve.kernels.keyed_noise import keyed_uniform, keyed_uniform_tl
+from pyserve.kernels.keyed_noise import keyed_exponential_rows, keyed_uniform, keyed_uniform_tl
 
 
 @triton.jit
@@ -153,9 +153,8 @@ def rejection_sample(target_probs, draft_probs, draft_token_ids, seeds, position
 
 def keyed_noise(seeds, positions, vocab_size):
     """(u [R], noise [R, V]): the numbers the kernel computes in place for each row's key."""
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     u = keyed_uniform(seeds, positions, torch.full_like(seeds, vocab_size))
-    return u, -torch.log(keyed_uniform(seeds[:, None], positions[:, None], ids[None, :]))
+    return u, keyed_exponential_rows(seeds, positions, vocab_size)
 
 
 def rejection_sample_ref(target_probs, draft_probs, draft_token_ids, seeds, positions, coupled, cu_num_rows):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyserve.kernels.keyed_noise import keyed_uniform
+from pyserve.kernels.keyed_noise import keyed_exponential_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,5 +32,4 @@ def keyed_exponential(keys: list[NoiseKey], vocab_size: int, device: torch.devic
     """f32 [len(keys), vocab_size] Exp(1) draws, row i a function of keys[i] alone."""
     seeds = torch.tensor([k.seed for k in keys], dtype=torch.int64, device=device)
     positions = torch.tensor([k.position for k in keys], dtype=torch.int64, device=device)
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    return -torch.log(keyed_uniform(seeds[:, None], positions[:, None], ids[None, :]))
+    return keyed_exponential_rows(seeds, positions, vocab_size)
