@@ -143,19 +143,25 @@ class TorchPlan:
         qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
         short = q_lens <= extend.SHORT_QUERY
-        seqs = np.flatnonzero(short)
-        rows, _ = _query_rows(qsl, seqs)
-        seq_of_row = np.repeat(seqs, q_lens[seqs])
+        rows, seq_of_row, row_lens = _decode_rows(meta, np.flatnonzero(short))
         dec = None
         if len(rows):
-            j = rows - qsl[seq_of_row]  # each row's place in its query
-            tables = np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row])
-            row_lens = (meta.seq_lens_host[seq_of_row] - q_lens[seq_of_row] + j + 1).astype(np.int32)
-            dec = InPlaceDecode(tables, row_lens)
+            dec = InPlaceDecode(np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row]), row_lens)
         if short.all():
             return cls(keep, dec, None, None, None)
         ext, ext_tokens = _extend_plan(meta, np.flatnonzero(~short), k_cache.shape[1])
         return cls(keep, dec, torch.from_numpy(rows) if dec is not None else None, ext, ext_tokens)
+
+
+def _decode_rows(meta: AttentionMetadata, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every token of the queries of sequences `seqs` as a one-token decode over its own causal
+    prefix: (q rows int64, each row's sequence, each row's key count int32)."""
+    qsl = meta.query_start_loc_host.astype(np.int64)
+    q_lens = np.diff(qsl)
+    rows, _ = _query_rows(qsl, seqs)
+    seq_of_row = np.repeat(seqs, q_lens[seqs])
+    row_lens = meta.seq_lens_host[seq_of_row] - q_lens[seq_of_row] + (rows - qsl[seq_of_row]) + 1
+    return rows, seq_of_row, row_lens.astype(np.int32)
 
 
 def _query_rows(qsl: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -278,11 +284,8 @@ class TritonPlan:
         seqs = np.flatnonzero(short)
         if not len(seqs):
             return cls(None, None, None, tiles)
-        rows, _ = _query_rows(qsl, seqs)
-        seq_of_row = np.repeat(seqs, q_lens[seqs])
-        row_lens = meta.seq_lens_host[seq_of_row] - q_lens[seq_of_row] + (rows - qsl[seq_of_row]) + 1
-        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)],
-                   _on(meta, row_lens.astype(np.int32)), tiles)
+        rows, seq_of_row, row_lens = _decode_rows(meta, seqs)
+        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), tiles)
 
 
 class TritonBackend(AttentionBackend):
