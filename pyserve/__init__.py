@@ -14,6 +14,7 @@ _EXPORTS = {
     "RequestOutput": "pyserve.engine.outputs",
     "CompletionOutput": "pyserve.engine.outputs",
     "LoRARequest": "pyserve.lora.request",
+    "StructuredOutputsParams": "pyserve.structured.params",
 }
 
 __all__ = list(_EXPORTS)

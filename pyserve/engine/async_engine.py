@@ -28,8 +28,12 @@ from pyserve.model.worker import ModelWorker
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
 from pyserve.speculative.speculator import Speculator
+from pyserve.structured.compiler import Grammar, GrammarCompiler
+from pyserve.structured.matchers import GrammarMatchers
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 DEFAULT_MAX_MODEL_LEN = 8192
+GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
 
 
@@ -108,14 +112,17 @@ class AsyncEngine:
             eos_ids.insert(0, eos)
         self.eos_token_ids = eos_ids
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids[0] if eos_ids else None)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer.inner.to_str, cfg.vocab_size, eos_ids)
+        self.grammar_matchers = GrammarMatchers(cfg.vocab_size, eos_ids)
         speculator = None
         if spec is not None:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
                         if spec.method == "ngram" else WorkerProposer(self.worker))
-            speculator = Speculator(spec, self.scheduler, proposer)
+            speculator = Speculator(spec, self.scheduler, proposer, self.grammar_matchers)
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget)
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget,
+                                      self.grammar_matchers)
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
@@ -147,6 +154,7 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         await self.system.stop()
+        self.grammar_matchers.close()
         if self._engine_thread is not None:
             self._engine_thread.close()
             self._engine_thread = None
@@ -167,7 +175,8 @@ class AsyncEngine:
         fork from it) and returns its stream; with `streaming`
         False only its cumulative output is kept (no per-step deltas); `max_pending` bounds the
         deltas a streaming consumer may leave unread (see RequestStream). Raises ValueError naming
-        the field when it can never be served."""
+        the field when it can never be served (a GrammarError for a constraint that does not
+        compile)."""
         self.system.check_alive()
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
@@ -175,6 +184,9 @@ class AsyncEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = await self.compile_grammar(params.structured_outputs)
         adapter_id = 0
         if lora_request is not None:
             await self.load_lora(lora_request)
@@ -186,7 +198,7 @@ class AsyncEngine:
         requests = []
         for index in range(params.n):
             req = EngineRequest(next(self._ids), request_id, index, params, list(prompt_token_ids), ban,
-                                adapter_id=adapter_id)
+                                adapter_id=adapter_id, grammar=grammar)
             requests.append(req)
         output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
         stream = RequestStream(output, [r.internal_id for r in requests], streaming, max_pending)
@@ -204,6 +216,19 @@ class AsyncEngine:
         finally:
             self._pending_adds.discard(msg.accepted)
         return stream
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """The compiled constraint (cached), compiled off the event loop within
+        GRAMMAR_COMPILE_TIMEOUT; a GrammarError says why it cannot be. llguidance's own limits
+        bound the compile's work, so a timed-out compile ends soon after on its thread."""
+        grammar = self.grammar_compiler.cached(spec)
+        if grammar is not None:
+            return grammar
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.grammar_compiler.compile, spec),
+                                          GRAMMAR_COMPILE_TIMEOUT)
+        except TimeoutError as e:
+            raise GrammarError(f"the constraint did not compile within {GRAMMAR_COMPILE_TIMEOUT} s") from e
 
     async def load_lora(self, lora: LoRARequest) -> None:
         """Loads (once per id and path) and validates the adapter, off the event loop; raises a

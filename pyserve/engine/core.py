@@ -22,6 +22,7 @@ from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, St
 from pyserve.actors.loop_thread import resolve
 from pyserve.engine.step_budget import StepBudget
 from pyserve.speculative.speculator import speculation_stats
+from pyserve.structured.matchers import GrammarMatchers, MaskRow
 
 log = structlog.get_logger("pyserve.engine")
 
@@ -30,8 +31,9 @@ NO_TOKENS = np.empty(0, dtype=np.int64)
 
 class EngineCore(Actor):
     def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, grammar: GrammarMatchers | None = None):
         super().__init__("engine_core")
+        self.grammar = grammar  # the matchers of constrained requests (None: no structured outputs)
         self.step_budget = step_budget  # None: every step may take max_num_batched_tokens
         self.speculator = speculator
         self.scheduler = scheduler
@@ -83,6 +85,10 @@ class EngineCore(Actor):
             token_ids = self.scheduler.token_ids
             rows.output_token_ids = [token_ids(r.internal_id, len(r.prompt_token_ids)) if r.needs_output else None
                                      for r in rows.requests]
+        if self.grammar:  # masks computed on the grammar's thread while the forward runs
+            mask_rows = self._mask_rows(out, rows, with_logits)
+            if mask_rows:
+                rows.token_masks = self.grammar.start_masks(mask_rows)
         adapter_ids = None
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
@@ -97,6 +103,8 @@ class EngineCore(Actor):
         num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
+        if self.grammar:
+            self._advance_grammars(update)
         for rid in finished:
             self._drop(rid)
         logprobs = None if result.logprobs is None else result.logprobs[update.sampled_index]
@@ -109,6 +117,25 @@ class EngineCore(Actor):
         if self.speculator is not None:  # after the tokens went out: proposing may run a draft model
             num_output = out.num_output_tokens + update.num_appended
             await self.speculator.after_step(out, num_sampled, num_output, seconds, set(finished), self.requests)
+
+    def _mask_rows(self, out, rows: StepRows, with_logits: np.ndarray) -> list[MaskRow]:
+        """The constrained rows of a step: each one's first logits row, and the drafts its
+        further logits rows verify (the input token after each row's position)."""
+        counts = out.num_logits[with_logits]
+        firsts = np.cumsum(counts) - counts
+        mask_rows = []
+        for req, first, count in zip(rows.requests, firsts.tolist(), counts.tolist()):
+            if req.internal_id in self.grammar:
+                drafts = out.input_ids[out.logits_indices[first + 1 : first + count]].tolist() if count > 1 else []
+                mask_rows.append(MaskRow(req.internal_id, first, drafts))
+        return mask_rows
+
+    def _advance_grammars(self, update) -> None:
+        """Feeds each constrained request's matcher the tokens the step kept."""
+        tokens, starts = update.token_ids, update.starts
+        for i, rid in enumerate(update.req_ids):
+            if rid in self.grammar and not self.grammar.advance(rid, tokens[starts[i] : starts[i + 1]]):
+                log.warning("grammar_refused_token", internal_id=rid)
 
     def _fork(self, ready: list[int]) -> None:
         """Starts the samples waiting on each ready parent, sharing its computed blocks."""
@@ -123,6 +150,8 @@ class EngineCore(Actor):
         req = self.requests.pop(internal_id, None)
         if req is not None and req.needs_output:
             self.num_needing_output -= 1
+        if req is not None and req.grammar is not None:
+            self.grammar.drop(internal_id)
         return req
 
     async def _drain_inbox(self, block: bool) -> None:
@@ -143,6 +172,8 @@ class EngineCore(Actor):
                 self.pending_forks[msg.request.internal_id] = msg
             for req in (msg.request, *msg.forks):
                 self.requests[req.internal_id] = req
+                if req.grammar is not None:
+                    self.grammar.add(req.internal_id, req.grammar)
                 self.num_needing_output += req.needs_output
                 self.num_prompt_tokens += len(req.prompt_token_ids)
                 if req is not msg.request:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.structured.compiler import Grammar
 
 
 @dataclass(slots=True)
@@ -23,6 +25,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     stop_token_ids: list[int]  # params.stop_token_ids plus EOS unless ignore_eos (for min_tokens)
     adapter_id: int = 0  # LoRA adapter (0 = the base model)
+    grammar: Grammar | None = None  # the compiled constraint of params.structured_outputs
     # Output length from which a step's token is the plain argmax of the logits (see
     # SamplingParams.plain_greedy); None when it never is. Kept so the check costs one compare.
     argmax_from: int | None = field(init=False, default=None)
@@ -49,12 +52,14 @@ class EngineRequest:
 @dataclass(slots=True)
 class StepRows:
     """What the sampler needs of the requests that sample this step (row i: `requests[i]`):
-    how many outputs each has, and the outputs themselves for rows whose penalties read them
-    (None elsewhere, or None for all when no row has penalties)."""
+    how many outputs each has, the outputs themselves for rows whose penalties read them
+    (None elsewhere, or None for all when no row has penalties), and the grammar masks."""
 
     requests: list[EngineRequest]
     num_output: list[int]
     output_token_ids: list[np.ndarray | None] | None = None
+    # The grammar masks of this step's constrained rows, being computed (structured.matchers).
+    token_masks: Future | None = None
 
     def take(self, index) -> StepRows:
         outputs = None if self.output_token_ids is None else [self.output_token_ids[i] for i in index]

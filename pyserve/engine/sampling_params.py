@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as greedy (as vLLM does)
@@ -34,6 +36,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: outputs carry token ids only (no text, no stop strings)
+    # The output must match this constraint (a dict is read as StructuredOutputsParams' fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +75,17 @@ class SamplingParams:
             raise ValueError("detokenize must be a bool")
         if self.stop and not self.detokenize:
             raise ValueError("stop: stop strings need detokenize=True")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except (TypeError, GrammarError) as e:
+                raise GrammarError(f"structured_outputs: {e}") from e
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+            if self.min_tokens:
+                raise ValueError("min_tokens: not supported with structured_outputs (the grammar decides "
+                                 "where the output may end)")
 
     @property
     def greedy(self) -> bool:

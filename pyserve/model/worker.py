@@ -25,6 +25,7 @@ from pyserve.model.noise import NoiseKey
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.step_buffers import StepBuffers
+from pyserve.model.token_masks import apply_token_masks
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
@@ -141,7 +142,7 @@ class ModelWorker:
                 and len(rows.requests) == out.num_reqs:  # a decode step: on the fixed buffers, padded
             input_ids, positions, meta, _ = self.step_buffers.stage(out)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
-            return self._sample(self.model.compute_logits(hidden), rows)
+            return self._sample(self._logits(hidden, rows), rows)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
         )
@@ -152,11 +153,18 @@ class ModelWorker:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         if len(out.logits_indices) != len(out.input_ids):
             hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
-        logits = self.model.compute_logits(hidden)  # else every token has logits, in order
+        logits = self._logits(hidden, rows)  # else every token has logits, in order
         if out.num_logits.max() == 1:  # one logits row per entry of `rows`
             return self._sample(logits, rows)
         counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
         return self.verifier.sample_and_verify(out, logits, rows, counts, self._sample)
+
+    def _logits(self, hidden: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """The logits of `hidden`, with the grammar masks of constrained rows applied."""
+        logits = self.model.compute_logits(hidden)
+        if rows.token_masks is not None:
+            apply_token_masks(logits, rows.token_masks.result())
+        return logits
 
     def _sample(self, logits: torch.Tensor, rows: StepRows) -> StepResult:
         """One token per row of `logits`, row i for rows.requests[i]."""

@@ -11,6 +11,7 @@ from pyserve.engine.request import EngineRequest
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
 from pyserve.speculative.proposer import ProposalBatch, Proposer
+from pyserve.structured.matchers import GrammarMatchers
 
 
 def can_speculate(req: EngineRequest, num_output: int) -> bool:
@@ -22,9 +23,10 @@ def can_speculate(req: EngineRequest, num_output: int) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer, grammar: GrammarMatchers | None = None):
         self.scheduler = scheduler
         self.proposer = proposer
+        self.grammar = grammar  # the EngineCore's matchers: drafts of constrained requests are cut to what they allow
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
                                      has_draft_cost=config.method == "draft_model")
         self.num_drafts = 0  # request-steps that verified at least one draft
@@ -67,8 +69,17 @@ class Speculator:
         seconds = time.perf_counter() - start
         self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
         for req, tokens in zip(candidates, drafts):
+            if self.grammar is not None and req.internal_id in self.grammar:
+                tokens = self._constrained(req.internal_id, list(tokens), k)
             if tokens:
                 self.scheduler.set_spec_tokens(req.internal_id, tokens)
+
+    def _constrained(self, internal_id: int, drafts: list[int], k: int) -> list[int]:
+        """A constrained request's drafts: the proposer's as far as the grammar allows them, or
+        the tokens the grammar forces (certain to be accepted) when those reach further."""
+        valid = self.grammar.valid_drafts(internal_id, drafts)
+        forced = self.grammar.forced_tokens(internal_id)[:k]
+        return forced if len(forced) > len(valid) else valid
 
     def forget(self, request_ids: list[int]) -> None:
         """Drops the proposer's state of requests that finished, were aborted or preempted."""

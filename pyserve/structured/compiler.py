@@ -1,0 +1,128 @@
+"""Compiles StructuredOutputsParams into llguidance matchers for the model's vocabulary, with a
+bounded cache of compiled grammars (each request gets a copy of the cached matcher).
+
+llguidance (Microsoft's grammar engine, Rust with a Python binding) does the work: JSON schema,
+regex, Lark and GBNF to one token-level grammar, masks in tens of microseconds a token. Its
+parser limits bound the compile and every mask's work, so a hostile grammar fails with an error
+instead of burning a thread. It is imported on first use (0.1 s), not at the server's start.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
+
+CACHE_SIZE = 256  # compiled grammars kept (a matcher of a large schema holds a few MB at most)
+# JSON as OpenAI writes it: no free whitespace (which a small model can fill forever), ", " and ": ".
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _limits() -> llguidance.LLParserLimits:
+    import llguidance
+
+    return llguidance.LLParserLimits(max_grammar_size=500_000, initial_lexer_fuel=1_000_000,
+                                     step_lexer_fuel=200_000, max_lexer_states=250_000)
+
+
+@dataclass(slots=True, frozen=True)
+class Grammar:
+    """A compiled constraint: `matcher()` gives a fresh matcher at the start of the output."""
+
+    key: tuple[str, str]
+    _pristine: llguidance.LLMatcher
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._pristine.deep_copy()
+
+
+class GrammarCompiler:
+    """One per engine: the vocabulary (an llguidance tokenizer, built on first use) and the cache."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]):
+        """`tokenizer_json`: gives the model's tokenizer.json text (called on first use)."""
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                             eos_token=self._eos or None)
+                except Exception as e:
+                    raise GrammarError(f"structured outputs are not available for this model's tokenizer: {e}") from e
+            return self._tokenizer
+
+    def cached(self, spec: StructuredOutputsParams) -> Grammar | None:
+        with self._lock:
+            grammar = self._cache.get(spec.key())
+            if grammar is not None:
+                self._cache.move_to_end(grammar.key)
+            return grammar
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """The compiled grammar of `spec` (from the cache when it is there); a GrammarError says
+        why a constraint cannot be compiled. Releases the GIL while llguidance compiles."""
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        import llguidance
+
+        text = _grammar_text(spec)
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
+        if matcher.is_error():
+            raise GrammarError(_what_is_wrong(matcher.get_error()))
+        grammar = Grammar(spec.key(), matcher)
+        with self._lock:
+            self._cache[grammar.key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+def _grammar_text(spec: StructuredOutputsParams) -> str:
+    import llguidance
+
+    try:
+        if spec.json is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+        if spec.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if spec.regex is not None:
+            return llguidance.grammar_from("regex", spec.regex)
+        if spec.choice is not None:
+            return llguidance.grammar_from("choice", list(spec.choice))
+        return llguidance.grammar_from("grammar", spec.grammar)
+    except ValueError as e:
+        raise GrammarError(_what_is_wrong(str(e))) from e
+
+
+def _what_is_wrong(message: str) -> str:
+    """What llguidance says is wrong, without the rendering of the grammar (numbered source
+    lines, <state> / <grammar> dumps) that follows it."""
+    lines = []
+    for line in message.strip().splitlines():
+        if _SOURCE_LINE.match(line) or line.startswith("<"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return " ".join(lines)[:500] or "invalid grammar"
+
+
+_SOURCE_LINE = re.compile(r"^\s*\d+ \|")

@@ -1,0 +1,121 @@
+"""The grammar matchers of the running constrained requests, owned by the EngineCore.
+
+Per step: `start_masks` computes, on a thread of its own while the forward runs, the token
+bitmask of every logits row of a constrained request (a verifying request's rows too: row j is
+masked as the matcher stands after its first j drafts, then the matcher is rolled back);
+the worker applies them before sampling. After the step, `advance` feeds each matcher the tokens
+the scheduler kept. Drafts are cut to the prefix the grammar allows before they are verified.
+Steps with no constrained request pay nothing. No tensors here: the masks are numpy arrays.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pyserve.structured.compiler import Grammar
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+@dataclass(slots=True)
+class TokenMasks:
+    """Allowed tokens of some logits rows of a step: bit t of `bits[i]` (32 tokens per int32,
+    least significant bit first) allows token t in logits row `rows[i]`."""
+
+    rows: np.ndarray  # int64 [M]
+    bits: np.ndarray  # int32 [M, ceil(V / 32)]
+
+
+@dataclass(slots=True)
+class MaskRow:
+    """One constrained request of a step: its first logits row and the drafts it verifies."""
+
+    internal_id: int
+    first_row: int
+    drafts: list[int]
+
+
+class GrammarMatchers:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]):
+        self.words = (vocab_size + 31) // 32
+        self._eos = frozenset(eos_token_ids)
+        self._matchers: dict[int, llguidance.LLMatcher] = {}
+        self._executor: llguidance.LLExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, internal_id: int) -> bool:
+        return internal_id in self._matchers
+
+    def add(self, internal_id: int, grammar: Grammar) -> None:
+        self._matchers[internal_id] = grammar.matcher()
+
+    def drop(self, internal_id: int) -> None:
+        self._matchers.pop(internal_id, None)
+
+    def advance(self, internal_id: int, token_ids: list[int]) -> bool:
+        """Feeds the tokens a step kept; False when the grammar refused one (the matcher then
+        allows only EOS, which ends the request). EOS after a complete output is the end, not a
+        token to feed (a stopped matcher refuses it)."""
+        m = self._matchers[internal_id]
+        n = m.try_consume_tokens(token_ids)
+        rest = token_ids[n:]
+        if not rest or (m.is_accepting() and all(t in self._eos for t in rest)):
+            return True
+        return m.consume_tokens(rest)
+
+    def valid_drafts(self, internal_id: int, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows; the matcher is left as it was."""
+        m = self._matchers[internal_id]
+        n = m.try_consume_tokens(drafts)
+        if n:
+            m.rollback(n)
+        return drafts[:n]
+
+    def forced_tokens(self, internal_id: int) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here (may be none)."""
+        return self._matchers[internal_id].compute_ff_tokens()
+
+    def start_masks(self, rows: list[MaskRow]) -> Future[TokenMasks]:
+        """Computes the masks of `rows` on the mask thread; the worker waits for the result just
+        before sampling. Nothing may touch these matchers until it is done (the EngineCore runs
+        `advance` after the worker returned)."""
+        if self._thread is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pyserve-grammar")
+        return self._thread.submit(self._masks, rows)
+
+    def _masks(self, rows: list[MaskRow]) -> TokenMasks:
+        sizes = [1 + len(r.drafts) for r in rows]
+        # All allowed by default: a row past a request's first refused draft is never sampled.
+        bits = np.full((sum(sizes), self.words), -1, dtype=np.int32)
+        logits_rows = np.empty(len(bits), dtype=np.int64)
+        plain, with_drafts, at = [], [], 0
+        for r, size in zip(rows, sizes):
+            m = self._matchers[r.internal_id]
+            if r.drafts:
+                with_drafts.append((m, at, r.drafts))
+            else:
+                plain.append((m, at))
+            logits_rows[at : at + size] = np.arange(r.first_row, r.first_row + size)
+            at += size
+        ptr, size = bits.ctypes.data, self.words * 4
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, size, len(bits))
+        if with_drafts:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, size, len(bits))
+        return TokenMasks(logits_rows, bits)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -1,0 +1,158 @@
+"""Constraints before any model runs: their checks and limits, the compiler and its cache, the
+matchers' masks (drafts included) and the mask applied to logits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pyserve.default_model import TARGET_DIR
+from pyserve.model.tokenizer import Tokenizer
+from pyserve.model.token_masks import apply_token_masks
+from pyserve.structured import compiler as compiler_module
+from pyserve.structured.compiler import GrammarCompiler
+from pyserve.structured.matchers import GrammarMatchers, MaskRow, TokenMasks
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
+
+VOCAB = 4096
+EOS = [0, 4]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(TARGET_DIR)
+
+
+@pytest.fixture
+def compiler(tok) -> GrammarCompiler:
+    return GrammarCompiler(tok.inner.to_str, VOCAB, EOS)
+
+
+def allowed(bits: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_exactly_one_constraint_is_given():
+    with pytest.raises(GrammarError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(GrammarError, match="got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(GrammarError, match="choice"):
+        StructuredOutputsParams(choice=[])
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("schema, message", [
+    (_nested(11), "deeper than 10"),
+    ({"anyOf": [{"anyOf": [{"anyOf": [_nested(9)]}]}]}, "deeper than 10"),
+    ({"enum": list(range(1001))}, "more than 1000 enum"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5001)}}, "more than 5000"),
+    ("{not json", "not valid JSON"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_schemas_over_the_limits_are_refused_before_compiling(schema, message):
+    start = time.perf_counter()
+    with pytest.raises(GrammarError, match=message):
+        StructuredOutputsParams(json=schema)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_the_limits_themselves_are_allowed():
+    StructuredOutputsParams(json=_nested(10))
+    StructuredOutputsParams(json={"enum": list(range(1000))})
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StructuredOutputsParams(regex="(a"), "unclosed group"),
+    (StructuredOutputsParams(json={"type": "foo"}), "foo"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "undefined_rule"),
+    (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "missing"),
+])
+def test_invalid_constraints_fail_to_compile_with_the_engines_message(compiler, spec, message):
+    with pytest.raises(GrammarError, match=message):
+        compiler.compile(spec)
+
+
+def test_compiled_grammars_are_cached_and_the_cache_is_bounded(compiler, monkeypatch):
+    monkeypatch.setattr(compiler_module, "CACHE_SIZE", 3)
+    first = compiler.compile(StructuredOutputsParams(regex="a+"))
+    assert compiler.compile(StructuredOutputsParams(regex="a+")) is first
+    for pattern in ("b+", "c+", "d+"):
+        compiler.compile(StructuredOutputsParams(regex=pattern))
+    assert len(compiler._cache) == 3
+    assert compiler.cached(StructuredOutputsParams(regex="a+")) is None  # least recently used went first
+
+
+def test_hostile_constraints_are_refused_or_compile_quickly(compiler):
+    """Exponential regexes, recursive references and deep alternations: llguidance's automata
+    and limits make each a bounded compile, never a runaway one."""
+    specs = [
+        StructuredOutputsParams(regex="(a*)*b"),
+        StructuredOutputsParams(regex="(a|aa)+$"),
+        StructuredOutputsParams(regex="([a-z]{1,20}){1,20}x"),
+        StructuredOutputsParams(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                                      "$ref": "#/$defs/n"}),
+        StructuredOutputsParams(json={"oneOf": [{"oneOf": [{"oneOf": [{"type": "integer"}, {"type": "string"}]}] * 30}] * 30}),
+        StructuredOutputsParams(json={"enum": [f"value-{i}" * 20 for i in range(1000)]}),
+    ]
+    for spec in specs:
+        start = time.perf_counter()
+        try:
+            compiler.compile(spec)
+        except GrammarError:
+            pass
+        assert time.perf_counter() - start < 1.0, spec
+
+
+def test_masks_follow_the_matcher_through_drafts_and_leave_it_where_it_was(compiler, tok):
+    grammar = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                                             "required": ["n"], "additionalProperties": False}))
+    matchers = GrammarMatchers(VOCAB, EOS)
+    matchers.add(7, grammar)
+    text_ids = tok.encode('{"n": 12}', add_special_tokens=False)
+    assert matchers.valid_drafts(7, text_ids + [text_ids[0]]) == text_ids  # cut at the first refused token
+    masks = matchers.start_masks([MaskRow(7, 2, text_ids[:3])]).result()
+    assert masks.rows.tolist() == [2, 3, 4, 5]
+    reference = grammar.matcher()
+    for i in range(4):  # row i: as the matcher stands after the first i drafts
+        bits = np.zeros(matchers.words, dtype=np.int32)
+        reference.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        assert allowed(masks.bits[i]) == allowed(bits)
+        if i < 3:
+            assert text_ids[i] in allowed(masks.bits[i])
+            reference.consume_token(text_ids[i])
+    # Rolled back: the first row is computed again from the start.
+    again = matchers.start_masks([MaskRow(7, 0, [])]).result()
+    assert allowed(again.bits[0]) == allowed(masks.bits[0])
+    assert matchers.advance(7, text_ids) and matchers.advance(7, [EOS[1]])  # EOS after a complete output
+    matchers.close()
+
+
+def test_forced_tokens_are_what_the_grammar_allows_alone(compiler, tok):
+    matchers = GrammarMatchers(VOCAB, EOS)
+    matchers.add(1, compiler.compile(StructuredOutputsParams(choice=["hello world"])))
+    forced = matchers.forced_tokens(1)
+    assert forced and tok.decode(forced) == "hello world"[: len(tok.decode(forced))]
+    matchers.close()
+
+
+def test_apply_token_masks_leaves_exactly_the_allowed_tokens():
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    bits = np.zeros((1, 3), dtype=np.int32)
+    for t in (0, 31, 32, 69):
+        bits[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    apply_token_masks(logits, TokenMasks(np.array([1]), bits))
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+    finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert finite == [0, 31, 32, 69]
+    assert torch.equal(logits[1, finite], before[1, finite])
