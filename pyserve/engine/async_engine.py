@@ -170,11 +170,13 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         streaming: bool = True,
         max_pending: int | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Queues a request (one sequence per sample: the first computes the prompt, the others
         fork from it) and returns its stream; with `streaming`
         False only its cumulative output is kept (no per-step deltas); `max_pending` bounds the
-        deltas a streaming consumer may leave unread (see RequestStream). Raises ValueError naming
+        deltas a streaming consumer may leave unread (see RequestStream); `cache_salt` keeps
+        the prefix cache of requests with different salts apart. Raises ValueError naming
         the field when it can never be served (a GrammarError for a constraint that does not
         compile)."""
         self.system.check_alive()
@@ -204,7 +206,7 @@ class AsyncEngine:
         stream = RequestStream(output, [r.internal_id for r in requests], streaming, max_pending)
         self.output_processor.register(stream, requests)
         msg = Add(requests[0], asyncio.get_running_loop().create_future(), params.max_tokens, stop_ids, eos,
-                  priority, adapter_id, forks=requests[1:])
+                  priority, adapter_id, cache_salt, forks=requests[1:])
         self._pending_adds.add(msg.accepted)
         try:
             await self.engine_core.send(msg)

@@ -12,15 +12,16 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], min_tokens: int = 0):
+                 stop: list[str], min_tokens: int = 0, include_stop: bool = False):
         self._tok = tokenizer
+        self._include_stop = include_stop  # the text keeps the stop string it ends with
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""  # all decoded output text (stop string excluded once found)
+        self.text = ""  # all decoded output text (stop string excluded once found, unless included)
         self._emitted = 0  # characters of `text` already handed out
         self.stop_hit: str | None = None
         self._min_tokens = min_tokens  # a stop string must end after this many output tokens
@@ -98,12 +99,13 @@ class IncrementalDetokenizer:
             self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
-        """Cuts the text before the earliest stop string that ends in the text from `new_from`."""
+        """Cuts the text before (or, to include it, after) the earliest stop string that ends in
+        the text from `new_from`."""
         best = None
         for s in self._stop:
             i = self.text.find(s, max(0, new_from - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
-            self.text = self.text[: best[0]]
+            self.text = self.text[: best[0] + (len(best[1]) if self._include_stop else 0)]
             self.stop_hit = best[1]

@@ -89,12 +89,15 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates. `tools`
+        (OpenAI's / Hugging Face's {"type": "function", "function": {...}} entries) go to the
+        template, as in vLLM; reading calls out of the text is the caller's (pyserve.tools)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 

@@ -86,7 +86,8 @@ class OutputProcessor(Actor):
             detok = None
             if p.detokenize:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.min_tokens
+                    self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.min_tokens,
+                    p.include_stop_str_in_output,
                 )
             if p.logprobs is not None:
                 completion.logprobs = []

@@ -8,6 +8,7 @@ from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as greedy (as vLLM does)
 
 
@@ -35,6 +36,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     detokenize: bool = True  # False: outputs carry token ids only (no text, no stop strings)
     # The output must match this constraint (a dict is read as StructuredOutputsParams' fields).
     structured_outputs: StructuredOutputsParams | None = None
@@ -71,6 +74,16 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids[{i}] must be a non-negative int, got {t!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a bool")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids")
+            for t, b in self.logit_bias.items():
+                _int_in("logit_bias token id", t, 0, 2**31 - 1)
+                _float_in(f"logit_bias[{t}]", b, -100.0, 100.0)
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if not isinstance(self.detokenize, bool):
             raise ValueError("detokenize must be a bool")
         if self.stop and not self.detokenize:
@@ -94,10 +107,10 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or asks for more than the token (no
-        penalties, no logprobs): such a row's token is the argmax of its logits, once `min_tokens`
-        no longer bans any token."""
+        penalties, no logit bias, no logprobs): such a row's token is the argmax of its logits,
+        once `min_tokens` no longer bans any token."""
         return (self.temperature == 0.0 and self.logprobs is None and not self.presence_penalty
-                and not self.frequency_penalty and self.repetition_penalty == 1.0)
+                and not self.frequency_penalty and self.repetition_penalty == 1.0 and self.logit_bias is None)
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

@@ -4,7 +4,8 @@ Per logits row, in this order:
   1. penalties: repetition (HF: over prompt + output tokens, a positive logit is divided by the
      penalty, any other multiplied), then frequency (x count in the output) and presence
      (x 1 if in the output), OpenAI style
-  2. banned token ids -> -inf (the engine bans EOS/stop ids until min_tokens outputs exist)
+  2. logit bias (OpenAI's logit_bias: added to the token's logit), then banned token ids -> -inf
+     (the engine bans EOS/stop ids until min_tokens outputs exist)
   3. temperature 0: argmax of those logits (greedy: exact, unaffected by the other rows)
   4. otherwise: / temperature -> min_p -> top_k -> top_p -> exponential race:
      token = argmax(probs / q) with q ~ Exp(1), which samples from probs (Gumbel-max)
@@ -53,6 +54,8 @@ class SamplingRows:
     output_history: torch.Tensor | None = None  # output tokens of rows with presence/frequency
     repetition_history: torch.Tensor | None = None  # prompt + output tokens of rows with repetition
     banned: torch.Tensor | None = None  # token ids forced to -inf
+    bias: torch.Tensor | None = None  # (row, token id) pairs of logit_bias entries
+    bias_values: torch.Tensor | None = None  # f32, one per pair of `bias`
     all_greedy: bool = False
     any_greedy: bool = False
     any_min_p: bool = False
@@ -118,6 +121,12 @@ class SamplingRows:
             seqs = [(prompt_token_ids[i], output_token_ids[i]) for i in rep]
             lens = [len(p) + len(o) for p, o in seqs]
             rows.repetition_history = _pairs(rep, lens, chain.from_iterable(chain(*s) for s in seqs), device)
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            lens = [len(params[i].logit_bias) for i in biased]
+            rows.bias = _pairs(biased, lens, chain.from_iterable(params[i].logit_bias for i in biased), device)
+            values = list(chain.from_iterable(params[i].logit_bias.values() for i in biased))
+            rows.bias_values = torch.tensor(values, dtype=torch.float32).to(device)
         ban = [i for i in range(n) if len(banned_token_ids[i])] if banned_token_ids is not None else []
         if ban:
             lens = [len(banned_token_ids[i]) for i in ban]
@@ -184,6 +193,8 @@ class Sampler:
     def _penalized(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """Steps 1 and 2 of the module's order on an f32 copy of the logits."""
         x = apply_penalties(logits.to(torch.float32, copy=True), rows)
+        if rows.bias is not None:
+            x.index_put_((rows.bias[0], rows.bias[1]), rows.bias_values, accumulate=True)
         if rows.banned is not None:
             x[rows.banned[0], rows.banned[1]] = _NEG_INF
         return x

@@ -101,8 +101,9 @@ class Tokenizer:
         return self.inner.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
-        """Renders `messages` with the model's template, or with `template` (a request's own), in
+                            template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """Renders `messages` (and `tools`, Hugging Face's convention: a list of
+        {"type": "function", "function": {...}}) with the model's template, or with `template` (a request's own), in
         a sandbox (no attribute escapes, no mutation, bounded ranges, repetitions and output);
         a template that fails is a ChatTemplateError. NOTE: the sandbox bounds each operation,
         not the number of loop iterations: run untrusted templates under a deadline."""
@@ -114,11 +115,12 @@ class Tokenizer:
             if template is not None or compiled_source != source:
                 env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
                 env.globals["raise_exception"] = _raise
+                env.filters["tojson"] = _tojson
                 compiled = env.from_string(source)
                 if template is None:  # the model's template is compiled once
                     self._compiled_template = (source, compiled)
             pieces, size = [], 0
-            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                            bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
@@ -133,6 +135,12 @@ class Tokenizer:
         # in a `%` format; RecursionError: a macro calling itself.
         except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """`tojson` as transformers' templates have it: plain JSON (Jinja's own escapes <, >, & and ')."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(tok: Any) -> str | None:

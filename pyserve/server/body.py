@@ -9,6 +9,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from pyserve.server.errors import BadRequest
+from pyserve.server.schemas import NO_EFFECT_FIELDS, REFUSED_FIELDS
 
 
 async def json_body(request: Request) -> Any:
@@ -23,6 +24,16 @@ async def json_body(request: Request) -> Any:
 
 
 def validate(schema: type[BaseModel], data: dict[str, Any]):
+    """`data` as `schema`; a field the schema does not serve is refused (see server.schemas),
+    unless it cannot change the output or holds the value that means "off"."""
+    for key, value in data.items():
+        if key in schema.model_fields or key in NO_EFFECT_FIELDS:
+            continue
+        off = REFUSED_FIELDS.get(key)
+        if off is None:
+            raise BadRequest(f"{key}: unknown field (this server does not support it)", param=key)
+        if not any(value == v and type(value) is type(v) or (value is None and v is None) for v in off):
+            raise BadRequest(f"{key}: not supported by this server", param=key)
     try:
         return schema.model_validate(data)
     except ValidationError as e:

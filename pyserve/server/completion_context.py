@@ -19,6 +19,7 @@ from pyserve.lora.request import LoRARequest
 from pyserve.server.errors import Unavailable, error_body
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState
+from pyserve.server.tool_calls import ChoiceCalls, ToolPlan
 
 log = structlog.get_logger("pyserve.server")
 
@@ -27,7 +28,7 @@ class CompletionContext:
     """One HTTP request's engine requests, timings and response building."""
 
     def __init__(self, kind: str, base_id: str, req: SamplingFields, prompts: list[list[int]], state: ServerState,
-                 arrival: float, created: int, lora: LoRARequest | None):
+                 arrival: float, created: int, lora: LoRARequest | None, tools: ToolPlan | None = None):
         self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
         self.arrival, self.created = arrival, created
         self.lora = lora
@@ -39,6 +40,14 @@ class CompletionContext:
         self.last_token: dict[int, float] = {}
         self.outcome = "ok"
         self._logged = False
+        self.tools = tools if tools is not None and tools.format is not None else None  # calls to read out
+        self._calls: dict[int, ChoiceCalls] = {}  # per choice, when calls are read out
+
+    def _choice_calls(self, idx: int) -> ChoiceCalls:
+        calls = self._calls.get(idx)
+        if calls is None:
+            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy)
+        return calls
 
     def release_lora(self) -> None:
         """Tells the registry this request no longer uses its adapter (once)."""
@@ -139,7 +148,10 @@ class CompletionContext:
             try:
                 async for idx, d in self.events():
                     if d.text or d.finish_reason or d.token_ids:
-                        yield self._chunk([self._delta_choice(idx, d)])
+                        choice = self._delta_choice(idx, d)
+                        if choice.get("delta") == {} and not choice["finish_reason"] and choice["logprobs"] is None:
+                            continue  # text held back while it may still be a tool call's start
+                        yield self._chunk([choice])
             except Unavailable as e:
                 self.outcome = "engine_dead"
                 yield b"data: " + error_body(503, "service_unavailable", e.message) + b"\n\n"
@@ -170,6 +182,11 @@ class CompletionContext:
 
     def _delta_choice(self, idx: int, d: StreamDelta) -> dict:
         lp = None if d.logprobs is None else self._logprobs(d.token_ids, d.logprobs)
+        if self.kind == "chat" and self.tools is not None:
+            calls = self._choice_calls(idx)
+            delta, has_calls = calls.delta(d.text, final=d.finish_reason is not None)
+            return {"index": idx, "delta": delta, "logprobs": lp,
+                    "finish_reason": calls.finish_reason(d.finish_reason, has_calls)}
         if self.kind == "chat":
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
@@ -181,7 +198,13 @@ class CompletionContext:
             for c in s.output.outputs:
                 idx = i * self.req.n + c.index
                 lp = None if c.logprobs is None else self._logprobs(c.token_ids, c.logprobs)
-                if self.kind == "chat":
+                if self.kind == "chat" and self.tools is not None:
+                    calls = self._choice_calls(idx)
+                    message = calls.message(c.text)
+                    has_calls = "tool_calls" in message or "function_call" in message
+                    choices.append({"index": idx, "message": message, "logprobs": lp,
+                                    "finish_reason": calls.finish_reason(c.finish_reason, has_calls)})
+                elif self.kind == "chat":
                     choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:

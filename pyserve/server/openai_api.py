@@ -23,6 +23,9 @@ from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
+from pyserve.server.tool_calls import ToolPlan, plan_tools
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
+from pyserve.tools.formats import FORMATS, ToolFormat, detect
 from pyserve.server.streaming import TimedStreamingResponse
 
 
@@ -36,9 +39,10 @@ async def chat_completions(request: Request) -> Response:
     if req.chat_template is not None and not settings.trust_request_chat_template:
         raise BadRequest("chat_template: this server renders only the model's chat template "
                          "(start it with --trust-request-chat-template to accept one per request)", param=param)
+    plan = plan_tools(req, _tool_format(settings, req.chat_template or tok.chat_template))
     try:  # in a thread, under a deadline: the event loop keeps serving while a template renders
         text = await run_with_deadline(tok.apply_chat_template, req.template_messages(), req.add_generation_prompt,
-                                       req.chat_template, timeout=settings.chat_template_timeout)
+                                       req.chat_template, plan.template_tools, timeout=settings.chat_template_timeout)
     except ChatTemplateError as e:
         raise BadRequest(str(e), param=param) from e
     except DeadlineExceeded as e:
@@ -46,7 +50,13 @@ async def chat_completions(request: Request) -> Response:
                          param=param) from e
     prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora)
+    return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora, plan)
+
+
+def _tool_format(settings, chat_template: str | None) -> ToolFormat | None:
+    if settings.tool_call_parser != "auto":
+        return FORMATS[settings.tool_call_parser]
+    return detect(chat_template)
 
 
 async def completions(request: Request) -> Response:
@@ -69,8 +79,25 @@ async def completions(request: Request) -> Response:
     return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora)
 
 
+def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    try:
+        return req.constraint()
+    except GrammarError as e:
+        raise BadRequest(f"{e.field}: {e}", param=e.field) from e
+
+
+def _logit_bias(req: SamplingFields, vocab: int) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    bias = {int(t): b for t, b in req.logit_bias.items()}
+    bad = next((t for t in bias if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    return bias
+
+
 def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-            max_model_len: int) -> SamplingParams:
+            max_model_len: int, vocab: int, constraint: StructuredOutputsParams | None) -> SamplingParams:
     room = max_model_len - prompt_len
     if room < 1:
         raise BadRequest(f"the prompt has {prompt_len} tokens; the model's length is {max_model_len}",
@@ -84,16 +111,33 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
             seed=req.seed, stop=req.stop, max_tokens=max_tokens or room, ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req, vocab),
+            structured_outputs=constraint,
         )
     except ValueError as e:
-        raise BadRequest(str(e)) from e
+        raise BadRequest(str(e), param=_field_of(str(e))) from e
+
+
+def _field_of(message: str) -> str | None:
+    """SamplingParams' messages start with the field they are about."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.isidentifier() else None
 
 
 async def _serve(request: Request, state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
-                 max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None) -> Response:
+                 max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
+                 tools: ToolPlan | None = None) -> Response:
     engine = state.engine
-    params = [_params(req, len(p), max_tokens, logprobs, engine.max_model_len) for p in prompts]
+    constraint, constraint_field = _constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise BadRequest(f"{constraint_field}: a forced tool call (tool_choice) is already the constraint",
+                             param=constraint_field)
+        constraint, constraint_field = tools.constraint, "tools"
+    params = [_params(req, len(p), max_tokens, logprobs, engine.max_model_len, engine.vocab_size, constraint)
+              for p in prompts]
     if state.draining:
         raise Unavailable("server is shutting down")
     try:
@@ -104,12 +148,17 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if limit is not None and engine.num_waiting() + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora)
+    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora, tools)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p, lora_request=lora,
-                                                    max_pending=state.settings.max_stream_buffer))
+                                                    max_pending=state.settings.max_stream_buffer,
+                                                    priority=req.priority, cache_salt=req.cache_salt or ""))
+    except GrammarError as e:
+        ctx.abort(streams)
+        ctx.release_lora()
+        raise BadRequest(f"{constraint_field}: {e}", param=constraint_field) from e
     except ValueError as e:
         ctx.abort(streams)
         ctx.release_lora()

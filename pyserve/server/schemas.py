@@ -1,24 +1,86 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic. Bounds are enforced here,
-before any work is queued. Unknown fields are ignored, as OpenAI clients send extras."""
+before any work is queued. Every top-level field is either served, accepted because it cannot
+change the output (NO_EFFECT_FIELDS), or refused with a 400 naming it (REFUSED_FIELDS, and any
+field this server does not know): a client never believes a field took effect when it did not."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pyserve.engine.sampling_params import MAX_LOGPROBS
+from pyserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_CHAT_TEMPLATE = 64 * 1024
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+# Fields that only label, store or route a request: accepted, with no effect on its output.
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                              "safety_identifier", "request_id"})
+# Fields that would change the output and are not served, each with the values that mean "off".
+REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""), "prompt_logprobs": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "continue_final_message": (None, False),
+    "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "guided_whitespace_pattern": (None,),
+    "documents": (None,), "mm_processor_kwargs": (None,), "chat_template_kwargs": (None, {}),
+    "add_special_tokens": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
+    "structural_tag": (None,),
+}
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise GrammarError("json_schema: required when type is json_schema")
+        schema = self.json_schema.json_schema
+        return StructuredOutputsParams(json=schema if schema is not None else {})
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object))
 
 
 class SamplingFields(BaseModel):
@@ -39,9 +101,59 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    priority: int = 0
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return v
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _backend(cls, v: str | None) -> str | None:
+        if v is not None and v not in GUIDED_BACKENDS:
+            raise ValueError(f"this server decodes with llguidance; use one of {', '.join(GUIDED_BACKENDS)}")
+        return v
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint and the field that gave it; at most one field may. A
+        GrammarError names what is wrong (the caller names the field)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(("response_format", self.response_format.constraint))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.constraint))
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        for k, v in guided.items():
+            if v is not None:
+                given.append((f"guided_{k}", lambda k=k, v=v: StructuredOutputsParams(**{k: v})))
+        if len(given) > 1:
+            raise GrammarError(f"give one constraint, not {' and '.join(name for name, _ in given)}", given[1][0])
+        if not given:
+            return None, None
+        name, make = given[0]
+        try:
+            return make(), name
+        except GrammarError as e:
+            raise GrammarError(str(e), name) from e
 
     @field_validator("stop")
     @classmethod
@@ -59,16 +171,77 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates take it: tool calls with their arguments
+        as objects (as the model wrote them, when they are not valid JSON)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -78,9 +251,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template: Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: Annotated[list[FunctionDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -89,6 +267,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
     prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=64)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -99,6 +279,13 @@ class CompletionRequest(SamplingFields):
     def _no_echo(cls, v: bool) -> bool:
         if v:
             raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("only best_of equal to n is supported (every sample is returned)")
         return v
 
     def prompts(self) -> list[str | list[int]]:

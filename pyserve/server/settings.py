@@ -24,6 +24,8 @@ class ServerSettings:
     trust_request_chat_template: bool = option(
         False, "accept a chat_template field in chat requests (rendered in the sandbox, under the timeout)")
     chat_template_timeout: float = option(2.0, "seconds a chat template may take to render")
+    tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
+                                   "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
     def __post_init__(self) -> None:
         for name in ("stream_timeout", "chat_template_timeout"):

@@ -16,10 +16,11 @@ from pyserve.structured.matchers import GrammarMatchers
 
 def can_speculate(req: EngineRequest, num_output: int) -> bool:
     """Verification samples every position from the same distribution, so requests whose
-    distribution depends on their own output so far (penalties, a min_tokens ban) or that want
-    logprobs decode plainly. `num_output`: the request's output tokens so far."""
+    distribution depends on their own output so far (penalties, a min_tokens ban), that bias
+    logits (greedy verification reads the raw argmax) or that want logprobs decode plainly.
+    `num_output`: the request's output tokens so far."""
     p = req.params
-    return p.logprobs is None and not req.needs_output and num_output >= p.min_tokens
+    return p.logprobs is None and not req.needs_output and num_output >= p.min_tokens and p.logit_bias is None
 
 
 class Speculator:

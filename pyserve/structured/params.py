@@ -15,14 +15,20 @@ MAX_PROPERTIES = 5000  # object properties in one schema, all levels together
 MAX_NESTING = 10  # nested objects / arrays / combinators below the root
 MAX_ENUM_VALUES = 1000  # enum and const values in one schema, all levels together
 MAX_SCHEMA_BYTES = 1 << 20
-MAX_PATTERN_CHARS = 16 * 1024  # a regex or grammar's own text
+MAX_PATTERN_CHARS = 16 * 1024  # a regex's own text
+MAX_GRAMMAR_CHARS = MAX_SCHEMA_BYTES  # a grammar's (tool-call grammars embed the tools' schemas)
 MAX_CHOICES = 1000
 _NESTING_KEYS = ("properties", "items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf",
                  "not", "$defs", "definitions", "patternProperties", "if", "then", "else", "contains")
 
 
 class GrammarError(ValueError):
-    """The constraint is invalid, unsupported or over a limit; the message says which and why."""
+    """The constraint is invalid, unsupported or over a limit; the message says which and why,
+    `field` (when known) which request field gave it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,10 +53,10 @@ class StructuredOutputsParams:
                                + (f" (got {', '.join(given)})" if given else ""))
         if self.json is not None:
             _check_schema(self.json)
-        for name in ("regex", "grammar"):
+        for name, limit in (("regex", MAX_PATTERN_CHARS), ("grammar", MAX_GRAMMAR_CHARS)):
             text = getattr(self, name)
-            if text is not None and (not isinstance(text, str) or not text or len(text) > MAX_PATTERN_CHARS):
-                raise GrammarError(f"{name} must be a string of 1 to {MAX_PATTERN_CHARS} characters")
+            if text is not None and (not isinstance(text, str) or not text or len(text) > limit):
+                raise GrammarError(f"{name} must be a string of 1 to {limit} characters")
         if self.choice is not None:
             if not 0 < len(self.choice) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in self.choice):
                 raise GrammarError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")

@@ -24,8 +24,17 @@ MAX_FILE_BYTES = 200_000
 
 EOT, SYSTEM, USER, ASSISTANT, END = "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = [EOT, SYSTEM, USER, ASSISTANT, END]
+# Tools (Hugging Face's `tools=`) go in a system turn; calls are Hermes-style <tool_call> blocks
+# and tool results come back in a user turn. Without tools the rendering is the original one.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\nYou may call these functions. To call one, reply with <tool_call>\n"
+    '{"name": NAME, "arguments": ARGUMENTS}\n</tool_call>\n<tools>\n'
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ 'user' if m['role'] == 'tool' else m['role'] }}|>\n"
+    "{% if m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% else %}{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

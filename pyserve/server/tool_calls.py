@@ -1,0 +1,124 @@
+"""A chat request's tools: what goes to the chat template, the grammar that forces calls
+(tool_choice "required" or named), and the OpenAI shapes of the calls read out of the output
+(`message.tool_calls`, streamed `delta.tool_calls`; `function_call` for the legacy `functions`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyserve.server.errors import BadRequest
+from pyserve.server.schemas import ChatCompletionRequest, NamedFunction, NamedToolChoice
+from pyserve.structured.params import GrammarError, StructuredOutputsParams
+from pyserve.tools.formats import ToolFormat
+from pyserve.tools.parser import ParseDelta, ParsedCall, ToolCallParser
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    template_tools: list[dict[str, Any]] | None  # for the chat template (HF's `tools=`)
+    constraint: StructuredOutputsParams | None  # forces calls ("required" / named)
+    format: ToolFormat | None  # set when calls are read out of the output
+    legacy: bool = False  # answer in the shape of `functions` / `function_call`
+
+    def parser(self) -> ToolCallParser | None:
+        return None if self.format is None else self.format.parser()
+
+
+def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
+    """The request's tools, checked; a BadRequest names the field at fault."""
+    legacy = req.functions is not None or req.function_call is not None
+    if legacy and (req.tools is not None or req.tool_choice is not None):
+        raise BadRequest("functions: give tools or the legacy functions, not both", param="functions")
+    functions = [t.function for t in req.tools or []] if not legacy else list(req.functions or [])
+    choice = req.tool_choice if not legacy else req.function_call
+    field_name, choice_name = ("functions", "function_call") if legacy else ("tools", "tool_choice")
+    if not functions:
+        if choice not in (None, "none"):
+            raise BadRequest(f"{choice_name}: needs {field_name}", param=choice_name)
+        return ToolPlan(None, None, None)
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise BadRequest(f"{field_name}: function names must be unique", param=field_name)
+    for f in functions:
+        try:
+            StructuredOutputsParams(json=f.parameters or {"type": "object"})  # OpenAI's schema limits
+        except GrammarError as e:
+            raise BadRequest(f"{field_name}: {f.name}: parameters: {e}", param=field_name) from e
+    template_tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+    choice = choice or "auto"
+    if choice == "none":
+        return ToolPlan(template_tools, None, None, legacy)
+    if fmt is None:
+        raise BadRequest(f"{field_name}: this model's chat template shows no tool-call format "
+                         "(start the server with --tool-call-parser)", param=field_name)
+    if choice == "auto":
+        return ToolPlan(template_tools, None, fmt, legacy)
+    if isinstance(choice, (NamedToolChoice, NamedFunction)):
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+        if name not in names:
+            raise BadRequest(f"{choice_name}: no function named {name!r} in {field_name}", param=choice_name)
+        forced = [f for f in functions if f.name == name]
+        parallel = False
+    else:  # required
+        forced, parallel = functions, req.parallel_tool_calls and not legacy
+    grammar = fmt.grammar([f.model_dump(exclude_none=True) for f in forced], parallel)
+    return ToolPlan(template_tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
+
+
+@dataclass(slots=True)
+class ChoiceCalls:
+    """One choice's calls as they are read: ids given once per call."""
+
+    parser: ToolCallParser
+    legacy: bool
+    text: str = ""
+    ids: list[str] = field(default_factory=list)
+    has_calls: bool = False
+
+    def _id(self, index: int) -> str:
+        while len(self.ids) <= index:
+            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self.ids[index]
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The final message of a complete output."""
+        content, calls = self.parser.parse(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+        if calls and self.legacy:
+            msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        elif calls:
+            msg["tool_calls"] = [self._call(i, c) for i, c in enumerate(calls)]
+        return msg
+
+    def delta(self, text_delta: str, final: bool) -> tuple[dict[str, Any], bool]:
+        """The chunk delta for newly decoded text, and whether the choice has calls so far."""
+        self.text += text_delta
+        pd: ParseDelta = self.parser.feed(self.text, final)
+        out: dict[str, Any] = {}
+        if pd.content:
+            out["content"] = pd.content
+        if pd.calls and self.legacy:
+            first = [c for c in pd.calls if c.index == 0]
+            if first:
+                out["function_call"] = {**({"name": first[0].name} if first[0].name else {}),
+                                        "arguments": first[0].arguments}
+        elif pd.calls:
+            out["tool_calls"] = [
+                {"index": c.index, "id": self._id(c.index), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} if c.name is not None else
+                {"index": c.index, "function": {"arguments": c.arguments}}
+                for c in pd.calls]
+        self.has_calls = self.has_calls or bool(pd.calls)
+        return out, self.has_calls
+
+    def _call(self, index: int, call: ParsedCall) -> dict[str, Any]:
+        return {"id": self._id(index), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def finish_reason(self, engine_reason: str | None, has_calls: bool) -> str | None:
+        if engine_reason == "stop" and has_calls:
+            return "function_call" if self.legacy else "tool_calls"
+        return engine_reason

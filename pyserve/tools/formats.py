@@ -1,0 +1,72 @@
+"""How a model family writes tool calls: the parser that reads them, and the grammar that forces
+them (tool_choice "required" or a named function). A call's JSON is compiled from the tool's
+parameter schema (llguidance's `%json` inside a Lark grammar), so forced arguments always
+validate against it.
+
+- hermes (Hermes, Qwen 2.5+, the embedded model): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+  one block per call, after optional text.
+- llama3_json (Llama 3.1+): the whole output is `{"name": ..., "parameters": {...}}`, calls joined
+  by "; ", optionally after `<|python_tag|>`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pyserve.structured.compiler import JSON_OPTIONS
+from pyserve.tools.parser import ToolCallParser
+
+# Calls one forced answer may hold. A grammar that allowed any number would let a model that
+# keeps choosing "one more call" write until max_tokens, cutting the last call short.
+MAX_PARALLEL_CALLS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    name: str
+    args_key: str  # the key the format writes the arguments under
+    open: str | None  # a call's opening (None: calls are the whole output)
+    close: str | None
+    separator: str  # between forced calls
+    prefix: str = ""
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.open, self.close, ("arguments", "parameters"), self.separator, self.prefix)
+
+    def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> str:
+        """A Lark grammar of one call (or, `parallel`, one to MAX_PARALLEL_CALLS) of `functions` (each
+        {"name", "parameters"}), written as this format writes calls."""
+        rules = []
+        for i, f in enumerate(functions):
+            schema = {"type": "object", "properties": {"name": {"const": f["name"]},
+                                                       self.args_key: f.get("parameters") or {"type": "object"}},
+                      "required": ["name", self.args_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+            rules.append(f"fn{i}: %json {json.dumps(schema)}")
+        one = " | ".join(f"fn{i}" for i in range(len(functions)))
+        if self.open is not None:
+            call = f"call: {json.dumps(self.open + chr(10))} ({one}) {json.dumps(chr(10) + self.close)}"
+            start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"
+        else:
+            call = f"call: {one}"
+            start = (f"start: call ({json.dumps(self.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel
+                     else "start: call")
+        return "\n".join([start, call, *rules])
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", "arguments", "<tool_call>", "</tool_call>", "\n"),
+    "llama3_json": ToolFormat("llama3_json", "parameters", None, None, "; ", prefix="<|python_tag|>"),
+}
+
+
+def detect(chat_template: str | None) -> ToolFormat | None:
+    """The format a chat template teaches its model, or None when it shows none."""
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return FORMATS["hermes"]
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
+        return FORMATS["llama3_json"]
+    return None

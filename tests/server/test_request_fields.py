@@ -1,0 +1,125 @@
+"""Every request field is served, accepted as having no effect, or refused with a 400 naming it:
+a walk through the OpenAI fields and vLLM's extras, and the effect of each served extra."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pyserve.default_model import TARGET_DIR
+from pyserve.model.tokenizer import Tokenizer
+from pyserve.server.schemas import NO_EFFECT_FIELDS, REFUSED_FIELDS
+from pyserve.testing import start_server, stop_server
+
+# A value of each refused field that is not its "off" value.
+REFUSED_VALUES = {
+    "suffix": "tail", "prompt_logprobs": 1, "use_beam_search": True, "length_penalty": 0.5,
+    "allowed_token_ids": [5, 6], "bad_words": ["x"], "logits_processors": ["m.f"], "truncate_prompt_tokens": 8,
+    "continue_final_message": True, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
+    "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "alloy"}, "modalities": ["audio"],
+    "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "guided_whitespace_pattern": " ",
+    "documents": [{"text": "x"}], "mm_processor_kwargs": {"a": 1}, "chat_template_kwargs": {"x": 1},
+    "add_special_tokens": True, "kv_transfer_params": {}, "vllm_xargs": {"a": 1}, "structural_tag": "{}",
+}
+NO_EFFECT_VALUES = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                    "prompt_cache_key": "k", "safety_identifier": "s", "request_id": "r1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, base = start_server(None, "--served-model-name", "tiny", workdir=tmp_path_factory.mktemp("fields"))
+    yield base
+    stop_server(proc)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(TARGET_DIR)
+
+
+def _post(server, endpoint, **body):
+    base = {"model": "tiny", "max_tokens": 4}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"})
+    base.update(body)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    return httpx.post(server + path, json=base, timeout=30)
+
+
+def test_the_lists_cover_every_field_value_of_this_test():
+    assert set(REFUSED_VALUES) == set(REFUSED_FIELDS) and set(NO_EFFECT_VALUES) == set(NO_EFFECT_FIELDS)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_refused_fields_are_400s_naming_them_and_their_off_values_pass(server, endpoint):
+    for field, value in REFUSED_VALUES.items():
+        r = _post(server, endpoint, **{field: value})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field
+        for off in REFUSED_FIELDS[field]:
+            assert _post(server, endpoint, **{field: off}).status_code == 200, (field, off)
+    r = _post(server, endpoint, frobnicate=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    assert "unknown field" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_fields_without_effect_are_accepted_and_change_nothing(server, endpoint):
+    plain = _post(server, endpoint, temperature=0, max_tokens=8).json()["choices"][0]
+    labelled = _post(server, endpoint, temperature=0, max_tokens=8, **NO_EFFECT_VALUES).json()["choices"][0]
+    assert labelled == plain
+
+
+def test_best_of_must_equal_n(server):
+    assert _post(server, "completions", n=2, best_of=2).status_code == 200
+    r = _post(server, "completions", n=1, best_of=3)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_logit_bias_forces_and_bans_tokens(client, tok):
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    r = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, temperature=0,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert tok.encode(r.choices[0].text, add_special_tokens=False) == [forced] * 6
+    greedy = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    first = tok.encode(greedy, add_special_tokens=False)[0]
+    banned = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"ignore_eos": True}).choices[0].text
+    assert tok.encode(banned, add_special_tokens=False)[0] != first
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt="x", logit_bias={"999999": 1})
+
+
+def test_stop_token_ids_min_tokens_and_special_tokens(client, tok):
+    kw = dict(model="tiny", prompt="import os\n", temperature=0)
+    ids = tok.encode(client.completions.create(**kw, max_tokens=12, extra_body={"ignore_eos": True}).choices[0].text,
+                     add_special_tokens=False)
+    stop_at = ids[3]
+    first = ids.index(stop_at)
+    r = client.completions.create(**kw, max_tokens=12, extra_body={"stop_token_ids": [stop_at], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    r = client.completions.create(**kw, max_tokens=12, extra_body={"stop_token_ids": [stop_at], "ignore_eos": True,
+                                                                  "min_tokens": first + 2})
+    assert r.usage.completion_tokens > first + 1
+    special = tok.inner.token_to_id("<|system|>")
+    for skip in (True, False):
+        r = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0,
+                                      logit_bias={str(special): 100},
+                                      extra_body={"skip_special_tokens": skip, "ignore_eos": True})
+        assert ("<|system|>" in r.choices[0].text) is (not skip)
+
+
+def test_include_stop_str_in_output(client):
+    kw = dict(model="tiny", prompt="import os\n", temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[4:6]
+    cut = client.completions.create(**kw, stop=[stop]).choices[0].text
+    kept = client.completions.create(model="tiny", prompt="import os\n", temperature=0, max_tokens=16, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop

@@ -1,0 +1,155 @@
+"""Tool calling over HTTP with the embedded model, through the official client: forced calls
+(required, named, parallel) validate against their schemas, streamed arguments add up to the
+non-streamed ones byte for byte, auto and none, multi-turn with tool results, the legacy
+functions, and the bad-input cases."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pyserve import LLM, SamplingParams
+from pyserve.testing import start_server, stop_server
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Adds two numbers", "parameters": ADD}}]
+SCHEMA = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module", params=["plain", "draft"])
+def server(request, tmp_path_factory):
+    flags = ["--served-model-name", "tiny"]
+    if request.param == "draft":
+        flags += ["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 3}']
+    proc, base = start_server(None, *flags, workdir=tmp_path_factory.mktemp("tools"))
+    yield base
+    stop_server(proc)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def _valid(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+
+
+def _streamed(client, **kw) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """(content, [(id, name, arguments)], finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for tc in ch.delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, ["", "", ""])
+            entry[0] = tc.id or entry[0]
+            entry[1] = (tc.function.name or "") if tc.function.name else entry[1]
+            entry[2] += tc.function.arguments or ""
+        finish = ch.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_validate_and_stream_the_same_bytes(client, parallel):
+    for seed in range(4):
+        kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                  max_tokens=600, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert parallel or len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            _valid(call)
+        _, streamed, finish = _streamed(client, **kw)
+        assert finish == "tool_calls"
+        assert [(n, a) for _, n, a in streamed] == [(c.function.name, c.function.arguments)
+                                                    for c in choice.message.tool_calls]
+        assert all(i.startswith("call_") for i, _, _ in streamed)
+
+
+def test_a_named_function_is_the_one_called(client):
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, seed=seed,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add"
+        _valid(call)
+
+
+def test_auto_and_none(client):
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, seed=seed,
+                                           temperature=1.0)
+        choice = r.choices[0]
+        if choice.message.tool_calls:  # the model chose to call (in its own words: not forced)
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content is not None
+        none = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
+                                              max_tokens=40, seed=seed)
+        assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+
+
+def test_multi_turn_with_tool_results(client):
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=120, seed=1)
+    msg = first.choices[0].message
+    history = [*ASK, {"role": "assistant", "content": None,
+                      "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+               {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temperature": 21}'}]
+    second = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=30, seed=1)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    forced = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="required",
+                                            max_tokens=120, seed=2)
+    for call in forced.choices[0].message.tool_calls:
+        _valid(call)
+
+
+def test_legacy_functions(client):
+    r = client.chat.completions.create(model="tiny", messages=ASK, functions=[t["function"] for t in TOOLS],
+                                       function_call={"name": "get_weather"}, max_tokens=120, seed=3)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call"
+    jsonschema.validate(json.loads(choice.message.function_call.arguments), WEATHER)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": list(range(1001))}}}]}, "tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": TOOLS, "functions": [TOOLS[0]["function"]]}, "functions"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_offline_chat_renders_the_tools():
+    with LLM(num_kv_blocks=64) as llm:
+        with_tools = llm.chat(ASK, SamplingParams(max_tokens=1), tools=TOOLS, use_tqdm=False)[0]
+        without = llm.chat(ASK, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    text = llm.tokenizer.decode(with_tools.prompt_token_ids)
+    assert "get_weather" in text and "<tools>" in text
+    assert len(with_tools.prompt_token_ids) > len(without.prompt_token_ids)
