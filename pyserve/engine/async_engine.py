@@ -118,11 +118,11 @@ class AsyncEngine:
         if spec is not None:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
                         if spec.method == "ngram" else WorkerProposer(self.worker))
-            speculator = Speculator(spec, self.scheduler, proposer, self.grammar_matchers)
+            speculator = Speculator(spec, self.scheduler, proposer, self.grammar_matchers, config.grammar_forced_tokens)
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget,
-                                      self.grammar_matchers)
+                                      self.grammar_matchers, config.grammar_forced_tokens)
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)

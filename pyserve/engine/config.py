@@ -34,6 +34,9 @@ class EngineConfig:
     max_inter_token_latency: float | None = option(  # 0 or None = off
         0.125, "seconds: while streams decode, a prompt is computed in chunks sized from the measured cost of a step "
         "so that each step's forward stays under this (0 = off: chunks of max-num-batched-tokens)", type=float)
+    grammar_forced_tokens: bool = option(
+        True, "compute the tokens a grammar forces one per step instead of verifying them all in one step",
+        flag="--no-grammar-forced-tokens")
     watchdog_timeout: float | None = option(  # None = off
         60.0, "seconds with requests held but no step completed before the engine is stalled and /health fails "
         "(0 = off)", type=float)

@@ -142,7 +142,7 @@ class ModelWorker:
                 and len(rows.requests) == out.num_reqs:  # a decode step: on the fixed buffers, padded
             input_ids, positions, meta, _ = self.step_buffers.stage(out)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
-            return self._sample(self._logits(hidden, rows), rows)
+            return self._sample(self._logits(hidden, rows)[0], rows)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
         )
@@ -153,18 +153,22 @@ class ModelWorker:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         if len(out.logits_indices) != len(out.input_ids):
             hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
-        logits = self._logits(hidden, rows)  # else every token has logits, in order
+        logits, masks = self._logits(hidden, rows)  # else every token has logits, in order
         if out.num_logits.max() == 1:  # one logits row per entry of `rows`
             return self._sample(logits, rows)
         counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
-        return self.verifier.sample_and_verify(out, logits, rows, counts, self._sample)
+        certain = masks.certain if masks is not None else frozenset()
+        return self.verifier.sample_and_verify(out, logits, rows, counts, self._sample, certain)
 
-    def _logits(self, hidden: torch.Tensor, rows: StepRows) -> torch.Tensor:
-        """The logits of `hidden`, with the grammar masks of constrained rows applied."""
+    def _logits(self, hidden: torch.Tensor, rows: StepRows):
+        """The logits of `hidden`, with the grammar masks of constrained rows applied, and
+        those masks (None when no row is constrained)."""
         logits = self.model.compute_logits(hidden)
+        masks = None
         if rows.token_masks is not None:
-            apply_token_masks(logits, rows.token_masks.result())
-        return logits
+            masks = rows.token_masks.result()
+            apply_token_masks(logits, masks)
+        return logits, masks
 
     def _sample(self, logits: torch.Tensor, rows: StepRows) -> StepResult:
         """One token per row of `logits`, row i for rows.requests[i]."""

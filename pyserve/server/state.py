@@ -39,6 +39,7 @@ class ServerMetrics:
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),
+            ("grammar_forced_tokens", "Tokens a grammar forced, verified as drafts (outside speculation)."),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
             ("num_preemptions", "Sequences preempted (recomputed later)."),

@@ -60,9 +60,11 @@ class DraftModelProposer:
         if request_id in self.num_computed:
             self.num_computed[request_id] += min(num_accepted, fed)
 
-    def take_draft_probs(self, request_id: int, num_drafts: int) -> torch.Tensor:
-        """The distributions of the request's first `num_drafts` pending drafts ([n, V])."""
-        return self.draft_probs.pop(request_id)[:num_drafts]
+    def take_draft_probs(self, request_id: int, num_drafts: int) -> torch.Tensor | None:
+        """The distributions of the request's first `num_drafts` pending drafts ([n, V]); None
+        when its drafts are not this model's (a grammar's forced tokens)."""
+        probs = self.draft_probs.pop(request_id, None)
+        return None if probs is None else probs[:num_drafts]
 
     @torch.inference_mode()
     def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:

@@ -30,6 +30,7 @@ class ProposalBatch:
 
 class Proposer(Protocol):
     reads_tokens: bool  # wants ProposalBatch.token_ids
+    drafts_replaceable: bool  # other drafts may be verified in place of its own (it keeps no state of them)
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
         """Up to `batch.k` draft tokens per request, in order."""
@@ -50,7 +51,8 @@ class ModelProposer(Protocol):
         ...
 
     def take_draft_probs(self, request_id: int, num_drafts: int):
-        """The distributions ([num_drafts, V] tensor) the request's pending drafts were drawn from."""
+        """The distributions ([num_drafts, V] tensor) the request's pending drafts were drawn
+        from; None when the drafts did not come from it."""
         ...
 
     def accepted(self, request_id: int, num_accepted: int) -> None:
@@ -70,6 +72,7 @@ class NgramProposer:
     tokens. Runs in the Rust scheduler, on the tokens it already holds."""
 
     reads_tokens = False  # the lookup runs where the tokens are
+    drafts_replaceable = True  # it keeps nothing about its drafts: others may be sent instead
 
     def __init__(self, scheduler, min_n: int, max_n: int):
         self.scheduler = scheduler
@@ -88,6 +91,7 @@ class WorkerProposer:
     EngineCore's loop, as the worker's steps do."""
 
     reads_tokens = True
+    drafts_replaceable = False  # the draft model computed KV for its own guesses
 
     def __init__(self, worker):
         self.worker = worker

@@ -24,10 +24,12 @@ def can_speculate(req: EngineRequest, num_output: int) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer, grammar: GrammarMatchers | None = None):
+    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer, grammar: GrammarMatchers | None = None,
+                 forced_tokens: bool = True):
         self.scheduler = scheduler
         self.proposer = proposer
         self.grammar = grammar  # the EngineCore's matchers: drafts of constrained requests are cut to what they allow
+        self.forced_tokens = forced_tokens  # and replaced by the grammar's forced tokens when those go further
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
                                      has_draft_cost=config.method == "draft_model")
         self.num_drafts = 0  # request-steps that verified at least one draft
@@ -79,6 +81,8 @@ class Speculator:
         """A constrained request's drafts: the proposer's as far as the grammar allows them, or
         the tokens the grammar forces (certain to be accepted) when those reach further."""
         valid = self.grammar.valid_drafts(internal_id, drafts)
+        if not self.forced_tokens or not self.proposer.drafts_replaceable:
+            return valid
         forced = self.grammar.forced_tokens(internal_id)[:k]
         return forced if len(forced) > len(valid) else valid
 

@@ -35,33 +35,45 @@ class Verifier:
                          torch.zeros(1, dtype=torch.int32, device=dev), torch.tensor([0, 2], dtype=torch.int32, device=dev))
 
     def sample_and_verify(self, out, logits: torch.Tensor, rows: StepRows, counts: np.ndarray,
-                          sample: Callable[[torch.Tensor, StepRows], StepResult]) -> StepResult:
-        """Rows with drafts (count > 1) go through rejection sampling, the others through the
-        plain `sample`. Tokens come back end to end, `num_sampled[i]` for rows.requests[i]."""
+                          sample: Callable[[torch.Tensor, StepRows], StepResult],
+                          certain: frozenset[int] = frozenset()) -> StepResult:
+        """Rows with drafts (count > 1) go through rejection sampling, except those whose drafts
+        are certain (`certain` holds their first logits rows: a grammar left each draft the only
+        token), which keep their drafts and sample the row after them; the other rows go
+        through the plain `sample`. Tokens come back end to end, `num_sampled[i]` for
+        rows.requests[i]."""
         reqs = rows.requests
         offsets = np.concatenate([[0], np.cumsum(counts)])
-        plain = np.flatnonzero(counts == 1)
-        spec = np.flatnonzero(counts > 1)
+        sure = np.array([c > 1 and int(o) in certain for c, o in zip(counts, offsets[:-1])], dtype=bool)
+        plain = np.flatnonzero((counts == 1) | sure)
+        spec = np.flatnonzero((counts > 1) & ~sure)
         per_row: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(reqs)
         plain_result = None
         if len(plain):
-            idx = torch.from_numpy(offsets[plain]).to(self.device)
-            plain_result = sample(logits[idx], rows.take(plain))
+            kept = counts[plain] - 1  # certain drafts before the row each samples
+            taken = rows.take(plain)
+            taken.num_output = [n + int(k) for n, k in zip(taken.num_output, kept)]
+            plain_result = sample(logits[torch.from_numpy(offsets[plain] + kept).to(self.device)], taken)
             for j, i in enumerate(plain):
-                per_row[i] = plain_result.token_ids[j : j + 1]
-        spec_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
-        if all(reqs[i].params.greedy for i in spec):
-            accepted = self._verify_greedy(out, logits, reqs, counts, spec, spec_rows)
-        else:
-            accepted = self._verify(out, logits, reqs, counts, spec, spec_rows)
-        for i, tokens in zip(spec, accepted):
-            per_row[i] = tokens
+                drafts = out.input_ids[out.logits_indices[offsets[i] + 1 : offsets[i + 1]]]
+                per_row[i] = np.concatenate([drafts.astype(np.int64), plain_result.token_ids[j : j + 1]])
+                if kept[j] and self.proposer is not None:
+                    self.proposer.take_draft_probs(reqs[i].internal_id, int(kept[j]))
+                    self.proposer.accepted(reqs[i].internal_id, int(kept[j]))
+        if len(spec):
+            spec_rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
+            if all(reqs[i].params.greedy for i in spec):
+                accepted = self._verify_greedy(out, logits, reqs, counts, spec, spec_rows)
+            else:
+                accepted = self._verify(out, logits, reqs, counts, spec, spec_rows)
+            for i, tokens in zip(spec, accepted):
+                per_row[i] = tokens
         num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
         result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled)
         if plain_result is not None and plain_result.logprobs is not None:
-            flat = np.concatenate([[0], np.cumsum(num_sampled)])[plain]  # where each plain row's token sits
-            # Rows with drafts never ask for logprobs.
-            result.logprobs = plain_result.logprobs.scattered(flat, int(num_sampled.sum()))
+            # Where each plain row's sampled token sits (rows with drafts never ask for logprobs).
+            at = np.cumsum(num_sampled)[plain] - 1
+            result.logprobs = plain_result.logprobs.scattered(at, int(num_sampled.sum()))
         return result
 
     @staticmethod
@@ -111,8 +123,14 @@ class Verifier:
         draft_probs = None
         if self.proposer is not None:
             zero = torch.zeros((1, target.shape[1]), device=dev)
-            draft_probs = torch.cat([t for i in spec for t in (
-                self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1), zero)])
+            qs = []
+            for j, i in enumerate(spec):
+                q = self.proposer.take_draft_probs(rows[i].internal_id, int(counts[i]) - 1)
+                if q is None:  # drafts that are not the draft model's (a grammar's forced tokens): certain guesses
+                    q = torch.zeros((int(counts[i]) - 1, target.shape[1]), device=dev)
+                    q[torch.arange(len(q), device=dev), torch.from_numpy(drafts[cu[j] : cu[j + 1] - 1]).to(dev)] = 1.0
+                qs += [q, zero]
+            draft_probs = torch.cat(qs)
         verify = rejection_sample if dev.type == "cuda" else rejection_sample_ref
         tokens, num = verify(target, draft_probs, torch.from_numpy(drafts).to(dev), torch.from_numpy(seeds).to(dev),
                              torch.from_numpy(positions).to(dev), torch.from_numpy(own.astype(np.int32)).to(dev),

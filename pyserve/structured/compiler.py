@@ -76,6 +76,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(grammar.key)
             return grammar
 
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """The compiled grammar of `spec` (from the cache when it is there); a GrammarError says
         why a constraint cannot be compiled. Releases the GIL while llguidance compiles."""

@@ -10,6 +10,8 @@ Steps with no constrained request pay nothing. No tensors here: the masks are nu
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
     import llguidance
 
 
+MASK_TIMES_KEPT = 10_000
+
+
 @dataclass(slots=True)
 class TokenMasks:
     """Allowed tokens of some logits rows of a step: bit t of `bits[i]` (32 tokens per int32,
@@ -29,6 +34,9 @@ class TokenMasks:
 
     rows: np.ndarray  # int64 [M]
     bits: np.ndarray  # int32 [M, ceil(V / 32)]
+    # First logits rows of the requests whose every draft is the one token its mask allows:
+    # their drafts are kept without verification (only the row after them samples).
+    certain: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -47,6 +55,7 @@ class GrammarMatchers:
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)  # per step, for the bench
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -95,6 +104,7 @@ class GrammarMatchers:
         return self._thread.submit(self._masks, rows)
 
     def _masks(self, rows: list[MaskRow]) -> TokenMasks:
+        start = time.perf_counter()
         sizes = [1 + len(r.drafts) for r in rows]
         # All allowed by default: a row past a request's first refused draft is never sampled.
         bits = np.full((sum(sizes), self.words), -1, dtype=np.int32)
@@ -113,9 +123,17 @@ class GrammarMatchers:
             self._executor.unsafe_compute_mask_ptr(plain, ptr, size, len(bits))
         if with_drafts:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, size, len(bits))
-        return TokenMasks(logits_rows, bits)
+        certain = frozenset(logits_rows[at] for _, at, drafts in with_drafts
+                            if _one_token_each(bits[at : at + len(drafts)]))
+        self.mask_seconds.append(time.perf_counter() - start)
+        return TokenMasks(logits_rows, bits, certain)
 
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+
+
+def _one_token_each(bits: np.ndarray) -> bool:
+    """Every row of `bits` allows exactly one token."""
+    return bool((np.unpackbits(bits.view(np.uint8), axis=1).sum(axis=1) == 1).all())

@@ -67,7 +67,8 @@ def test_unconstrained_requests_in_the_batch_get_their_own_tokens(llm):
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
-                                  {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False}])
+                                  {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+                                  {"method": "draft_model", "num_speculative_tokens": 4}])
 def test_speculation_changes_no_token_of_a_constrained_request(llm, spec):
     schemas = SCHEMAS[:8]
     params = [_constrained(StructuredOutputsParams(json=s), t, seed=i) for i, s in enumerate(schemas) for t in (0.0, 0.9)]
@@ -77,8 +78,23 @@ def test_speculation_changes_no_token_of_a_constrained_request(llm, spec):
         fast = spec_llm.generate(prompts, params, use_tqdm=False)
         stats = spec_llm.stats()
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
-    # Forced tokens (keys, braces) go out as drafts the grammar cannot reject.
     assert stats["spec_decode_num_accepted_tokens"] > 0.5 * stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_forced_tokens_are_verified_in_one_step_and_change_nothing(llm):
+    params = [_constrained(StructuredOutputsParams(json=s), t, seed=i) for i, s in enumerate(SCHEMAS[:12])
+              for t in (0.0, 0.9)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    before = llm.stats()
+    forced = llm.generate(prompts, params, use_tqdm=False)
+    after = llm.stats()
+    with LLM(max_num_seqs=64, grammar_forced_tokens=False) as slow:
+        one_by_one = slow.generate(prompts, params, use_tqdm=False)
+        assert slow.stats()["grammar_forced_tokens"] == 0
+    assert [o.outputs[0].token_ids for o in forced] == [o.outputs[0].token_ids for o in one_by_one]
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in forced)
+    # Keys, braces and separators are most of a JSON output's tokens here.
+    assert after["grammar_forced_tokens"] - before["grammar_forced_tokens"] > 0.3 * num_tokens
 
 
 def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_serves_on(llm):

@@ -11,7 +11,7 @@ import torch
 
 from pyserve.default_model import TARGET_DIR
 from pyserve.model.tokenizer import Tokenizer
-from pyserve.model.token_masks import apply_token_masks
+from pyserve.model.token_masks import BANNED, apply_token_masks
 from pyserve.structured import compiler as compiler_module
 from pyserve.structured.compiler import GrammarCompiler
 from pyserve.structured.matchers import GrammarMatchers, MaskRow, TokenMasks
@@ -153,6 +153,10 @@ def test_apply_token_masks_leaves_exactly_the_allowed_tokens():
         bits[0, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     apply_token_masks(logits, TokenMasks(np.array([1]), bits))
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
-    finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
-    assert finite == [0, 31, 32, 69]
-    assert torch.equal(logits[1, finite], before[1, finite])
+    kept = (logits[1] > BANNED / 2).nonzero().flatten().tolist()
+    assert kept == [0, 31, 32, 69]
+    assert torch.equal(logits[1, kept], before[1, kept])
+    assert logits[1].softmax(-1)[[t for t in range(70) if t not in kept]].sum() == 0
+    every = torch.randn(2, 70)
+    apply_token_masks(every, TokenMasks(np.array([0, 1]), np.repeat(bits, 2, axis=0)))  # all rows: one add
+    assert (every > BANNED / 2).nonzero()[:, 1].tolist() == kept * 2
