@@ -13,6 +13,7 @@ import pytest
 
 from pyserve.testing import start_server, stop_server
 
+PICK = {"type": "object", "properties": {"c": {"enum": ["x", "y"]}}, "required": ["c"], "additionalProperties": False}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -46,6 +47,10 @@ def batch_run(model_dirs, tmp_path_factory):
                                        "ignore_eos": True}),
         line("bad-temp", CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
         line("bad-model", COMPLETIONS, {"model": "other", "prompt": "x"}),
+        line("chat-json", CHAT, {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 40,
+                                 "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": PICK}}}),
+        line("cmpl-choice", COMPLETIONS, {"prompt": "x", "max_tokens": 9, "structured_outputs": {"choice": ["red", "green"]}}),
+        line("bad-regex", COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "(a"}}),
     ]
     tmp = tmp_path_factory.mktemp("batch")
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
@@ -71,7 +76,8 @@ def test_batch_exits_zero_with_one_record_per_line_in_order(batch_run):
     records = batch_run["records"]
     assert len(records) == batch_run["n_lines"]
     assert [r["custom_id"] for r in records] == ["chat-greedy", "cmpl-text", None, "chat-sampled", "embed",
-                                                "chat-long", "cmpl-ids", "bad-temp", "bad-model"]
+                                                "chat-long", "cmpl-ids", "bad-temp", "bad-model", "chat-json",
+                                                "cmpl-choice", "bad-regex"]
     assert len({r["id"] for r in records}) == len(records)
     assert all(r["id"].startswith("batch_req_") for r in records)
 
@@ -119,10 +125,19 @@ def test_batch_bad_lines_get_error_records(batch_run):
     assert bad_model["error"] == {"code": "model_not_found", "message": message}
 
 
+def test_batch_lines_with_constraints(batch_run):
+    recs = by_id(batch_run["records"])
+    content = recs["chat-json"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert json.loads(content)["c"] in ("x", "y")
+    assert recs["cmpl-choice"]["response"]["body"]["choices"][0]["text"] in ("red", "green")
+    bad = recs["bad-regex"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "structured_outputs"
+
+
 def test_batch_reports_progress_on_stderr(batch_run):
     stderr = batch_run["proc"].stderr
-    assert re.search(r"^batch: 7/7 requests done", stderr, re.M), stderr[-2000:]
-    assert "(4 lines with errors)" in stderr
+    assert re.search(r"^batch: 10/10 requests done", stderr, re.M), stderr[-2000:]
+    assert "(5 lines with errors)" in stderr
     # the JSON log lines that share stderr stay whole
     for ln in stderr.splitlines():
         if ln.startswith("{"):
