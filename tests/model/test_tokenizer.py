@@ -122,10 +122,12 @@ def test_sandbox_still_allows_what_real_templates_use(tokenizer):
     template = (
         "{{ messages[0]['content'] | trim | upper }}{{ '-' * 3 }}{{ 2 ** 3 }}{{ messages | length }}"
         "{% for m in messages if m.role == 'user' %}{{ loop.index }}{{ m['content'][:3] }}{% endfor %}"
-        "{{ messages[-1].content | tojson }}"
+        "{{ messages[-1].content | tojson }}{{ '<tool_call>' | tojson }}{{ {'a': 1} | tojson(indent=2) }}"
     )
+    # tojson as transformers defines it for chat templates: plain JSON, not Jinja's HTML-escaped one.
     assert with_template(tokenizer, template).apply_chat_template(CONVERSATION) == (
-        'YOU WRITE PYTHON.---841def2Ünï' + json.dumps("Ünïcödé ✓ 日本語?")
+        'YOU WRITE PYTHON.---841def2Ünï' + json.dumps("Ünïcödé ✓ 日本語?", ensure_ascii=False) + '"<tool_call>"'
+        + json.dumps({"a": 1}, indent=2)
     )
 
 
