@@ -144,9 +144,11 @@ class EngineCore(Actor):
                 log.warning("grammar_refused_token", internal_id=rid)
 
     def _draft_forced_tokens(self, req_ids: list[int], finished: dict[int, str]) -> None:
-        """The tokens each constrained request's grammar forces next become its drafts: the
-        next step verifies them all at once (the mask leaves nothing else, so each is kept),
-        instead of one step per token. Where the speculator drafts, it merges them itself."""
+        """The tokens each constrained request's grammar forces next become its drafts, checked
+        all in the next step instead of one step per token: a draft whose mask allows it alone
+        is kept unverified; one whose bytes the tokenizer could also split otherwise is
+        verified like any draft (so the output is what one token per step writes). Where the
+        speculator drafts, it merges them itself."""
         for rid in req_ids:
             req = self.requests.get(rid)
             if req is None or rid in finished or rid not in self.grammar or not can_speculate(req, 0):

@@ -79,7 +79,8 @@ class Speculator:
 
     def _constrained(self, internal_id: int, drafts: list[int], k: int) -> list[int]:
         """A constrained request's drafts: the proposer's as far as the grammar allows them, or
-        the tokens the grammar forces (certain to be accepted) when those reach further."""
+        the tokens the grammar forces when those reach further (a proposer that keeps state of
+        its own drafts keeps them)."""
         valid = self.grammar.valid_drafts(internal_id, drafts)
         if not self.forced_tokens or not self.proposer.drafts_replaceable:
             return valid
