@@ -138,6 +138,17 @@ def linear(
     argument at fault. With `threads` > 1 the outputs are spread over the calling thread's OpenMP
     team (torch's)."""
 
+def linear_q8(
+    x: np.ndarray,
+    weight: np.ndarray,
+    scales: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    threads: int = 1,
+) -> None:
+    """`linear` with an int8 weight [fan_out, fan_in] and one f32 scale per output channel:
+    out = (x @ weight^T) * scales (+ bias), the weight widened to f32 in registers."""
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
     C-contiguous. Raises ValueError naming the argument at fault."""
@@ -152,14 +163,17 @@ def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.nd
     """Rotates heads 0..heads of each row of x [rows, width] in place ("rotate half" RoPE), cos
     and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""
 
+# (weight f32, bias or None), or quantized (weight int8, scales f32 [fan_out], bias or None)
+Projection = tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
 def decoder_layer(
     x: np.ndarray,
     input_norm: np.ndarray,
-    qkv: tuple[np.ndarray, np.ndarray | None],
-    o: tuple[np.ndarray, np.ndarray | None],
+    qkv: Projection,
+    o: Projection,
     post_norm: np.ndarray,
-    gate_up: tuple[np.ndarray, np.ndarray | None],
-    down: tuple[np.ndarray, np.ndarray | None],
+    gate_up: Projection,
+    down: Projection,
     eps: float,
     heads: int,
     head_dim: int,
@@ -178,7 +192,8 @@ def decoder_layer(
     updated in place: RMSNorm, fused q/k/v projection, rotary, the new K/V written at `slots`,
     paged attention of each row over its own prefix (block_tables [rows, width] int32, seq_lens
     [rows] int32), output projection, residual add + RMSNorm, fused gate/up, SiLU product, down
-    projection, residual add. Linears are (weight [fan_out, fan_in], bias or None); caches
+    projection, residual add. Linears are (weight [fan_out, fan_in], bias or None), or int8
+    (weight, scales, bias: `linear_q8`); caches
     [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the
     index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
     at fault."""

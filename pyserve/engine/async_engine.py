@@ -94,6 +94,7 @@ class AsyncEngine:
             max_lora_rank=config.max_lora_rank,
             max_num_seqs=config.max_num_seqs,
             speculative=spec is not None,
+            quantization=config.quantization,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
@@ -274,8 +275,11 @@ class AsyncEngine:
                 return
             self.engine_core.post(Abort(internal_id))
 
-    def stats(self) -> dict[str, float | int]:
-        return self.engine_core.stats()
+    def stats(self) -> dict[str, float | int | str]:
+        """The EngineCore's counters and gauges, and the served weights: their bytes and the
+        quantization method ("none" for full precision)."""
+        return {**self.engine_core.stats(), "weight_bytes": self.worker.weight_bytes,
+                "quantization": self.config.quantization or "none"}
 
     def health(self) -> EngineHealth:
         if self.system.error is not None:

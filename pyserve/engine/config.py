@@ -27,6 +27,8 @@ class EngineConfig:
     max_loras: int = option(4, "adapters resident on the device per step")
     max_lora_rank: int = option(64, "largest adapter rank accepted")
     seed: int = option(0, "seed of the shared sampling generator")
+    quantization: str | None = option(  # checked by the model worker (model/quantized_linear.py)
+        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel)", type=str)
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse

@@ -31,7 +31,7 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, batch: LoraBatch, use_triton: bool):
         super().__init__()
         self.base = base
-        w = base.weight
+        w = base.weight  # the full-precision base: LoRA wraps projections before any quantization
         self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, w.shape[1], dtype=w.dtype, device=w.device))
         self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
         self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
@@ -118,13 +118,14 @@ class LoraSlots:
         delta added to a scratch output), so that no compile lands on a request."""
         seen = set()
         for mod in (m for layer in self.layers for m in layer.values()):
-            w = mod.base.weight
-            if w.shape in seen:
+            w = mod.lora_b  # the adapters' dtype and device (the base may be quantized: no weight to read)
+            shape = (mod.base.out_features, mod.base.in_features)
+            if shape in seen:
                 continue
-            seen.add(w.shape)
-            x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+            seen.add(shape)
+            x = torch.zeros(1, shape[1], dtype=w.dtype, device=w.device)
             slots = torch.zeros(1, dtype=torch.int64, device=w.device)
-            add_lora(torch.zeros(1, w.shape[0], dtype=w.dtype, device=w.device), x, mod.lora_a, mod.lora_b,
+            add_lora(torch.zeros(1, shape[0], dtype=w.dtype, device=w.device), x, mod.lora_a, mod.lora_b,
                      mod.scaling, slots, ranks=mod.ranks)
 
     def shapes(self) -> dict[str, tuple[int, int]]:

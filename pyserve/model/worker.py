@@ -22,6 +22,7 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
+from pyserve.model.quantized_linear import check_method, quantize_linears, weight_bytes
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.step_buffers import StepBuffers
@@ -73,7 +74,10 @@ class ModelWorker:
         max_lora_rank: int = 64,
         max_num_seqs: int = 256,
         speculative: bool = False,
+        quantization: str | None = None,
     ):
+        check_method(quantization)
+        self.quantization = quantization
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.config = cfg
@@ -92,6 +96,8 @@ class ModelWorker:
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
         if self.lora is None:
             self.model.fuse_projections()
+        if quantization is not None:  # after LoRA wrapped its base projections: those are quantized too
+            quantize_linears(self.model, quantization)
         if can_use(self.device, self.dtype):
             use_cpu_linears(self.model)  # after LoRA wrapped its base projections: those are replaced too
             self.model.use_cpu_ops()
@@ -105,8 +111,10 @@ class ModelWorker:
             self.proposer = DraftModelProposer(
                 draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
                 block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
+                quantization=quantization,
             )
         self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
+        self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)
         if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
             self.verifier.warm_up()
 

@@ -36,6 +36,8 @@ class ServerMetrics:
         reg.add(Gauge("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
                       stat("kv_cached_blocks")))
         reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.num_kv_blocks))
+        reg.add(Gauge("pyserve:weight_bytes", "Bytes of the served weights (as quantized, if they are).",
+                      stat("weight_bytes")))
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),

@@ -20,6 +20,7 @@ from pyserve.model.attention import AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
+from pyserve.model.quantized_linear import quantize_linears
 from pyserve.model.noise import NoiseKey
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
@@ -28,12 +29,15 @@ from pyserve.speculative.proposer import ProposalBatch
 
 class DraftModelProposer:
     def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
+                 quantization: str | None = None,
                  max_model_len: int, backend, sampler: Sampler):
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.model.fuse_projections()  # the draft serves no LoRA
+        if quantization is not None:
+            quantize_linears(self.model, quantization)
         if can_use(device, dtype):
             use_cpu_linears(self.model)
             self.model.use_cpu_ops()

@@ -11,17 +11,18 @@
 
 use crate::attention::{decode_attention_on, AttentionError, DecodeBatch, PagedCache};
 use crate::layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
-use crate::linear::{linear_on, LinearError, LinearWeights};
+use crate::linear::LinearError;
+use crate::projection::{project_on, Projection};
 use crate::parallel::ForkJoin;
 
 /// The parameters of one layer; `qkv` holds q's, k's then v's outputs, `gate_up` gate's then up's.
 pub struct LayerWeights<'a> {
     pub input_norm: &'a [f32],
-    pub qkv: LinearWeights<'a>,
-    pub o: LinearWeights<'a>,
+    pub qkv: Projection<'a>,
+    pub o: Projection<'a>,
     pub post_norm: &'a [f32],
-    pub gate_up: LinearWeights<'a>,
-    pub down: LinearWeights<'a>,
+    pub gate_up: Projection<'a>,
+    pub down: Projection<'a>,
     pub eps: f32,
 }
 
@@ -81,8 +82,8 @@ pub fn decoder_layer_on(
     if x.len() != n * hidden {
         return Err(LayerError::Shape(format!("x: {} values for {n} rows of {hidden}", x.len())));
     }
-    if w.qkv.fan_out != width {
-        return Err(LayerError::Shape(format!("qkv: {} outputs, the heads need {width}", w.qkv.fan_out)));
+    if w.qkv.fan_out() != width {
+        return Err(LayerError::Shape(format!("qkv: {} outputs, the heads need {width}", w.qkv.fan_out())));
     }
     let capacity = cache.keys.len() / kvd.max(1);
     if cache.values.len() != cache.keys.len() || cache.keys.len() % (kvd * cache.block_size).max(1) != 0 {
@@ -101,7 +102,7 @@ pub fn decoder_layer_on(
     let mut h = vec![0.0f32; n * hidden];
     rms_norm(x, w.input_norm, w.eps, &mut h)?;
     let mut qkv = vec![0.0f32; n * width];
-    linear_on(pool, &h, &w.qkv, &mut qkv)?;
+    project_on(pool, &h, &w.qkv, &mut qkv)?;
     rotary(&mut qkv, width, heads.q + heads.kv, heads.dim, rows.cos, rows.sin)?;
     let mut queries = vec![0.0f32; n * qd];
     for (r, row) in qkv.chunks_exact(width).enumerate() {
@@ -127,14 +128,14 @@ pub fn decoder_layer_on(
     let mut attended = vec![0.0f32; n * qd];
     decode_attention_on(pool, &paged, &batch, scale, &mut attended)?;
     let mut projected = vec![0.0f32; n * hidden];
-    linear_on(pool, &attended, &w.o, &mut projected)?;
+    project_on(pool, &attended, &w.o, &mut projected)?;
     add_rms_norm(&projected, x, w.post_norm, w.eps, &mut h)?;
-    let inner = w.down.fan_in;
+    let inner = w.down.fan_in();
     let mut gate_up = vec![0.0f32; n * 2 * inner];
-    linear_on(pool, &h, &w.gate_up, &mut gate_up)?;
+    project_on(pool, &h, &w.gate_up, &mut gate_up)?;
     let mut act = vec![0.0f32; n * inner];
     silu_mul(&gate_up, &mut act, inner)?;
-    linear_on(pool, &act, &w.down, &mut projected)?;
+    project_on(pool, &act, &w.down, &mut projected)?;
     for (x, d) in x.iter_mut().zip(&projected) {
         *x += d;
     }

@@ -32,6 +32,12 @@ pub struct LinearWeights<'a> {
 #[error("{0}")]
 pub struct LinearError(String);
 
+impl LinearError {
+    pub(crate) fn new(message: String) -> Self {
+        Self(message)
+    }
+}
+
 /// `y = x W^T + bias` on the calling thread.
 pub fn linear(x: &[f32], weights: &LinearWeights<'_>, y: &mut [f32]) -> Result<(), LinearError> {
     linear_on(&OnCallingThread, x, weights, y)

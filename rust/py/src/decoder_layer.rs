@@ -7,25 +7,41 @@ use numpy::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, RowLayout};
+use pyserve_cpu_kernels::{
+    decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, Projection, Q8Weights, RowLayout,
+};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
 
-type Weight<'py> = (PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>);
+/// A projection as Python passes it: (weight f32, bias) or (weight int8, scales, bias).
+#[derive(FromPyObject)]
+pub enum Weight<'py> {
+    Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
+    F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
+}
 
-fn linear_weights<'a>(name: &str, w: &'a Weight<'_>) -> PyResult<LinearWeights<'a>> {
-    let shape = w.0.shape();
-    Ok(LinearWeights {
-        weight: contiguous(name, &w.0)?,
-        bias: w.1.as_ref().map(|b| contiguous(name, b)).transpose()?,
-        fan_in: shape[1],
-        fan_out: shape[0],
+fn projection<'a>(name: &str, w: &'a Weight<'_>) -> PyResult<Projection<'a>> {
+    Ok(match w {
+        Weight::F32(weight, bias) => Projection::F32(LinearWeights {
+            weight: contiguous(name, weight)?,
+            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
+            fan_in: weight.shape()[1],
+            fan_out: weight.shape()[0],
+        }),
+        Weight::Q8(weight, scales, bias) => Projection::Q8(Q8Weights {
+            weight: contiguous(name, weight)?,
+            scales: contiguous(name, scales)?,
+            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
+            fan_in: weight.shape()[1],
+            fan_out: weight.shape()[0],
+        }),
     })
 }
 
 /// x [rows, hidden] f32 (the residual stream) updated in place by the layer. Linear layers come
-/// as (weight [fan_out, fan_in], bias [fan_out] or None); `qkv` has q's then k's then v's outputs
+/// as (weight [fan_out, fan_in] f32, bias [fan_out] or None) or, quantized, (weight int8,
+/// scales [fan_out] f32, bias or None); `qkv` has q's then k's then v's outputs
 /// and `gate_up` gate's then up's. k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
 /// per row: slots [rows] int64, block_tables [rows, width] int32, seq_lens [rows] int32 (keys
 /// with the row's own), cos, sin [rows, head_dim]. ValueError names what is at fault. With
@@ -66,11 +82,11 @@ pub fn decoder_layer(
     }
     let weights = LayerWeights {
         input_norm: contiguous("input_norm", &input_norm)?,
-        qkv: linear_weights("qkv", &qkv)?,
-        o: linear_weights("o", &o)?,
+        qkv: projection("qkv", &qkv)?,
+        o: projection("o", &o)?,
         post_norm: contiguous("post_norm", &post_norm)?,
-        gate_up: linear_weights("gate_up", &gate_up)?,
-        down: linear_weights("down", &down)?,
+        gate_up: projection("gate_up", &gate_up)?,
+        down: projection("down", &down)?,
         eps,
     };
     let rows = RowLayout {

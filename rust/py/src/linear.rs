@@ -4,7 +4,7 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{linear_on, LinearWeights};
+use pyserve_cpu_kernels::{linear_on, linear_q8_on, LinearWeights, Q8Weights};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
@@ -40,5 +40,40 @@ pub fn linear(
     let x = contiguous("x", &x)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| openmp::on_team(threads, |pool| linear_on(pool, x, &weights, out)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// out [rows, fan_out] f32 = (x [rows, fan_in] f32 @ weight [fan_out, fan_in] int8 ^T) * scales
+/// [fan_out] f32 (+ bias), overwritten: `linear` with int8 weights, one scale per output channel.
+#[pyfunction]
+#[pyo3(signature = (x, weight, scales, bias, out, threads=1))]
+pub fn linear_q8(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArray2<'_, i8>,
+    scales: PyReadonlyArray1<'_, f32>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    let (fan_out, fan_in) = (weight.shape()[0], weight.shape()[1]);
+    if x.shape()[1] != fan_in || out.shape() != [x.shape()[0], fan_out] {
+        return Err(PyValueError::new_err(format!(
+            "x and out: shapes {:?} and {:?} must be [rows, {fan_in}] and [rows, {fan_out}] for weight {:?}",
+            x.shape(),
+            out.shape(),
+            weight.shape()
+        )));
+    }
+    let weights = Q8Weights {
+        weight: contiguous("weight", &weight)?,
+        scales: contiguous("scales", &scales)?,
+        bias: bias.as_ref().map(|b| contiguous("bias", b)).transpose()?,
+        fan_in,
+        fan_out,
+    };
+    let x = contiguous("x", &x)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| openmp::on_team(threads, |pool| linear_q8_on(pool, x, &weights, out)))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }

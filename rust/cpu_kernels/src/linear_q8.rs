@@ -1,0 +1,186 @@
+//! Linear layers with int8 weights over a few rows: `y[r] = scale * (Q x[r]) + bias`, `Q` the
+//! int8 weight `[fan_out, fan_in]` (row-major, symmetric, one scale per output channel).
+//!
+//! At a few rows a linear layer is a stream of its weights: int8 weights are a quarter of the
+//! bytes of f32 ones, dequantized in registers (int8 -> i32 -> f32, then a fused multiply-add with
+//! the f32 input), the scale applied once per output. Tiles, threads and the order of every sum
+//! are those of `linear`, so a row's result does not depend on the rows beside it.
+//!
+//! Layouts (row-major): `x [rows, fan_in]` f32, `weight [fan_out, fan_in]` i8, `scales
+//! [fan_out]` f32, `bias [fan_out]` f32, `y [rows, fan_out]` f32.
+
+use std::ops::Range;
+
+use crate::linear::{LinearError, SharedOutputs, TILE_OUTPUTS};
+use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+
+/// One int8 linear layer's parameters.
+pub struct Q8Weights<'a> {
+    pub weight: &'a [i8],
+    pub scales: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+    pub fan_in: usize,
+    pub fan_out: usize,
+}
+
+/// `y = scales * (x Q^T) + bias` on the calling thread.
+pub fn linear_q8(x: &[f32], weights: &Q8Weights<'_>, y: &mut [f32]) -> Result<(), LinearError> {
+    linear_q8_on(&OnCallingThread, x, weights, y)
+}
+
+/// Rows one pass over the weights serves: their inputs stay in the cache while it streams.
+/// More rows (a prompt) take several passes, each the few-rows kernel.
+pub const CHUNK_ROWS: usize = 16;
+
+/// `linear_q8` with the outputs spread over the threads of `pool`; the same bits as on one thread.
+pub fn linear_q8_on(
+    pool: &dyn ForkJoin,
+    x: &[f32],
+    weights: &Q8Weights<'_>,
+    y: &mut [f32],
+) -> Result<(), LinearError> {
+    check(x, weights, y)?;
+    let (k, n) = (weights.fan_in, weights.fan_out);
+    for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
+        chunk_on(pool, xs, xs.len() / k, weights, ys);
+    }
+    Ok(())
+}
+
+/// At most CHUNK_ROWS rows: each tile of weight rows, once loaded, serves all of them.
+fn chunk_on(pool: &dyn ForkJoin, x: &[f32], rows: usize, weights: &Q8Weights<'_>, y: &mut [f32]) {
+    let n = weights.fan_out;
+    let tiles = n.div_ceil(TILE_OUTPUTS);
+    let work = rows * weights.fan_in * n;
+    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
+    let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
+    let run = |tiles: Range<usize>| {
+        let outputs = tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
+        run_outputs(x, rows, weights, outputs, &out)
+    };
+    if parts <= 1 {
+        run(0..tiles);
+    } else {
+        pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
+    }
+}
+
+fn check(x: &[f32], w: &Q8Weights<'_>, y: &[f32]) -> Result<usize, LinearError> {
+    let (k, n) = (w.fan_in, w.fan_out);
+    if k == 0 || w.weight.len() != n * k {
+        return Err(LinearError::new(format!("weight: {} values for [fan_out {n}, fan_in {k}]", w.weight.len())));
+    }
+    if w.scales.len() != n {
+        return Err(LinearError::new(format!("scales: {} values for fan_out {n}", w.scales.len())));
+    }
+    if let Some(b) = w.bias.filter(|b| b.len() != n) {
+        return Err(LinearError::new(format!("bias: {} values for fan_out {n}", b.len())));
+    }
+    if x.len() % k != 0 {
+        return Err(LinearError::new(format!("x: {} values is not a whole number of rows of {k}", x.len())));
+    }
+    let rows = x.len() / k;
+    if y.len() != rows * n {
+        return Err(LinearError::new(format!("y: {} values for [rows {rows}, fan_out {n}]", y.len())));
+    }
+    Ok(rows)
+}
+
+/// Columns `outputs` of every row, on the calling thread.
+fn run_outputs(x: &[f32], rows: usize, w: &Q8Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::avx2_fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA; `check` validated every length the AVX2 half reads.
+        return unsafe { crate::linear_q8_avx2::run_outputs(x, rows, w, outputs, y) };
+    }
+    let k = w.fan_in;
+    for o in outputs {
+        let q_row = &w.weight[o * k..][..k];
+        for r in 0..rows {
+            let x_row = &x[r * k..][..k];
+            let s: f32 = q_row.iter().zip(x_row).map(|(&q, &v)| q as f32 * v).sum();
+            let mut total = s * w.scales[o];
+            if let Some(b) = w.bias {
+                total += b[o];
+            }
+            // SAFETY: this call's range of outputs is its own.
+            unsafe { y.set(r * w.fan_out + o, total) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TwoParts;
+    impl ForkJoin for TwoParts {
+        fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
+            (0..parts).rev().for_each(task);
+        }
+        fn threads(&self) -> usize {
+            2
+        }
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn int8s(n: usize, seed: u32) -> Vec<i8> {
+        values(n, seed).iter().map(|v| (v * 127.0).round() as i8).collect()
+    }
+
+    #[test]
+    fn matches_a_float64_reference_of_the_dequantized_weight() {
+        for (rows, k, n) in [(1, 8, 4), (3, 37, 9), (2, 256, 130), (5, 100, 7), (16, 64, 33), (37, 24, 10)] {
+            let (x, q, scales, b) = (values(rows * k, 1), int8s(n * k, 2), values(n, 3), values(n, 4));
+            for bias in [None, Some(b.as_slice())] {
+                let mut y = vec![f32::NAN; rows * n];
+                let w = Q8Weights { weight: &q, scales: &scales, bias, fan_in: k, fan_out: n };
+                linear_q8(&x, &w, &mut y).unwrap();
+                for r in 0..rows {
+                    for o in 0..n {
+                        let dot: f64 = (0..k).map(|i| x[r * k + i] as f64 * q[o * k + i] as f64).sum();
+                        let want = dot * scales[o] as f64 + bias.map_or(0.0, |b| b[o] as f64);
+                        let got = y[r * n + o] as f64;
+                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
+        let (k, n) = (300, 1030);
+        let (x, q, scales) = (values(7 * k, 5), int8s(n * k, 6), values(n, 7));
+        let w = Q8Weights { weight: &q, scales: &scales, bias: None, fan_in: k, fan_out: n };
+        let mut all = vec![0.0; 7 * n];
+        linear_q8_on(&TwoParts, &x, &w, &mut all).unwrap();
+        for r in 0..7 {
+            let mut one = vec![0.0; n];
+            linear_q8(&x[r * k..][..k], &w, &mut one).unwrap();
+            assert_eq!(one, all[r * n..][..n], "row {r}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors_naming_the_argument() {
+        let (q, s) = (vec![0i8; 12], vec![1.0f32; 3]);
+        let ok = Q8Weights { weight: &q, scales: &s, bias: None, fan_in: 4, fan_out: 3 };
+        let err = |w: &Q8Weights<'_>| linear_q8(&[0.0; 4], w, &mut [0.0; 3]).unwrap_err().to_string();
+        assert!(err(&Q8Weights { scales: &s[..2], ..ok }).starts_with("scales:"));
+        assert!(err(&Q8Weights { weight: &q[..11], ..ok }).starts_with("weight:"));
+        assert!(err(&Q8Weights { bias: Some(&[0.0; 2]), ..ok }).starts_with("bias:"));
+        assert!(linear_q8(&[0.0; 5], &ok, &mut [0.0; 3]).unwrap_err().to_string().starts_with("x:"));
+    }
+}
