@@ -12,8 +12,8 @@
 use crate::attention::{decode_attention_on, AttentionError, DecodeBatch, PagedCache};
 use crate::layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 use crate::linear::LinearError;
-use crate::projection::{project_on, Projection};
 use crate::parallel::ForkJoin;
+use crate::projection::{project_on, Projection};
 
 /// The parameters of one layer; `qkv` holds q's, k's then v's outputs, `gate_up` gate's then up's.
 pub struct LayerWeights<'a> {

@@ -68,7 +68,10 @@ fn chunk_on(pool: &dyn ForkJoin, x: &[f32], rows: usize, weights: &Q8Weights<'_>
 fn check(x: &[f32], w: &Q8Weights<'_>, y: &[f32]) -> Result<usize, LinearError> {
     let (k, n) = (w.fan_in, w.fan_out);
     if k == 0 || w.weight.len() != n * k {
-        return Err(LinearError::new(format!("weight: {} values for [fan_out {n}, fan_in {k}]", w.weight.len())));
+        return Err(LinearError::new(format!(
+            "weight: {} values for [fan_out {n}, fan_in {k}]",
+            w.weight.len()
+        )));
     }
     if w.scales.len() != n {
         return Err(LinearError::new(format!("scales: {} values for fan_out {n}", w.scales.len())));

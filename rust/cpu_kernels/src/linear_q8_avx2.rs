@@ -16,7 +16,13 @@ const CACHE_LINE: usize = 64;
 
 /// `linear_q8::run_outputs` with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn run_outputs(x: &[f32], rows: usize, w: &Q8Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+pub unsafe fn run_outputs(
+    x: &[f32],
+    rows: usize,
+    w: &Q8Weights<'_>,
+    outputs: Range<usize>,
+    y: &SharedOutputs,
+) {
     let mut o = outputs.start;
     if rows == 1 {
         while o + 2 * TILE_OUTPUTS <= outputs.end {
@@ -48,7 +54,13 @@ unsafe fn tile<const W: usize>(x: &[f32], rows: usize, w: &Q8Weights<'_>, o: usi
 /// Outputs o..o + W of rows r..r + X: `hsum` of the vector sum over the full vectors of fan_in,
 /// plus the tail's products in order, times the output's scale, plus the bias.
 #[inline(always)]
-unsafe fn block<const W: usize, const X: usize>(x: &[f32], w: &Q8Weights<'_>, o: usize, r: usize, y: &SharedOutputs) {
+unsafe fn block<const W: usize, const X: usize>(
+    x: &[f32],
+    w: &Q8Weights<'_>,
+    o: usize,
+    r: usize,
+    y: &SharedOutputs,
+) {
     let k = w.fan_in;
     let body = k - k % LANES;
     let (xp, wp) = (x.as_ptr().add(r * k), w.weight.as_ptr().add(o * k));

@@ -27,7 +27,12 @@ impl Projection<'_> {
 }
 
 /// `y = x W^T + bias` with the kernel of the projection's kind.
-pub fn project_on(pool: &dyn ForkJoin, x: &[f32], p: &Projection<'_>, y: &mut [f32]) -> Result<(), LinearError> {
+pub fn project_on(
+    pool: &dyn ForkJoin,
+    x: &[f32],
+    p: &Projection<'_>,
+    y: &mut [f32],
+) -> Result<(), LinearError> {
     match p {
         Projection::F32(w) => linear_on(pool, x, w, y),
         Projection::Q8(w) => linear_q8_on(pool, x, w, y),
