@@ -81,7 +81,9 @@ class GrammarMatchers:
         return m.consume_tokens(rest)
 
     def valid_drafts(self, internal_id: int, drafts: list[int]) -> list[int]:
-        """The longest prefix of `drafts` the grammar allows; the matcher is left as it was."""
+        """The longest prefix of `drafts` the grammar allows; the matcher is left as it was.
+        The check is of bytes: a draft spelling forced bytes other than canonically passes it and
+        is then masked out (its target probability is 0), so verification rejects it."""
         m = self._matchers[internal_id]
         n = m.try_consume_tokens(drafts)
         if n:
@@ -124,7 +126,7 @@ class GrammarMatchers:
         if with_drafts:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, size, len(bits))
         certain = frozenset(logits_rows[at] for _, at, drafts in with_drafts
-                            if _one_token_each(bits[at : at + len(drafts)]))
+                            if _only_the_drafts(bits[at : at + len(drafts)], drafts))
         self.mask_seconds.append(time.perf_counter() - start)
         return TokenMasks(logits_rows, bits, certain)
 
@@ -134,6 +136,9 @@ class GrammarMatchers:
             self._thread = None
 
 
-def _one_token_each(bits: np.ndarray) -> bool:
-    """Every row of `bits` allows exactly one token."""
-    return bool((np.unpackbits(bits.view(np.uint8), axis=1).sum(axis=1) == 1).all())
+def _only_the_drafts(bits: np.ndarray, drafts: list[int]) -> bool:
+    """Row j of `bits` allows drafts[j] and nothing else. (A draft the matcher accepts may still
+    be masked out: where the grammar forces bytes, llguidance's mask keeps only the canonical
+    token of them, while consuming takes any token spelling them.)"""
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+    return bool((allowed.sum(axis=1) == 1).all() and allowed[np.arange(len(drafts)), drafts].all())

@@ -160,3 +160,19 @@ def test_apply_token_masks_leaves_exactly_the_allowed_tokens():
     every = torch.randn(2, 70)
     apply_token_masks(every, TokenMasks(np.array([0, 1]), np.repeat(bits, 2, axis=0)))  # all rows: one add
     assert (every > BANNED / 2).nonzero()[:, 1].tolist() == kept * 2
+
+
+def test_a_draft_is_certain_only_where_the_mask_allows_that_draft_alone(compiler, tok):
+    """Where a grammar forces bytes, llguidance's mask keeps only their canonical token, while
+    consuming accepts any token spelling them: '"' passes the matcher where the mask holds '":'
+    alone. Such a draft must be verified (and rejected), not kept."""
+    matchers = GrammarMatchers(VOCAB, EOS)
+    matchers.add(3, compiler.compile(StructuredOutputsParams(choice=['": 1'])))
+    quote, canonical = tok.inner.token_to_id('"'), tok.inner.token_to_id('":')
+    assert matchers.valid_drafts(3, [quote]) == [quote]  # the bytes check passes it
+    masks = matchers.start_masks([MaskRow(3, 0, [quote])]).result()
+    assert allowed(masks.bits[0]) == {canonical} and masks.certain == frozenset()
+    forced = matchers.forced_tokens(3)
+    masks = matchers.start_masks([MaskRow(3, 0, forced[:1])]).result()
+    assert masks.certain == frozenset({0})
+    matchers.close()
