@@ -15,8 +15,6 @@ mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_avx2;
 mod linear_q8;
-#[cfg(target_arch = "x86_64")]
-mod linear_q8_avx2;
 mod lora;
 #[cfg(target_arch = "x86_64")]
 mod lora_avx2;

@@ -51,10 +51,100 @@ pub fn linear_on(
     weights: &LinearWeights<'_>,
     y: &mut [f32],
 ) -> Result<(), LinearError> {
-    let rows = check(x, weights, y)?;
-    let n = weights.fan_out;
+    let (k, n) = (weights.fan_in, weights.fan_out);
+    if k == 0 || weights.weight.len() != n * k {
+        return Err(LinearError(format!(
+            "weight: {} values for [fan_out {n}, fan_in {k}]",
+            weights.weight.len()
+        )));
+    }
+    check_rows(x, k, n, weights.bias, y)?;
+    run_rows(pool, x, weights, y);
+    Ok(())
+}
+
+/// What the kernel needs of a layer's weights, whatever they are stored as: weight (o, j) as
+/// f32, and the output made of output o's dot product (the bias added; a quantized layer's
+/// scale applied first).
+pub(crate) trait RowWeights: Sync {
+    /// Bytes of one weight: how far the next tile's weights lie (the AVX2 half prefetches them).
+    const BYTES: usize;
+    fn fan_in(&self) -> usize;
+    fn fan_out(&self) -> usize;
+    fn value(&self, o: usize, j: usize) -> f32;
+    fn finish(&self, o: usize, dot: f32) -> f32;
+    /// Where row o's weights begin.
+    fn row_ptr(&self, o: usize) -> *const u8;
+    /// Weights (o, i..i + 8) as f32. Safety: AVX2, and i + 8 <= fan_in.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(&self, o: usize, i: usize) -> std::arch::x86_64::__m256;
+}
+
+impl RowWeights for LinearWeights<'_> {
+    const BYTES: usize = 4;
+    fn fan_in(&self) -> usize {
+        self.fan_in
+    }
+    fn fan_out(&self) -> usize {
+        self.fan_out
+    }
+    #[inline(always)]
+    fn value(&self, o: usize, j: usize) -> f32 {
+        self.weight[o * self.fan_in + j]
+    }
+    #[inline(always)]
+    fn finish(&self, o: usize, dot: f32) -> f32 {
+        self.bias.map_or(dot, |b| dot + b[o])
+    }
+    #[inline(always)]
+    fn row_ptr(&self, o: usize) -> *const u8 {
+        self.weight.as_ptr().wrapping_add(o * self.fan_in) as *const u8
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(&self, o: usize, i: usize) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(self.weight.as_ptr().add(o * self.fan_in + i))
+    }
+}
+
+/// Checks the shapes of the step's arrays against fan_in `k` and fan_out `n`; returns the rows.
+pub(crate) fn check_rows(
+    x: &[f32],
+    k: usize,
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &[f32],
+) -> Result<usize, LinearError> {
+    if let Some(b) = bias.filter(|b| b.len() != n) {
+        return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
+    }
+    if x.len() % k != 0 {
+        return Err(LinearError(format!("x: {} values is not a whole number of rows of {k}", x.len())));
+    }
+    let rows = x.len() / k;
+    if y.len() != rows * n {
+        return Err(LinearError(format!("y: {} values for [rows {rows}, fan_out {n}]", y.len())));
+    }
+    Ok(rows)
+}
+
+/// Rows one pass over the weights serves: their inputs stay in the cache while it streams.
+/// More rows (a prompt) take a pass per CHUNK_ROWS rows.
+pub const CHUNK_ROWS: usize = 16;
+
+/// `y = x W^T` through the kernel, for shapes already checked.
+pub(crate) fn run_rows<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], weights: &W, y: &mut [f32]) {
+    let (k, n) = (weights.fan_in(), weights.fan_out());
+    for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
+        run_chunk(pool, xs, xs.len() / k, weights, ys);
+    }
+}
+
+/// At most CHUNK_ROWS rows: each tile of weight rows, once loaded, serves all of them.
+fn run_chunk<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], rows: usize, weights: &W, y: &mut [f32]) {
+    let n = weights.fan_out();
     let tiles = n.div_ceil(TILE_OUTPUTS);
-    let work = rows * weights.fan_in * n;
+    let work = rows * weights.fan_in() * n;
     let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
     let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
     let run = |tiles: Range<usize>| {
@@ -66,25 +156,6 @@ pub fn linear_on(
     } else {
         pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
     }
-    Ok(())
-}
-
-fn check(x: &[f32], w: &LinearWeights<'_>, y: &[f32]) -> Result<usize, LinearError> {
-    let (k, n) = (w.fan_in, w.fan_out);
-    if k == 0 || w.weight.len() != n * k {
-        return Err(LinearError(format!("weight: {} values for [fan_out {n}, fan_in {k}]", w.weight.len())));
-    }
-    if let Some(b) = w.bias.filter(|b| b.len() != n) {
-        return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
-    }
-    if x.len() % k != 0 {
-        return Err(LinearError(format!("x: {} values is not a whole number of rows of {k}", x.len())));
-    }
-    let rows = x.len() / k;
-    if y.len() != rows * n {
-        return Err(LinearError(format!("y: {} values for [rows {rows}, fan_out {n}]", y.len())));
-    }
-    Ok(rows)
 }
 
 /// The outputs of the rows of `y`, written by several threads at once, each only the columns of
@@ -107,22 +178,23 @@ impl SharedOutputs {
 }
 
 /// Columns `outputs` of every row, on the calling thread.
-fn run_outputs(x: &[f32], rows: usize, w: &LinearWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+fn run_outputs<W: RowWeights>(x: &[f32], rows: usize, w: &W, outputs: Range<usize>, y: &SharedOutputs) {
     #[cfg(target_arch = "x86_64")]
     if crate::vector::avx2_fma_available() {
-        // SAFETY: the CPU has AVX2 and FMA; `check` validated every length the AVX2 half reads.
+        // SAFETY: the CPU has AVX2 and FMA; the shapes were checked against every length the
+        // AVX2 half reads.
         return unsafe { crate::linear_avx2::run_outputs(x, rows, w, outputs, y) };
     }
-    let k = w.fan_in;
+    let k = w.fan_in();
+    let mut row = vec![0.0f32; k];
     for o in outputs {
-        let w_row = &w.weight[o * k..][..k];
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = w.value(o, j);
+        }
         for r in 0..rows {
-            let mut s = dot(w_row, &x[r * k..][..k]);
-            if let Some(b) = w.bias {
-                s += b[o];
-            }
+            let s = w.finish(o, dot(&row, &x[r * k..][..k]));
             // SAFETY: this call's range of outputs is its own.
-            unsafe { y.set(r * w.fan_out + o, s) };
+            unsafe { y.set(r * w.fan_out() + o, s) };
         }
     }
 }

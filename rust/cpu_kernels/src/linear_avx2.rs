@@ -1,13 +1,14 @@
-//! The AVX2 half of `linear` (dispatch and its rules: `vector`): tiles of `TILE_OUTPUTS` weight
-//! rows by up to `TILE_ROWS` input rows, eight sums in registers, each weight vector loaded once
-//! per tile and each input vector once per tile's weight rows.
+//! The AVX2 half of `linear` and `linear_q8` (dispatch and its rules: `vector`): tiles of
+//! `TILE_OUTPUTS` weight rows by up to `TILE_ROWS` input rows, eight sums in registers, each
+//! weight vector loaded (f32, or int8 widened to f32: `RowWeights::load8`) once per tile and
+//! each input vector once per tile's weight rows.
 //!
 //! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `linear` checked.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::linear::{LinearWeights, SharedOutputs, TILE_OUTPUTS};
+use crate::linear::{RowWeights, SharedOutputs, TILE_OUTPUTS};
 use crate::vector::avx2::hsum;
 use crate::vector::LANES;
 
@@ -20,10 +21,10 @@ const CACHE_LINE: usize = 64;
 
 /// `linear::run_outputs` with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn run_outputs(
+pub unsafe fn run_outputs<Wt: RowWeights>(
     x: &[f32],
     rows: usize,
-    w: &LinearWeights<'_>,
+    w: &Wt,
     outputs: Range<usize>,
     y: &SharedOutputs,
 ) {
@@ -31,52 +32,52 @@ pub unsafe fn run_outputs(
     if rows == 1 {
         // One row: twice the weight rows per tile, so that eight sums are in flight as with two.
         while o + 2 * TILE_OUTPUTS <= outputs.end {
-            block::<{ 2 * TILE_OUTPUTS }, 1>(x, w, o, 0, y);
+            block::<{ 2 * TILE_OUTPUTS }, 1, Wt>(x, w, o, 0, y);
             o += 2 * TILE_OUTPUTS;
         }
     }
     while o + TILE_OUTPUTS <= outputs.end {
-        tile::<TILE_OUTPUTS>(x, rows, w, o, y);
+        tile::<TILE_OUTPUTS, Wt>(x, rows, w, o, y);
         o += TILE_OUTPUTS;
     }
     for o in o..outputs.end {
-        tile::<1>(x, rows, w, o, y);
+        tile::<1, Wt>(x, rows, w, o, y);
     }
 }
 
 /// Outputs o..o + W of every row.
 #[inline(always)]
-unsafe fn tile<const W: usize>(x: &[f32], rows: usize, w: &LinearWeights<'_>, o: usize, y: &SharedOutputs) {
+unsafe fn tile<const W: usize, Wt: RowWeights>(x: &[f32], rows: usize, w: &Wt, o: usize, y: &SharedOutputs) {
     let mut r = 0;
     while r + TILE_ROWS <= rows {
-        block::<W, TILE_ROWS>(x, w, o, r, y);
+        block::<W, TILE_ROWS, Wt>(x, w, o, r, y);
         r += TILE_ROWS;
     }
     for r in r..rows {
-        block::<W, 1>(x, w, o, r, y);
+        block::<W, 1, Wt>(x, w, o, r, y);
     }
 }
 
 /// Outputs o..o + W of rows r..r + X: each one `hsum` of its vector sum over the full vectors of
-/// fan_in, plus the tail's products in order, plus the bias (the same steps for every output).
+/// fan_in, plus the tail's products in order, then `finish` (the same steps for every output).
 #[inline(always)]
-unsafe fn block<const W: usize, const X: usize>(
+unsafe fn block<const W: usize, const X: usize, Wt: RowWeights>(
     x: &[f32],
-    w: &LinearWeights<'_>,
+    w: &Wt,
     o: usize,
     r: usize,
     y: &SharedOutputs,
 ) {
-    let k = w.fan_in;
+    let k = w.fan_in();
     let body = k - k % LANES;
-    let (xp, wp) = (x.as_ptr().add(r * k), w.weight.as_ptr().add(o * k));
+    let xp = x.as_ptr().add(r * k);
     let mut acc = [[_mm256_setzero_ps(); X]; W];
     // The next tile's weights follow this tile's in memory: the first pass over this tile
     // (r == 0) asks for them a little at a time, the whole next tile over the loop, so they are
     // on their way while this tile computes.
-    let next = wp.wrapping_add(W * k) as *const i8;
+    let next = w.row_ptr(o + W) as *const i8;
     let prefetch = r == 0;
-    let lines_per_step = W.div_ceil(2);
+    let lines_per_step = (W * LANES * Wt::BYTES).div_ceil(CACHE_LINE);
     let mut line = 0;
     let mut i = 0;
     while i < body {
@@ -91,7 +92,7 @@ unsafe fn block<const W: usize, const X: usize>(
             *v = _mm256_loadu_ps(xp.add(b * k + i));
         }
         for (a, sums) in acc.iter_mut().enumerate() {
-            let wv = _mm256_loadu_ps(wp.add(a * k + i));
+            let wv = w.load8(o + a, i);
             for (s, v) in sums.iter_mut().zip(&xv) {
                 *s = _mm256_fmadd_ps(wv, *v, *s);
             }
@@ -99,17 +100,13 @@ unsafe fn block<const W: usize, const X: usize>(
         i += LANES;
     }
     for (a, sums) in acc.iter().enumerate() {
-        let w_row = &w.weight[(o + a) * k..][..k];
         for (b, s) in sums.iter().enumerate() {
             let x_row = &x[(r + b) * k..][..k];
             let mut total = hsum(*s);
-            for j in body..k {
-                total += w_row[j] * x_row[j];
+            for (j, xj) in x_row.iter().enumerate().skip(body) {
+                total += w.value(o + a, j) * xj;
             }
-            if let Some(bias) = w.bias {
-                total += bias[o + a];
-            }
-            y.set((r + b) * w.fan_out + o + a, total);
+            y.set((r + b) * w.fan_out() + o + a, w.finish(o + a, total));
         }
     }
 }

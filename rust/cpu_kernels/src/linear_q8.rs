@@ -3,16 +3,15 @@
 //!
 //! At a few rows a linear layer is a stream of its weights: int8 weights are a quarter of the
 //! bytes of f32 ones, dequantized in registers (int8 -> i32 -> f32, then a fused multiply-add with
-//! the f32 input), the scale applied once per output. Tiles, threads and the order of every sum
-//! are those of `linear`, so a row's result does not depend on the rows beside it.
+//! the f32 input), the scale applied once per output. It is `linear`'s kernel (tiles, threads,
+//! the order of every sum) over `RowWeights` of another type, so a row's result does not depend
+//! on the rows beside it.
 //!
 //! Layouts (row-major): `x [rows, fan_in]` f32, `weight [fan_out, fan_in]` i8, `scales
 //! [fan_out]` f32, `bias [fan_out]` f32, `y [rows, fan_out]` f32.
 
-use std::ops::Range;
-
-use crate::linear::{LinearError, SharedOutputs, TILE_OUTPUTS};
-use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+use crate::linear::{check_rows, run_rows, LinearError, RowWeights};
+use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One int8 linear layer's parameters.
 pub struct Q8Weights<'a> {
@@ -28,10 +27,6 @@ pub fn linear_q8(x: &[f32], weights: &Q8Weights<'_>, y: &mut [f32]) -> Result<()
     linear_q8_on(&OnCallingThread, x, weights, y)
 }
 
-/// Rows one pass over the weights serves: their inputs stay in the cache while it streams.
-/// More rows (a prompt) take several passes, each the few-rows kernel.
-pub const CHUNK_ROWS: usize = 16;
-
 /// `linear_q8` with the outputs spread over the threads of `pool`; the same bits as on one thread.
 pub fn linear_q8_on(
     pool: &dyn ForkJoin,
@@ -39,76 +34,49 @@ pub fn linear_q8_on(
     weights: &Q8Weights<'_>,
     y: &mut [f32],
 ) -> Result<(), LinearError> {
-    check(x, weights, y)?;
     let (k, n) = (weights.fan_in, weights.fan_out);
-    for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
-        chunk_on(pool, xs, xs.len() / k, weights, ys);
+    if k == 0 || weights.weight.len() != n * k {
+        return Err(LinearError::new(format!(
+            "weight: {} values for [fan_out {n}, fan_in {k}]",
+            weights.weight.len()
+        )));
     }
+    if weights.scales.len() != n {
+        return Err(LinearError::new(format!("scales: {} values for fan_out {n}", weights.scales.len())));
+    }
+    check_rows(x, k, n, weights.bias, y)?;
+    run_rows(pool, x, weights, y);
     Ok(())
 }
 
-/// At most CHUNK_ROWS rows: each tile of weight rows, once loaded, serves all of them.
-fn chunk_on(pool: &dyn ForkJoin, x: &[f32], rows: usize, weights: &Q8Weights<'_>, y: &mut [f32]) {
-    let n = weights.fan_out;
-    let tiles = n.div_ceil(TILE_OUTPUTS);
-    let work = rows * weights.fan_in * n;
-    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
-    let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
-    let run = |tiles: Range<usize>| {
-        let outputs = tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
-        run_outputs(x, rows, weights, outputs, &out)
-    };
-    if parts <= 1 {
-        run(0..tiles);
-    } else {
-        pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
+impl RowWeights for Q8Weights<'_> {
+    const BYTES: usize = 1;
+    fn fan_in(&self) -> usize {
+        self.fan_in
     }
-}
-
-fn check(x: &[f32], w: &Q8Weights<'_>, y: &[f32]) -> Result<usize, LinearError> {
-    let (k, n) = (w.fan_in, w.fan_out);
-    if k == 0 || w.weight.len() != n * k {
-        return Err(LinearError::new(format!(
-            "weight: {} values for [fan_out {n}, fan_in {k}]",
-            w.weight.len()
-        )));
+    fn fan_out(&self) -> usize {
+        self.fan_out
     }
-    if w.scales.len() != n {
-        return Err(LinearError::new(format!("scales: {} values for fan_out {n}", w.scales.len())));
+    #[inline(always)]
+    fn value(&self, o: usize, j: usize) -> f32 {
+        self.weight[o * self.fan_in + j] as f32
     }
-    if let Some(b) = w.bias.filter(|b| b.len() != n) {
-        return Err(LinearError::new(format!("bias: {} values for fan_out {n}", b.len())));
+    #[inline(always)]
+    fn finish(&self, o: usize, dot: f32) -> f32 {
+        let scaled = dot * self.scales[o];
+        self.bias.map_or(scaled, |b| scaled + b[o])
     }
-    if x.len() % k != 0 {
-        return Err(LinearError::new(format!("x: {} values is not a whole number of rows of {k}", x.len())));
+    #[inline(always)]
+    fn row_ptr(&self, o: usize) -> *const u8 {
+        self.weight.as_ptr().wrapping_add(o * self.fan_in) as *const u8
     }
-    let rows = x.len() / k;
-    if y.len() != rows * n {
-        return Err(LinearError::new(format!("y: {} values for [rows {rows}, fan_out {n}]", y.len())));
-    }
-    Ok(rows)
-}
-
-/// Columns `outputs` of every row, on the calling thread.
-fn run_outputs(x: &[f32], rows: usize, w: &Q8Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+    /// Eight int8 weights widened in registers: sign-extend to i32 (`vpmovsxbd`), then to f32.
     #[cfg(target_arch = "x86_64")]
-    if crate::vector::avx2_fma_available() {
-        // SAFETY: the CPU has AVX2 and FMA; `check` validated every length the AVX2 half reads.
-        return unsafe { crate::linear_q8_avx2::run_outputs(x, rows, w, outputs, y) };
-    }
-    let k = w.fan_in;
-    for o in outputs {
-        let q_row = &w.weight[o * k..][..k];
-        for r in 0..rows {
-            let x_row = &x[r * k..][..k];
-            let s: f32 = q_row.iter().zip(x_row).map(|(&q, &v)| q as f32 * v).sum();
-            let mut total = s * w.scales[o];
-            if let Some(b) = w.bias {
-                total += b[o];
-            }
-            // SAFETY: this call's range of outputs is its own.
-            unsafe { y.set(r * w.fan_out + o, total) };
-        }
+    #[inline(always)]
+    unsafe fn load8(&self, o: usize, i: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let q = _mm_loadl_epi64(self.weight.as_ptr().add(o * self.fan_in + i) as *const __m128i);
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
     }
 }
 
