@@ -200,10 +200,11 @@ fn run_outputs<W: RowWeights>(x: &[f32], rows: usize, w: &W, outputs: Range<usiz
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    struct TwoParts;
+    /// A pool of two "threads" that runs the parts in reverse order (on the calling thread).
+    pub(crate) struct TwoParts;
     impl ForkJoin for TwoParts {
         fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
             (0..parts).rev().for_each(task);
@@ -213,7 +214,8 @@ mod tests {
         }
     }
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
+    /// Deterministic values in [-1, 1].
+    pub(crate) fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).max(1);
         (0..n)
             .map(|_| {

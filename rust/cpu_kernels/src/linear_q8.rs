@@ -83,28 +83,7 @@ impl RowWeights for Q8Weights<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct TwoParts;
-    impl ForkJoin for TwoParts {
-        fn run(&self, parts: usize, task: &(dyn Fn(usize) + Sync)) {
-            (0..parts).rev().for_each(task);
-        }
-        fn threads(&self) -> usize {
-            2
-        }
-    }
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::linear::tests::{values, TwoParts};
 
     fn int8s(n: usize, seed: u32) -> Vec<i8> {
         values(n, seed).iter().map(|v| (v * 127.0).round() as i8).collect()

@@ -23,14 +23,7 @@ pub fn linear(
     threads: usize,
 ) -> PyResult<()> {
     let (fan_out, fan_in) = (weight.shape()[0], weight.shape()[1]);
-    if x.shape()[1] != fan_in || out.shape() != [x.shape()[0], fan_out] {
-        return Err(PyValueError::new_err(format!(
-            "x and out: shapes {:?} and {:?} must be [rows, {fan_in}] and [rows, {fan_out}] for weight {:?}",
-            x.shape(),
-            out.shape(),
-            weight.shape()
-        )));
-    }
+    check_shapes(x.shape(), out.shape(), weight.shape())?;
     let weights = LinearWeights {
         weight: contiguous("weight", &weight)?,
         bias: bias.as_ref().map(|b| contiguous("bias", b)).transpose()?,
@@ -57,14 +50,7 @@ pub fn linear_q8(
     threads: usize,
 ) -> PyResult<()> {
     let (fan_out, fan_in) = (weight.shape()[0], weight.shape()[1]);
-    if x.shape()[1] != fan_in || out.shape() != [x.shape()[0], fan_out] {
-        return Err(PyValueError::new_err(format!(
-            "x and out: shapes {:?} and {:?} must be [rows, {fan_in}] and [rows, {fan_out}] for weight {:?}",
-            x.shape(),
-            out.shape(),
-            weight.shape()
-        )));
-    }
+    check_shapes(x.shape(), out.shape(), weight.shape())?;
     let weights = Q8Weights {
         weight: contiguous("weight", &weight)?,
         scales: contiguous("scales", &scales)?,
@@ -76,4 +62,15 @@ pub fn linear_q8(
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| openmp::on_team(threads, |pool| linear_q8_on(pool, x, &weights, out)))
         .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// x [rows, fan_in] and out [rows, fan_out] for a weight [fan_out, fan_in].
+fn check_shapes(x: &[usize], out: &[usize], weight: &[usize]) -> PyResult<()> {
+    let (fan_out, fan_in) = (weight[0], weight[1]);
+    if x[1] != fan_in || out != [x[0], fan_out] {
+        return Err(PyValueError::new_err(format!(
+            "x and out: shapes {x:?} and {out:?} must be [rows, {fan_in}] and [rows, {fan_out}] for weight {weight:?}"
+        )));
+    }
+    Ok(())
 }
