@@ -149,6 +149,20 @@ def linear_q8(
     """`linear` with an int8 weight [fan_out, fan_in] and one f32 scale per output channel:
     out = (x @ weight^T) * scales (+ bias), the weight widened to f32 in registers."""
 
+def linear_q4(
+    x: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    offsets: np.ndarray,
+    group: int,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    threads: int = 1,
+) -> None:
+    """`linear` with 4-bit weights: packed [fan_out, fan_in / 2] uint8 (weight 2j in the low
+    nibble of byte j), dequantized in registers as q * scales + offsets per row and group of
+    `group` inputs (scales, offsets [fan_out, fan_in / group] f32)."""
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
     C-contiguous. Raises ValueError naming the argument at fault."""
@@ -163,8 +177,10 @@ def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.nd
     """Rotates heads 0..heads of each row of x [rows, width] in place ("rotate half" RoPE), cos
     and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""
 
-# (weight f32, bias or None), or quantized (weight int8, scales f32 [fan_out], bias or None)
-Projection = tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None]
+# (weight f32, bias or None), int8 (weight, scales [fan_out], bias or None), or 4-bit (packed,
+# scales, offsets, group, bias or None): see linear, linear_q8, linear_q4
+Projection = (tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None]
+              | tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None])
 
 def decoder_layer(
     x: np.ndarray,

@@ -95,6 +95,7 @@ class AsyncEngine:
             max_num_seqs=config.max_num_seqs,
             speculative=spec is not None,
             quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,

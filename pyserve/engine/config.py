@@ -28,7 +28,9 @@ class EngineConfig:
     max_lora_rank: int = option(64, "largest adapter rank accepted")
     seed: int = option(0, "seed of the shared sampling generator")
     quantization: str | None = option(  # checked by the model worker (model/quantized_linear.py)
-        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel)", type=str)
+        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel) or int4 "
+        "(a scale and zero point per group of inputs)", type=str)
+    quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse

@@ -15,7 +15,7 @@ from pyserve.model import cpu_ops
 from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS, CpuLinear
-from pyserve.model.quantized_linear import Int8Linear
+from pyserve.model.quantized_linear import QUANTIZED
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -137,14 +137,14 @@ class DecoderLayer(nn.Module):
 
     def use_layer_kernel(self) -> bool:
         """Readies `kernel_weights` (numpy views, in `_core.decoder_layer`'s order) where the
-        whole layer can run in one kernel call: fused projections on CpuLinear or Int8Linear (on
-        the CPU), no q/k norm. Returns whether it can."""
+        whole layer can run in one kernel call: fused projections on CpuLinear or a quantized
+        layer (on the CPU), no q/k norm. Returns whether it can."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.qk_norm or not all(isinstance(p, CpuLinear) or (isinstance(p, Int8Linear) and p.cpu)
+        if attn.qk_norm or not all(isinstance(p, CpuLinear) or (isinstance(p, QUANTIZED) and p.cpu)
                                    for p in projections):
             return False
-        qkv, o, gate_up, down = (p.kernel_weights() if isinstance(p, Int8Linear) else (p.weight_view, p.bias_view)
+        qkv, o, gate_up, down = (p.kernel_weights() if isinstance(p, QUANTIZED) else (p.weight_view, p.bias_view)
                                  for p in projections)
         self.kernel_weights = (self.input_layernorm.weight_view, qkv, o, self.post_attention_layernorm.weight_view,
                                gate_up, down, self.input_layernorm.eps)

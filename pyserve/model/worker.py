@@ -75,8 +75,9 @@ class ModelWorker:
         max_num_seqs: int = 256,
         speculative: bool = False,
         quantization: str | None = None,
+        quantization_group_size: int = 64,
     ):
-        check_method(quantization)
+        check_method(quantization, quantization_group_size)
         self.quantization = quantization
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -97,7 +98,7 @@ class ModelWorker:
         if self.lora is None:
             self.model.fuse_projections()
         if quantization is not None:  # after LoRA wrapped its base projections: those are quantized too
-            quantize_linears(self.model, quantization)
+            quantize_linears(self.model, quantization, quantization_group_size)
         if can_use(self.device, self.dtype):
             use_cpu_linears(self.model)  # after LoRA wrapped its base projections: those are replaced too
             self.model.use_cpu_ops()
@@ -111,7 +112,7 @@ class ModelWorker:
             self.proposer = DraftModelProposer(
                 draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
                 block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
-                quantization=quantization,
+                quantization=quantization, quantization_group_size=quantization_group_size,
             )
         self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
         self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)

@@ -29,7 +29,7 @@ from pyserve.speculative.proposer import ProposalBatch
 
 class DraftModelProposer:
     def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
-                 quantization: str | None = None,
+                 quantization: str | None = None, quantization_group_size: int = 64,
                  max_model_len: int, backend, sampler: Sampler):
         self.device = device
         self.block_size = block_size
@@ -37,7 +37,7 @@ class DraftModelProposer:
         self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
         self.model.fuse_projections()  # the draft serves no LoRA
         if quantization is not None:
-            quantize_linears(self.model, quantization)
+            quantize_linears(self.model, quantization, quantization_group_size)
         if can_use(device, dtype):
             use_cpu_linears(self.model)
             self.model.use_cpu_ops()

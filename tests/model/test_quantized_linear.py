@@ -1,6 +1,6 @@
-"""int8 weight-only quantization: the quantizer, the CPU kernel against the dequantized
-reference, greedy parity with transformers running the dequantized weights, and the engine
-with a quantized model (bytes, LoRA, speculation, refused methods)."""
+"""Weight-only quantization (int8, int4 in groups): the quantizers, the CPU kernels against the
+dequantized reference, greedy parity with transformers running the dequantized weights, and
+the engine with a quantized model (bytes, LoRA, speculation, refused methods)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS
-from pyserve.model.quantized_linear import Int8Linear, quantize_int8
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
 from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -28,26 +28,43 @@ def test_quantize_int8_is_symmetric_per_output_channel():
     assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7).all()
 
 
+def test_quantize_int4_is_asymmetric_per_group_and_packs_two_a_byte():
+    torch.manual_seed(1)
+    w = torch.randn(5, 128) + torch.linspace(-2, 2, 128)
+    packed, scales, zeros = quantize_int4(w, 32)
+    assert packed.shape == (5, 64) and scales.shape == zeros.shape == (5, 4)
+    q = unpack_int4(packed)
+    assert int(q.max()) <= 15 and (q.reshape(5, 4, 32).amax(dim=2) == 15).any()
+    dq = ((q.float().reshape(5, 4, 32) - zeros.float()[..., None]) * scales[..., None]).reshape(5, 128)
+    assert ((dq - w).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+    assert torch.equal(packed[0, 0] & 0xF, q[0, 0].to(torch.uint8)) and torch.equal(packed[0, 0] >> 4, q[0, 1])
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        quantize_int4(torch.randn(4, 96), 64)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_cpu_kernel_computes_with_the_dequantized_weight(rows, bias):
+@pytest.mark.parametrize("make", [Int8Linear, lambda lin: Int4Linear(lin, 32)], ids=["int8", "int4"])
+def test_the_cpu_kernel_computes_with_the_dequantized_weight(rows, bias, make):
     torch.manual_seed(rows)
-    linear = nn.Linear(72, 37, bias=bias)
-    layer = Int8Linear(linear)
-    x = torch.randn(rows, 72)
+    linear = nn.Linear(128, 37, bias=bias)
+    layer = make(linear)
+    x = torch.randn(rows, 128)
     reference = nn.functional.linear(x, layer.dequantized(), layer.bias)
     assert torch.allclose(layer(x), reference, rtol=1e-5, atol=1e-5)
     # a row's result does not depend on the rows beside it
     assert torch.equal(layer(x[3 % rows :][:1]), layer(x)[3 % rows][None])
 
 
-def test_unknown_methods_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match="quantization must be one of int8"):
+def test_unknown_methods_and_group_sizes_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
         LLM(quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size must be one of 32, 64, 128"):
+        LLM(quantization="int4", quantization_group_size=48)
 
 
-def _dequantized_checkpoint(src, dst):
-    """`src` with every linear weight of the decoder and the head replaced by its int8
+def _dequantized_checkpoint(src, dst, method: str = "int8", group_size: int = 32):
+    """`src` with every linear weight of the decoder and the head replaced by its
     dequantization, an untied head (pyserve quantizes the head, not the embedding)."""
     from transformers import AutoModelForCausalLM
 
@@ -59,22 +76,23 @@ def _dequantized_checkpoint(src, dst):
     with torch.no_grad():
         for m in hf.modules():
             if isinstance(m, nn.Linear):
-                q, s = quantize_int8(m.weight)
-                m.weight.copy_(q.float() * s[:, None])
+                layer = Int8Linear(m) if method == "int8" else Int4Linear(m, group_size)
+                m.weight.copy_(layer.dequantized())
     hf.save_pretrained(dst, safe_serialization=True)
     return dst
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_parity_with_transformers_on_the_dequantized_weights(arch, model_dirs, tmp_path):
-    reference = hf_greedy(_dequantized_checkpoint(model_dirs[arch], tmp_path / arch), prompts(300))
-    with LLM(str(model_dirs[arch]), quantization="int8", block_size=4, num_kv_blocks=512) as llm:
+@pytest.mark.parametrize("arch, method", [("llama", "int8"), ("qwen2", "int8"), ("llama", "int4"), ("qwen2", "int4")])
+def test_greedy_parity_with_transformers_on_the_dequantized_weights(arch, method, model_dirs, tmp_path):
+    reference = hf_greedy(_dequantized_checkpoint(model_dirs[arch], tmp_path / arch, method), prompts(300))
+    with LLM(str(model_dirs[arch]), quantization=method, quantization_group_size=32, block_size=4,
+             num_kv_blocks=512) as llm:
         outs = llm.generate(prompts(300), GREEDY, use_tqdm=False)
         stats = llm.stats()
     assert_parity([o.outputs[0].token_ids for o in outs], reference)
     with LLM(str(model_dirs[arch]), block_size=4, num_kv_blocks=512) as full:
-        assert stats["weight_bytes"] < 0.6 * full.stats()["weight_bytes"]
-    assert stats["quantization"] == "int8"
+        assert stats["weight_bytes"] < (0.6 if method == "int8" else 0.45) * full.stats()["weight_bytes"]
+    assert stats["quantization"] == method
 
 
 def test_embedded_model_int8_with_lora_and_speculation():

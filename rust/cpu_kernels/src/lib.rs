@@ -2,7 +2,8 @@
 //! calling thread or on threads the caller lends (`ForkJoin`):
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
-//! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8 weights);
+//! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
+//!   weights; `linear_q4`: 4-bit weights in groups);
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed.
 
@@ -14,6 +15,7 @@ mod layer_ops;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_avx2;
+mod linear_q4;
 mod linear_q8;
 mod lora;
 #[cfg(target_arch = "x86_64")]
@@ -26,6 +28,7 @@ pub use attention::{decode_attention, decode_attention_on, AttentionError, Decod
 pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
+pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};
 pub use linear_q8::{linear_q8, linear_q8_on, Q8Weights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};

@@ -67,8 +67,8 @@ pub fn linear_on(
 /// f32, and the output made of output o's dot product (the bias added; a quantized layer's
 /// scale applied first).
 pub(crate) trait RowWeights: Sync {
-    /// Bytes of one weight: how far the next tile's weights lie (the AVX2 half prefetches them).
-    const BYTES: usize;
+    /// Bits of one weight: how far the next tile's weights lie (the AVX2 half prefetches them).
+    const BITS: usize;
     fn fan_in(&self) -> usize;
     fn fan_out(&self) -> usize;
     fn value(&self, o: usize, j: usize) -> f32;
@@ -81,7 +81,7 @@ pub(crate) trait RowWeights: Sync {
 }
 
 impl RowWeights for LinearWeights<'_> {
-    const BYTES: usize = 4;
+    const BITS: usize = 32;
     fn fan_in(&self) -> usize {
         self.fan_in
     }

@@ -77,7 +77,7 @@ unsafe fn block<const W: usize, const X: usize, Wt: RowWeights>(
     // on their way while this tile computes.
     let next = w.row_ptr(o + W) as *const i8;
     let prefetch = r == 0;
-    let lines_per_step = (W * LANES * Wt::BYTES).div_ceil(CACHE_LINE);
+    let lines_per_step = (W * LANES * Wt::BITS / 8).div_ceil(CACHE_LINE);
     let mut line = 0;
     let mut i = 0;
     while i < body {

@@ -50,7 +50,7 @@ pub fn linear_q8_on(
 }
 
 impl RowWeights for Q8Weights<'_> {
-    const BYTES: usize = 1;
+    const BITS: usize = 8;
     fn fan_in(&self) -> usize {
         self.fan_in
     }

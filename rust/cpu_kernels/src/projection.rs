@@ -1,13 +1,16 @@
-//! A projection of a layer as it is stored: f32 weights (`linear`) or int8 weights with one
-//! scale per output channel (`linear_q8`). The decoder layer runs either kind.
+//! A projection of a layer as it is stored: f32 weights (`linear`), int8 weights with one scale
+//! per output channel (`linear_q8`), or 4-bit weights in groups (`linear_q4`). The decoder layer
+//! runs any kind.
 
 use crate::linear::{linear_on, LinearError, LinearWeights};
+use crate::linear_q4::{linear_q4_on, Q4Weights};
 use crate::linear_q8::{linear_q8_on, Q8Weights};
 use crate::parallel::ForkJoin;
 
 pub enum Projection<'a> {
     F32(LinearWeights<'a>),
     Q8(Q8Weights<'a>),
+    Q4(Q4Weights<'a>),
 }
 
 impl Projection<'_> {
@@ -15,6 +18,7 @@ impl Projection<'_> {
         match self {
             Projection::F32(w) => w.fan_in,
             Projection::Q8(w) => w.fan_in,
+            Projection::Q4(w) => w.fan_in,
         }
     }
 
@@ -22,6 +26,7 @@ impl Projection<'_> {
         match self {
             Projection::F32(w) => w.fan_out,
             Projection::Q8(w) => w.fan_out,
+            Projection::Q4(w) => w.fan_out,
         }
     }
 }
@@ -36,5 +41,6 @@ pub fn project_on(
     match p {
         Projection::F32(w) => linear_on(pool, x, w, y),
         Projection::Q8(w) => linear_q8_on(pool, x, w, y),
+        Projection::Q4(w) => linear_q4_on(pool, x, w, y),
     }
 }

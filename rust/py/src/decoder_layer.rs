@@ -8,15 +8,24 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyserve_cpu_kernels::{
-    decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, Projection, Q8Weights, RowLayout,
+    decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, Projection, Q4Weights, Q8Weights,
+    RowLayout,
 };
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
 
-/// A projection as Python passes it: (weight f32, bias) or (weight int8, scales, bias).
+/// A projection as Python passes it: (weight f32, bias), (weight int8, scales, bias) or
+/// (packed u8, scales, offsets, group, bias).
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
+    Q4(
+        PyReadonlyArray2<'py, u8>,
+        PyReadonlyArray2<'py, f32>,
+        PyReadonlyArray2<'py, f32>,
+        usize,
+        Option<PyReadonlyArray1<'py, f32>>,
+    ),
     Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
 }
@@ -28,6 +37,15 @@ fn projection<'a>(name: &str, w: &'a Weight<'_>) -> PyResult<Projection<'a>> {
             bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
             fan_in: weight.shape()[1],
             fan_out: weight.shape()[0],
+        }),
+        Weight::Q4(packed, scales, offsets, group, bias) => Projection::Q4(Q4Weights {
+            packed: contiguous(name, packed)?,
+            scales: contiguous(name, scales)?,
+            offsets: contiguous(name, offsets)?,
+            group: *group,
+            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
+            fan_in: packed.shape()[1] * 2,
+            fan_out: packed.shape()[0],
         }),
         Weight::Q8(weight, scales, bias) => Projection::Q8(Q8Weights {
             weight: contiguous(name, weight)?,

@@ -24,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(lora::lora_add, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear_q8, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::linear_q4, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;

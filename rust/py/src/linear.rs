@@ -4,7 +4,7 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{linear_on, linear_q8_on, LinearWeights, Q8Weights};
+use pyserve_cpu_kernels::{linear_on, linear_q4_on, linear_q8_on, LinearWeights, Q4Weights, Q8Weights};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
@@ -61,6 +61,41 @@ pub fn linear_q8(
     let x = contiguous("x", &x)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| openmp::on_team(threads, |pool| linear_q8_on(pool, x, &weights, out)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` with
+/// 4-bit weights, `packed` [fan_out, fan_in / 2] u8 (two a byte, the even one low), dequantized
+/// as q * scales + offsets per row and group of `group` inputs (scales, offsets [fan_out,
+/// fan_in / group] f32).
+#[pyfunction]
+#[pyo3(signature = (x, packed, scales, offsets, group, bias, out, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_q4(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    packed: PyReadonlyArray2<'_, u8>,
+    scales: PyReadonlyArray2<'_, f32>,
+    offsets: PyReadonlyArray2<'_, f32>,
+    group: usize,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    let (fan_out, fan_in) = (packed.shape()[0], packed.shape()[1] * 2);
+    check_shapes(x.shape(), out.shape(), &[fan_out, fan_in])?;
+    let weights = Q4Weights {
+        packed: contiguous("packed", &packed)?,
+        scales: contiguous("scales", &scales)?,
+        offsets: contiguous("offsets", &offsets)?,
+        group,
+        bias: bias.as_ref().map(|b| contiguous("bias", b)).transpose()?,
+        fan_in,
+        fan_out,
+    };
+    let x = contiguous("x", &x)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| openmp::on_team(threads, |pool| linear_q4_on(pool, x, &weights, out)))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
