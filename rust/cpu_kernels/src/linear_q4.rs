@@ -33,8 +33,10 @@ pub fn linear_q4_on(
     y: &mut [f32],
 ) -> Result<(), LinearError> {
     let (k, n, g) = (weights.fan_in, weights.fan_out, weights.group);
-    if g == 0 || g % 8 != 0 || k % g != 0 {
-        return Err(LinearError::new(format!("group: {g} must be a multiple of 8 dividing fan_in {k}")));
+    if g < 8 || !g.is_power_of_two() || k % g != 0 {
+        return Err(LinearError::new(format!(
+            "group: {g} must be a power of two of at least 8 dividing fan_in {k}"
+        )));
     }
     if weights.packed.len() != n * k / 2 {
         return Err(LinearError::new(format!(
@@ -57,9 +59,12 @@ pub fn linear_q4_on(
 }
 
 impl Q4Weights<'_> {
+    /// The (scale, offset) index of weight (o, j); `group` is a power of two (checked), so no
+    /// division runs per weight.
     #[inline(always)]
     fn group_of(&self, o: usize, j: usize) -> usize {
-        o * (self.fan_in / self.group) + j / self.group
+        let shift = self.group.trailing_zeros();
+        (o * self.fan_in + j) >> shift
     }
 }
 
@@ -120,7 +125,9 @@ mod tests {
 
     #[test]
     fn matches_a_float64_reference_of_the_dequantized_weight() {
-        for (rows, k, n, group) in [(1, 64, 4, 32), (3, 128, 9, 64), (2, 256, 130, 128), (17, 64, 7, 8)] {
+        for (rows, k, n, group) in
+            [(1, 64, 4, 32), (3, 128, 9, 64), (2, 256, 130, 128), (17, 64, 7, 8), (2, 96, 5, 32)]
+        {
             let groups = k / group;
             let (x, q, b) = (values(rows * k, 1), nibbles(n * k, 2), values(n, 3));
             let (scales, offsets) = (values(n * groups, 4), values(n * groups, 5));
@@ -192,6 +199,7 @@ mod tests {
         };
         let err = |w: &Q4Weights<'_>| linear_q4(&[0.0; 64], w, &mut [0.0; 3]).unwrap_err().to_string();
         assert!(err(&Q4Weights { group: 48, ..ok }).starts_with("group:"));
+        assert!(err(&Q4Weights { group: 4, ..ok }).starts_with("group:"));
         assert!(err(&Q4Weights { packed: &packed[..95], ..ok }).starts_with("packed:"));
         assert!(err(&Q4Weights { scales: &s[..5], ..ok }).starts_with("scales:"));
         assert!(err(&Q4Weights { offsets: &s[..5], ..ok }).starts_with("offsets:"));
