@@ -51,16 +51,7 @@ pub fn linear_on(
     weights: &LinearWeights<'_>,
     y: &mut [f32],
 ) -> Result<(), LinearError> {
-    let (k, n) = (weights.fan_in, weights.fan_out);
-    if k == 0 || weights.weight.len() != n * k {
-        return Err(LinearError(format!(
-            "weight: {} values for [fan_out {n}, fan_in {k}]",
-            weights.weight.len()
-        )));
-    }
-    check_rows(x, k, n, weights.bias, y)?;
-    run_rows(pool, x, weights, y);
-    Ok(())
+    run_checked(pool, x, weights, y)
 }
 
 /// What the kernel needs of a layer's weights, whatever they are stored as: weight (o, j) as
@@ -71,6 +62,9 @@ pub(crate) trait RowWeights: Sync {
     const BITS: usize;
     fn fan_in(&self) -> usize;
     fn fan_out(&self) -> usize;
+    fn bias(&self) -> Option<&[f32]>;
+    /// Whether the stored arrays have the sizes fan_in and fan_out say (the error names one).
+    fn check(&self) -> Result<(), LinearError>;
     fn value(&self, o: usize, j: usize) -> f32;
     fn finish(&self, o: usize, dot: f32) -> f32;
     /// Where row o's weights begin.
@@ -87,6 +81,19 @@ impl RowWeights for LinearWeights<'_> {
     }
     fn fan_out(&self) -> usize {
         self.fan_out
+    }
+    fn bias(&self) -> Option<&[f32]> {
+        self.bias
+    }
+    fn check(&self) -> Result<(), LinearError> {
+        let (k, n) = (self.fan_in, self.fan_out);
+        if k == 0 || self.weight.len() != n * k {
+            return Err(LinearError(format!(
+                "weight: {} values for [fan_out {n}, fan_in {k}]",
+                self.weight.len()
+            )));
+        }
+        Ok(())
     }
     #[inline(always)]
     fn value(&self, o: usize, j: usize) -> f32 {
@@ -107,14 +114,21 @@ impl RowWeights for LinearWeights<'_> {
     }
 }
 
-/// Checks the shapes of the step's arrays against fan_in `k` and fan_out `n`; returns the rows.
-pub(crate) fn check_rows(
+/// `y = x W^T + bias` once the weights' arrays and the step's (x, y, bias) are checked.
+pub(crate) fn run_checked<W: RowWeights>(
+    pool: &dyn ForkJoin,
     x: &[f32],
-    k: usize,
-    n: usize,
-    bias: Option<&[f32]>,
-    y: &[f32],
-) -> Result<usize, LinearError> {
+    weights: &W,
+    y: &mut [f32],
+) -> Result<(), LinearError> {
+    weights.check()?;
+    check_rows(x, weights.fan_in(), weights.fan_out(), weights.bias(), y)?;
+    run_rows(pool, x, weights, y);
+    Ok(())
+}
+
+/// Checks the shapes of the step's arrays against fan_in `k` and fan_out `n`; returns the rows.
+fn check_rows(x: &[f32], k: usize, n: usize, bias: Option<&[f32]>, y: &[f32]) -> Result<usize, LinearError> {
     if let Some(b) = bias.filter(|b| b.len() != n) {
         return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
     }
@@ -133,7 +147,7 @@ pub(crate) fn check_rows(
 pub const CHUNK_ROWS: usize = 16;
 
 /// `y = x W^T` through the kernel, for shapes already checked.
-pub(crate) fn run_rows<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], weights: &W, y: &mut [f32]) {
+fn run_rows<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], weights: &W, y: &mut [f32]) {
     let (k, n) = (weights.fan_in(), weights.fan_out());
     for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         run_chunk(pool, xs, xs.len() / k, weights, ys);

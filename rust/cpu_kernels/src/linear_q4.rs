@@ -6,7 +6,7 @@
 //! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f32, `x [rows, fan_in]`,
 //! `bias [fan_out]`, `y [rows, fan_out]` f32. `group` is a multiple of 8 dividing fan_in.
 
-use crate::linear::{check_rows, run_rows, LinearError, RowWeights};
+use crate::linear::{run_checked, LinearError, RowWeights};
 use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One 4-bit linear layer's parameters.
@@ -32,30 +32,7 @@ pub fn linear_q4_on(
     weights: &Q4Weights<'_>,
     y: &mut [f32],
 ) -> Result<(), LinearError> {
-    let (k, n, g) = (weights.fan_in, weights.fan_out, weights.group);
-    if g < 8 || !g.is_power_of_two() || k % g != 0 {
-        return Err(LinearError::new(format!(
-            "group: {g} must be a power of two of at least 8 dividing fan_in {k}"
-        )));
-    }
-    if weights.packed.len() != n * k / 2 {
-        return Err(LinearError::new(format!(
-            "packed: {} bytes for [fan_out {n}, fan_in {k}] at two weights a byte",
-            weights.packed.len()
-        )));
-    }
-    for (name, v) in [("scales", weights.scales), ("offsets", weights.offsets)] {
-        if v.len() != n * (k / g) {
-            return Err(LinearError::new(format!(
-                "{name}: {} values for [fan_out {n}, {} groups]",
-                v.len(),
-                k / g
-            )));
-        }
-    }
-    check_rows(x, k, n, weights.bias, y)?;
-    run_rows(pool, x, weights, y);
-    Ok(())
+    run_checked(pool, x, weights, y)
 }
 
 impl Q4Weights<'_> {
@@ -75,6 +52,33 @@ impl RowWeights for Q4Weights<'_> {
     }
     fn fan_out(&self) -> usize {
         self.fan_out
+    }
+    fn bias(&self) -> Option<&[f32]> {
+        self.bias
+    }
+    fn check(&self) -> Result<(), LinearError> {
+        let (k, n, g) = (self.fan_in, self.fan_out, self.group);
+        if g < 8 || !g.is_power_of_two() || k % g != 0 {
+            return Err(LinearError::new(format!(
+                "group: {g} must be a power of two of at least 8 dividing fan_in {k}"
+            )));
+        }
+        if self.packed.len() != n * k / 2 {
+            return Err(LinearError::new(format!(
+                "packed: {} bytes for [fan_out {n}, fan_in {k}] at two weights a byte",
+                self.packed.len()
+            )));
+        }
+        for (name, v) in [("scales", self.scales), ("offsets", self.offsets)] {
+            if v.len() != n * (k / g) {
+                return Err(LinearError::new(format!(
+                    "{name}: {} values for [fan_out {n}, {} groups]",
+                    v.len(),
+                    k / g
+                )));
+            }
+        }
+        Ok(())
     }
     #[inline(always)]
     fn value(&self, o: usize, j: usize) -> f32 {

@@ -10,7 +10,7 @@
 //! Layouts (row-major): `x [rows, fan_in]` f32, `weight [fan_out, fan_in]` i8, `scales
 //! [fan_out]` f32, `bias [fan_out]` f32, `y [rows, fan_out]` f32.
 
-use crate::linear::{check_rows, run_rows, LinearError, RowWeights};
+use crate::linear::{run_checked, LinearError, RowWeights};
 use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One int8 linear layer's parameters.
@@ -34,19 +34,7 @@ pub fn linear_q8_on(
     weights: &Q8Weights<'_>,
     y: &mut [f32],
 ) -> Result<(), LinearError> {
-    let (k, n) = (weights.fan_in, weights.fan_out);
-    if k == 0 || weights.weight.len() != n * k {
-        return Err(LinearError::new(format!(
-            "weight: {} values for [fan_out {n}, fan_in {k}]",
-            weights.weight.len()
-        )));
-    }
-    if weights.scales.len() != n {
-        return Err(LinearError::new(format!("scales: {} values for fan_out {n}", weights.scales.len())));
-    }
-    check_rows(x, k, n, weights.bias, y)?;
-    run_rows(pool, x, weights, y);
-    Ok(())
+    run_checked(pool, x, weights, y)
 }
 
 impl RowWeights for Q8Weights<'_> {
@@ -56,6 +44,22 @@ impl RowWeights for Q8Weights<'_> {
     }
     fn fan_out(&self) -> usize {
         self.fan_out
+    }
+    fn bias(&self) -> Option<&[f32]> {
+        self.bias
+    }
+    fn check(&self) -> Result<(), LinearError> {
+        let (k, n) = (self.fan_in, self.fan_out);
+        if k == 0 || self.weight.len() != n * k {
+            return Err(LinearError::new(format!(
+                "weight: {} values for [fan_out {n}, fan_in {k}]",
+                self.weight.len()
+            )));
+        }
+        if self.scales.len() != n {
+            return Err(LinearError::new(format!("scales: {} values for fan_out {n}", self.scales.len())));
+        }
+        Ok(())
     }
     #[inline(always)]
     fn value(&self, o: usize, j: usize) -> f32 {

@@ -7,59 +7,15 @@ use numpy::{
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{
-    decoder_layer_on, Heads, LayerWeights, LinearWeights, PagedCacheMut, Projection, Q4Weights, Q8Weights,
-    RowLayout,
-};
+use pyserve_cpu_kernels::{decoder_layer_on, Heads, LayerWeights, PagedCacheMut, RowLayout};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
-
-/// A projection as Python passes it: (weight f32, bias), (weight int8, scales, bias) or
-/// (packed u8, scales, offsets, group, bias).
-#[derive(FromPyObject)]
-pub enum Weight<'py> {
-    Q4(
-        PyReadonlyArray2<'py, u8>,
-        PyReadonlyArray2<'py, f32>,
-        PyReadonlyArray2<'py, f32>,
-        usize,
-        Option<PyReadonlyArray1<'py, f32>>,
-    ),
-    Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
-    F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
-}
-
-fn projection<'a>(name: &str, w: &'a Weight<'_>) -> PyResult<Projection<'a>> {
-    Ok(match w {
-        Weight::F32(weight, bias) => Projection::F32(LinearWeights {
-            weight: contiguous(name, weight)?,
-            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
-            fan_in: weight.shape()[1],
-            fan_out: weight.shape()[0],
-        }),
-        Weight::Q4(packed, scales, offsets, group, bias) => Projection::Q4(Q4Weights {
-            packed: contiguous(name, packed)?,
-            scales: contiguous(name, scales)?,
-            offsets: contiguous(name, offsets)?,
-            group: *group,
-            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
-            fan_in: packed.shape()[1] * 2,
-            fan_out: packed.shape()[0],
-        }),
-        Weight::Q8(weight, scales, bias) => Projection::Q8(Q8Weights {
-            weight: contiguous(name, weight)?,
-            scales: contiguous(name, scales)?,
-            bias: bias.as_ref().map(|b| contiguous(name, b)).transpose()?,
-            fan_in: weight.shape()[1],
-            fan_out: weight.shape()[0],
-        }),
-    })
-}
+use crate::projection::{projection, Weight};
 
 /// x [rows, hidden] f32 (the residual stream) updated in place by the layer. Linear layers come
-/// as (weight [fan_out, fan_in] f32, bias [fan_out] or None) or, quantized, (weight int8,
-/// scales [fan_out] f32, bias or None); `qkv` has q's then k's then v's outputs
+/// as (weight [fan_out, fan_in] f32, bias [fan_out] or None) or quantized (`Weight`: int8 or
+/// 4-bit); `qkv` has q's then k's then v's outputs
 /// and `gate_up` gate's then up's. k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
 /// per row: slots [rows] int64, block_tables [rows, width] int32, seq_lens [rows] int32 (keys
 /// with the row's own), cos, sin [rows, head_dim]. ValueError names what is at fault. With
@@ -100,11 +56,11 @@ pub fn decoder_layer(
     }
     let weights = LayerWeights {
         input_norm: contiguous("input_norm", &input_norm)?,
-        qkv: projection("qkv", &qkv)?,
-        o: projection("o", &o)?,
+        qkv: projection(&qkv, Some("qkv"))?,
+        o: projection(&o, Some("o"))?,
         post_norm: contiguous("post_norm", &post_norm)?,
-        gate_up: projection("gate_up", &gate_up)?,
-        down: projection("down", &down)?,
+        gate_up: projection(&gate_up, Some("gate_up"))?,
+        down: projection(&down, Some("down"))?,
         eps,
     };
     let rows = RowLayout {

@@ -12,6 +12,7 @@ mod linear;
 mod lora;
 mod openmp;
 mod output;
+mod projection;
 mod scheduler;
 
 #[pymodule]

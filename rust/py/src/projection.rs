@@ -1,0 +1,67 @@
+//! A layer's projection as Python passes it, and its kernel view (`pyserve_cpu_kernels::Projection`):
+//! shared by the `linear*` functions and by `decoder_layer`.
+
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights};
+
+use crate::arrays::contiguous;
+
+/// (weight f32, bias), (weight int8, scales, bias) or (packed u8, scales, offsets, group, bias).
+#[derive(FromPyObject)]
+pub enum Weight<'py> {
+    Q4(
+        PyReadonlyArray2<'py, u8>,
+        PyReadonlyArray2<'py, f32>,
+        PyReadonlyArray2<'py, f32>,
+        usize,
+        Option<PyReadonlyArray1<'py, f32>>,
+    ),
+    Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
+    F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
+}
+
+impl Weight<'_> {
+    /// [fan_out, fan_in] (a packed 4-bit row holds two weights a byte).
+    pub fn shape(&self) -> [usize; 2] {
+        match self {
+            Weight::F32(w, _) => [w.shape()[0], w.shape()[1]],
+            Weight::Q8(w, _, _) => [w.shape()[0], w.shape()[1]],
+            Weight::Q4(p, _, _, _, _) => [p.shape()[0], p.shape()[1] * 2],
+        }
+    }
+}
+
+/// The kernel's view of `w` (no copies). An array that is not C-contiguous is named `name` when
+/// given (a layer's projection: "qkv"), else by its own role ("weight", "scales", "bias", ...).
+pub fn projection<'a>(w: &'a Weight<'_>, name: Option<&str>) -> PyResult<Projection<'a>> {
+    let named = |role: &'static str| name.unwrap_or(role).to_owned();
+    let bias = |b: &'a Option<PyReadonlyArray1<'_, f32>>| {
+        b.as_ref().map(|b| contiguous(&named("bias"), b)).transpose()
+    };
+    let [fan_out, fan_in] = w.shape();
+    Ok(match w {
+        Weight::F32(weight, b) => Projection::F32(LinearWeights {
+            weight: contiguous(&named("weight"), weight)?,
+            bias: bias(b)?,
+            fan_in,
+            fan_out,
+        }),
+        Weight::Q8(weight, scales, b) => Projection::Q8(Q8Weights {
+            weight: contiguous(&named("weight"), weight)?,
+            scales: contiguous(&named("scales"), scales)?,
+            bias: bias(b)?,
+            fan_in,
+            fan_out,
+        }),
+        Weight::Q4(packed, scales, offsets, group, b) => Projection::Q4(Q4Weights {
+            packed: contiguous(&named("packed"), packed)?,
+            scales: contiguous(&named("scales"), scales)?,
+            offsets: contiguous(&named("offsets"), offsets)?,
+            group: *group,
+            bias: bias(b)?,
+            fan_in,
+            fan_out,
+        }),
+    })
+}
