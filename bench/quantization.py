@@ -69,7 +69,7 @@ def quality(max_chars: int) -> dict[str, dict[str, float]]:
         with torch.no_grad():
             for lin in m.modules():
                 if isinstance(lin, torch.nn.Linear):
-                    layer = Int8Linear(lin) if method == "int8" else Int4Linear(lin, 64)
+                    layer = Int8Linear.from_linear(lin) if method == "int8" else Int4Linear.from_linear(lin, 64)
                     lin.weight.copy_(layer.dequantized())
         models[method] = m
     window = 1024

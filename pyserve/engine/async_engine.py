@@ -280,7 +280,7 @@ class AsyncEngine:
         """The EngineCore's counters and gauges, and the served weights: their bytes and the
         quantization method ("none" for full precision)."""
         return {**self.engine_core.stats(), "weight_bytes": self.worker.weight_bytes,
-                "quantization": self.config.quantization or "none"}
+                "quantization": self.worker.quantization or "none"}
 
     def health(self) -> EngineHealth:
         if self.system.error is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref, segments
 from pyserve.lora.adapter import TARGETS, LoraAdapter
+from pyserve.model.quantized_linear import QUANTIZED
 
 
 @dataclass(slots=True)
@@ -28,19 +29,22 @@ class LoraBatch:
 class LoraLinear(nn.Module):
     """A base projection plus the LoRA delta of each token's slot."""
 
-    def __init__(self, base: nn.Linear, num_slots: int, max_rank: int, batch: LoraBatch, use_triton: bool):
+    def __init__(self, base: nn.Module, num_slots: int, max_rank: int, batch: LoraBatch, use_triton: bool,
+                 dtype: torch.dtype, device: torch.device):
+        """`base`: an nn.Linear, or a quantized layer (a pre-quantized checkpoint's); the adapters
+        are kept in the serving `dtype`."""
         super().__init__()
         self.base = base
-        w = base.weight  # the full-precision base: LoRA wraps projections before any quantization
-        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, w.shape[1], dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, dtype=w.dtype, device=w.device))
-        self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=w.device))
-        self.register_buffer("ranks", torch.zeros(num_slots, dtype=torch.int32, device=w.device))  # 0: no delta
+        n, k = base.out_features, base.in_features
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, k, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, n, max_rank, dtype=dtype, device=device))
+        self.register_buffer("scaling", torch.zeros(num_slots, dtype=torch.float32, device=device))
+        self.register_buffer("ranks", torch.zeros(num_slots, dtype=torch.int32, device=device))  # 0: no delta
         self.use_triton = use_triton
-        self.use_cpu_kernel = not use_triton and w.device.type == "cpu" and w.dtype == torch.float32
+        self.use_cpu_kernel = not use_triton and torch.device(device).type == "cpu" and dtype == torch.float32
         # The CPU kernel's layout: each slot's B transposed and scaled.
-        b_shape = (num_slots, max_rank, w.shape[0]) if self.use_cpu_kernel else (0, 0, 0)
-        self.register_buffer("b_scaled", torch.zeros(b_shape, dtype=w.dtype, device=w.device))
+        b_shape = (num_slots, max_rank, n) if self.use_cpu_kernel else (0, 0, 0)
+        self.register_buffer("b_scaled", torch.zeros(b_shape, dtype=dtype, device=device))
         self.batch = batch
 
     def slot_written(self, slot: int) -> None:
@@ -64,12 +68,14 @@ class LoraSlots:
         self.num_slots = num_slots
         self.batch = LoraBatch()
         self.layers: list[dict[str, LoraLinear]] = []
+        embedding = model.model.embed_tokens.weight  # the serving dtype and device
         for layer in model.model.layers:
             mods = {}
             for parent in (layer.self_attn, layer.mlp):
                 for name in TARGETS:
-                    if isinstance(getattr(parent, name, None), nn.Linear):
-                        wrapped = LoraLinear(getattr(parent, name), num_slots, max_rank, self.batch, use_triton)
+                    if isinstance(getattr(parent, name, None), (nn.Linear, *QUANTIZED)):
+                        wrapped = LoraLinear(getattr(parent, name), num_slots, max_rank, self.batch, use_triton,
+                                             embedding.dtype, embedding.device)
                         setattr(parent, name, wrapped)
                         mods[name] = wrapped
             self.layers.append(mods)

@@ -16,6 +16,7 @@ from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS, CpuLinear
 from pyserve.model.quantized_linear import QUANTIZED
+from pyserve.model.quantized_linear import concatenated as quantized_concatenated
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -54,9 +55,10 @@ class Attention(nn.Module):
         """Replaces q/k/v_proj by one projection of their concatenated weights: fewer ops per
         step, and on the CPUs measured the same bits per output. LoRA wraps the separate
         projections: never both."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_proj = _concatenated(parts)
-        del self.q_proj, self.k_proj, self.v_proj
+        fused = _concatenated((self.q_proj, self.k_proj, self.v_proj))
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -101,8 +103,10 @@ class MLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """gate_proj and up_proj as one projection (see Attention.fuse_projections)."""
-        self.gate_up_proj = _concatenated((self.gate_proj, self.up_proj))
-        del self.gate_proj, self.up_proj
+        fused = _concatenated((self.gate_proj, self.up_proj))
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if self.gate_up_proj is not None and fused:
@@ -114,9 +118,12 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
-def _concatenated(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+def _concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """One Linear whose outputs are those of `parts`, in order (built on `meta`, then given the
-    concatenated tensors: no second copy of the weights is ever allocated)."""
+    concatenated tensors: no second copy of the weights is ever allocated); for layers of a
+    pre-quantized checkpoint one quantized layer, or None where theirs cannot be joined."""
+    if not all(isinstance(p, nn.Linear) for p in parts):
+        return quantized_concatenated(parts) if all(isinstance(p, QUANTIZED) for p in parts) else None
     with torch.no_grad():
         weight = torch.cat([p.weight for p in parts])
         bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
@@ -144,8 +151,11 @@ class DecoderLayer(nn.Module):
         if attn.qk_norm or not all(isinstance(p, CpuLinear) or (isinstance(p, QUANTIZED) and p.cpu)
                                    for p in projections):
             return False
-        qkv, o, gate_up, down = (p.kernel_weights() if isinstance(p, QUANTIZED) else (p.weight_view, p.bias_view)
-                                 for p in projections)
+        weights = [p.kernel_weights() if isinstance(p, QUANTIZED) else (p.weight_view, p.bias_view)
+                   for p in projections]
+        if any(w is None for w in weights):
+            return False
+        qkv, o, gate_up, down = weights
         self.kernel_weights = (self.input_layernorm.weight_view, qkv, o, self.post_attention_layernorm.weight_view,
                                gate_up, down, self.input_layernorm.eps)
         return self.input_layernorm.eps == self.post_attention_layernorm.eps
@@ -183,6 +193,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cpu_ops = False  # set by use_cpu_ops
         self.layer_kernel = False  # every layer can run as one kernel call (use_cpu_ops)
+        self.checkpoint_quantization: str | None = None  # a pre-quantized checkpoint's method (the loader's)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -19,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from pyserve.model.config import ModelConfig
 from pyserve.model.decoder import CausalLM
+from pyserve.model.errors import WeightsError
+from pyserve.model.prequantized import checkpoint_quantization
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # What the layers' reset_parameters call to fill a new tensor in place (nn.init's functions reach a
@@ -27,10 +29,6 @@ _INIT_CALLS = {nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_,
                torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_}
 
 log = structlog.get_logger("pyserve.model")
-
-
-class WeightsError(ValueError):
-    """The model directory has no usable safetensors weights."""
 
 
 class _SkipInit(TorchFunctionMode):
@@ -80,7 +78,9 @@ def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> CausalLM:
     """Builds the model on `device` with every parameter taken from the checkpoint, strictly: a
-    missing or unexpected tensor, or a shape mismatch, is an error naming it. Logs
+    missing or unexpected tensor, or a shape mismatch, is an error naming it. The linear layers of a
+    pre-quantized checkpoint (`quantization_config`: model/prequantized) are read into pyserve's
+    quantized layers and the method is kept as `model.checkpoint_quantization`. Logs
     `weights_loaded` (tensors, bytes, seconds, GB/s, how many were used in place) where structlog
     is configured.
 
@@ -94,6 +94,8 @@ def load_model(
         for name, buf in module.named_buffers(recurse=False):  # NOTE: not to_empty: see _SkipInit
             setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
     params = dict(model.named_parameters(remove_duplicate=False))
+    quantized = checkpoint_quantization(cfg.raw)
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # quantized layer -> its tensors, by suffix
     loaded: set[str] = set()
     unexpected = []
     num_tensors = num_bytes = in_place = 0
@@ -101,6 +103,11 @@ def load_model(
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a cached buffer some exporters keep
         param = params.get(name)
+        if param is None and quantized is not None and quantized.owns(name):
+            owner, _, leaf = name.rpartition(".")
+            packed.setdefault(owner, {})[leaf] = tensor
+            num_tensors, num_bytes = num_tensors + 1, num_bytes + tensor.nbytes
+            continue
         if param is None:
             unexpected.append(name)
             continue
@@ -111,6 +118,14 @@ def load_model(
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=param.requires_grad))
         loaded.add(name)
+    for owner, tensors in packed.items():  # after the loop: a layer's bias may come after its packed tensors
+        linear = model.get_submodule(owner) if f"{owner}.weight" in params else None
+        if not isinstance(linear, nn.Linear):
+            unexpected.extend(f"{owner}.{leaf}" for leaf in tensors)
+            continue
+        parent, _, child = owner.rpartition(".")
+        setattr(model.get_submodule(parent), child, quantized.layer(owner, tensors, linear, dtype, device))
+        loaded.add(f"{owner}.weight")
     if unexpected:
         raise WeightsError(f"checkpoint has tensors this architecture does not use: {', '.join(unexpected[:8])}")
     if cfg.tie_word_embeddings:  # the head is the input embedding, whatever the checkpoint holds
@@ -120,6 +135,7 @@ def load_model(
     if missing:
         raise WeightsError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
     model.model.rotary.reset()
+    model.checkpoint_quantization = None if quantized is None else quantized.method
     seconds = time.perf_counter() - start
     if structlog.is_configured():  # by the server (pyserve.logs); an offline LLM's stdout stays clean
         log.info("weights_loaded", path=str(model_dir), tensors=num_tensors, bytes=num_bytes, in_place=in_place,

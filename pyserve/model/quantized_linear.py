@@ -8,14 +8,17 @@ the weights per 16 rows), and a decoder layer whose projections are all quantize
 runs whole in `_core.decoder_layer`. torch's own int8 CPU matmul (`_weight_int8pack_mm`) was
 measured beside it on this machine's AMD EPYC, 2 threads, a [5632, 1024] weight: 5.4 ms at one
 row against 0.31 ms, 129 ms at 32 rows against 4.6 ms (the f32 weight on oneDNN: 2.1 and 5.5 ms),
-so it is not used. Elsewhere (CUDA, half precision) the layer computes with its dequantized
-weight, the reference the kernels are tested against.
+so it is not used. Elsewhere (CUDA, half precision) the layer computes with its weight
+dequantized in the input's dtype, the reference the kernels are tested against.
+
+The layers are built from their quantized tensors: `from_linear` quantizes a full-precision
+layer at load, model/prequantized reads a quantized checkpoint's.
 
 int8: q = round(w / s) clamped to [-127, 127] with s = max |w| / 127 per output row; the layer
 computes (x q^T) * s + bias, i.e. x (q * s)^T + bias. int4: per row and group, s = (max - min) /
 15, zero z = round(-min / s) in [0, 15], q = round(w / s) + z clamped to [0, 15], w ~ (q - z) * s;
-the kernel computes with q * s + offset, offset = -z * s (`_core.linear_q4`). `dequantized()` is
-what a layer multiplies by, in both cases.
+the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear_q4`).
+`dequantized()` is what a layer multiplies by, in both cases.
 """
 
 from __future__ import annotations
@@ -66,59 +69,79 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """`linear` with its weight in 4 bits, a scale and zero point per group (its bias kept)."""
+    """A linear layer with 4-bit weights, a scale and an offset per group of `group_size` inputs:
+    weight (o, j) = q * scale + offset. `input_order` (act-order checkpoints): the layer's
+    columns are stored in this order of its inputs, so that each group is contiguous; x is
+    gathered into it first."""
 
-    def __init__(self, linear: nn.Linear, group_size: int):
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None, input_order: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
-        packed, scales, zeros = quantize_int4(linear.weight, group_size)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
-        self.register_buffer("offsets", (-zeros.float() * scales).contiguous())  # the kernel's form of the zeros
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
+        self.group_size = group_size
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("offsets", offsets.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.register_buffer("input_order", input_order)
         self.cpu = packed.device.type == "cpu"
         if self.cpu:
-            self.views = (packed.numpy(), scales.numpy(), self.offsets.numpy(), group_size,
+            self.views = (self.packed.numpy(), self.scales.numpy(), self.offsets.numpy(), group_size,
                           None if self.bias is None else self.bias.numpy())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        packed, scales, zeros = quantize_int4(linear.weight, group_size)
+        return cls(packed, scales, -zeros.float() * scales, group_size, linear.bias)
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + 4 * self.scales.numel() + self.zeros.numel()
+        return self.packed.numel() + 4 * (self.scales.numel() + self.offsets.numel())
 
     def dequantized(self) -> torch.Tensor:
+        """The weight [out, in], its columns in input order."""
         q = unpack_int4(self.packed).float().reshape(self.out_features, -1, self.group_size)
-        w = (q - self.zeros.float()[..., None]) * self.scales[..., None]
-        return w.reshape(self.out_features, self.in_features)
+        w = (q * self.scales[..., None] + self.offsets[..., None]).reshape(self.out_features, self.in_features)
+        if self.input_order is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.input_order, w)
 
-    def kernel_weights(self) -> tuple:
-        """The layer as `_core.decoder_layer` takes a 4-bit projection."""
-        return self.views
+    def kernel_weights(self) -> tuple | None:
+        """The layer as `_core.decoder_layer` takes a 4-bit projection (None: its inputs are
+        gathered first, which the layer kernel does not do)."""
+        return self.views if self.input_order is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if self.cpu and x.dtype == torch.float32:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             packed, scales, offsets, group, bias = self.views
             _core.linear_q4(x.contiguous().numpy(), packed, scales, offsets, group, bias, out.numpy(),
                             threads=torch.get_num_threads())
             return out
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        w = unpack_int4(self.packed).to(x.dtype).reshape(self.out_features, -1, self.group_size)
+        w = (w * self.scales[..., None].to(x.dtype) + self.offsets[..., None].to(x.dtype)).flatten(1)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 class Int8Linear(nn.Module):
-    """`linear` with its weight quantized (its bias kept as it is)."""
+    """A linear layer with int8 weights, one scale per output channel: y = (x q^T) * s + bias."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scales = quantize_int8(linear.weight)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
-        self.cpu = q.device.type == "cpu"
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.cpu = qweight.device.type == "cpu"
         if self.cpu:  # numpy views for the kernel (no copies)
-            self.q_view, self.scales_view = q.numpy(), scales.numpy()
+            self.q_view, self.scales_view = self.qweight.numpy(), self.scales.numpy()
             self.bias_view = None if self.bias is None else self.bias.numpy()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(*quantize_int8(linear.weight), linear.bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -137,7 +160,8 @@ class Int8Linear(nn.Module):
             _core.linear_q8(x.contiguous().numpy(), self.q_view, self.scales_view, self.bias_view, out.numpy(),
                             threads=torch.get_num_threads())
             return out
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
 QUANTIZED = (Int8Linear, Int4Linear)
@@ -150,8 +174,28 @@ def quantize_linears(model: nn.Module, method: str, group_size: int = 64) -> int
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child) if method == "int8" else Int4Linear(child, group_size))
+        setattr(parent, name, Int8Linear.from_linear(child) if method == "int8"
+                else Int4Linear.from_linear(child, group_size))
     return len(targets)
+
+
+def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+    """One quantized layer whose outputs are those of `parts` (quantized layers of one kind over
+    the same inputs) in order, or None where they cannot be joined (kinds, groups or input
+    orders differ)."""
+    first = parts[0]
+    if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+    if isinstance(first, Int8Linear):
+        return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
+    if any(p.group_size != first.group_size for p in parts):
+        return None
+    orders = [p.input_order for p in parts]
+    if any((o is None) != (orders[0] is None) or (o is not None and not torch.equal(o, orders[0])) for o in orders):
+        return None
+    return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
+                      torch.cat([p.offsets for p in parts]), first.group_size, bias, orders[0])
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -78,12 +78,15 @@ class ModelWorker:
         quantization_group_size: int = 64,
     ):
         check_method(quantization, quantization_group_size)
-        self.quantization = quantization
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.config = cfg
         torch.manual_seed(seed)
         self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
+        if quantization is not None and self.model.checkpoint_quantization is not None:
+            raise ValueError(f"quantization: the checkpoint is already quantized "
+                             f"({self.model.checkpoint_quantization}); leave quantization unset")
+        self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
         if num_kv_blocks is None:
             num_kv_blocks = auto_num_blocks(cfg, block_size, self.dtype, self.device, gpu_memory_fraction)
         self.num_kv_blocks = num_kv_blocks

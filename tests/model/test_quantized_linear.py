@@ -44,7 +44,7 @@ def test_quantize_int4_is_asymmetric_per_group_and_packs_two_a_byte():
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 40])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("make", [Int8Linear, lambda lin: Int4Linear(lin, 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("make", [Int8Linear.from_linear, lambda lin: Int4Linear.from_linear(lin, 32)], ids=["int8", "int4"])
 def test_the_cpu_kernel_computes_with_the_dequantized_weight(rows, bias, make):
     torch.manual_seed(rows)
     linear = nn.Linear(128, 37, bias=bias)
@@ -76,7 +76,7 @@ def _dequantized_checkpoint(src, dst, method: str = "int8", group_size: int = 32
     with torch.no_grad():
         for m in hf.modules():
             if isinstance(m, nn.Linear):
-                layer = Int8Linear(m) if method == "int8" else Int4Linear(m, group_size)
+                layer = Int8Linear.from_linear(m) if method == "int8" else Int4Linear.from_linear(m, group_size)
                 m.weight.copy_(layer.dequantized())
     hf.save_pretrained(dst, safe_serialization=True)
     return dst
