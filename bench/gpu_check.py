@@ -14,6 +14,8 @@ Steps:
   extend_rows       verification rows (batch 64 x 5 queries) and a mixed step through the backend
   prefill           causal prefill TFLOP/s against torch's scaled_dot_product_attention
   lora              shrink + expand at ranks 16, 64, 256
+  quantized_matmul  W8A16 and W4A16 (group 128) at 1, 8 and 64 rows, 4096 -> 14336: error vs the
+                    reference, GB/s of weight bytes vs the copy bandwidth, and time vs the bf16 matmul
   rejection         rejection sampling (noise drawn in the kernel), 64 requests x 4 drafts, half
                     of them coupled (seeded), vocabulary 152064
   compile_count     variants recorded over a serving-like sweep of batch sizes and table widths,
@@ -46,12 +48,13 @@ FULL = {"device": "cuda", "dtypes": ["bfloat16", "float16"], "head_dims": [64, 8
         "groups": [1, 2, 8], "contexts": [1, 300, 4096, 32768], "block": 16, "kv_heads": 8, "q_heads": 32,
         "head_dim": 128, "bw_context": 4096, "bw_batches": [1, 8, 64], "prefill": (8, 2048), "lora": (256, 4096),
         "lora_ranks": [16, 64, 256], "vocab": 152064, "rej": (64, 4), "pool_elements": 2**31 + 2**20,
+        "qmm": (4096, 14336), "qmm_rows": [1, 8, 64],
         "model": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                   "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000}, "tokens": 128}
 DRY = {"device": "cpu", "dtypes": ["float32", "float16"], "head_dims": [16, 24], "groups": [1, 2],
        "contexts": [1, 7, 40], "block": 4, "kv_heads": 2, "q_heads": 4, "head_dim": 16, "bw_context": 40,
        "bw_batches": [1, 3], "prefill": (2, 20), "lora": (4, 32), "lora_ranks": [4, 8], "vocab": 37, "rej": (3, 2),
-       "pool_elements": 4096,
+       "pool_elements": 4096, "qmm": (256, 96), "qmm_rows": [1, 3],
        "model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}, "tokens": 4}
 TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
@@ -279,6 +282,36 @@ def lora(c: Check) -> list[dict]:
     return rows
 
 
+def quantized_matmul(c: Check) -> list[dict]:
+    from pyserve.kernels.quantized_matmul import w4a16_matmul, w4a16_ref, w8a16_matmul, w8a16_ref
+    from pyserve.model.quantized_linear import quantize_int4, quantize_int8
+
+    torch, s, rows = c.torch, c.s, []
+    dtype_name = s["dtypes"][0]
+    dtype = c.dtype(dtype_name)
+    k, n = s["qmm"]
+    w = c.randn(n, k, dtype=torch.float32, scale=0.02)
+    q8, s8 = quantize_int8(w)
+    packed, s4, zeros = quantize_int4(w, 128)
+    o4 = -zeros.float() * s4
+    dense = w.to(dtype)
+    for m in s["qmm_rows"]:
+        x = c.randn(m, k, dtype=dtype)
+        ms_dense = c.ms(partial(torch.nn.functional.linear, x, dense))
+        for name, fn, ref, nbytes in [
+            ("W8A16", partial(w8a16_matmul, x, q8, s8), partial(w8a16_ref, x, q8, s8), q8.numel() + 4 * n),
+            ("W4A16 g128", partial(w4a16_matmul, x, packed, s4, o4, 128), partial(w4a16_ref, x, packed, s4, o4, 128),
+             packed.numel() + 8 * s4.numel()),
+        ]:
+            got, want = fn(), ref()
+            e = err(got, want) / max(float(want.float().abs().max()), 1e-6)
+            ms = c.ms(fn)
+            rows.append({"name": f"{name} M={m} {k}->{n}", "ms": ms, "rel_err": e,
+                         "weight_gb_s": c.gbs(nbytes, ms), "of_copy_bw": c.gbs(nbytes, ms) / c.copy_gbs,
+                         f"vs_{dtype_name}_matmul": ms_dense / ms, "ok": e <= 10 * TOL[dtype_name]})
+    return rows
+
+
 def rejection(c: Check) -> list[dict]:
     from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 
@@ -431,8 +464,8 @@ def batch1_decode(c: Check) -> list[dict]:
              "roofline_tok_s": roofline, "of_roofline": tok_s / roofline, "ok": True}]
 
 
-STEPS = [kernel_tests, correctness, large_kv_pool, decode_bandwidth, extend_rows, prefill, lora, rejection,
-         compile_count, launch_host_time, cuda_graph, batch1_decode]
+STEPS = [kernel_tests, correctness, large_kv_pool, decode_bandwidth, extend_rows, prefill, lora, quantized_matmul,
+         rejection, compile_count, launch_host_time, cuda_graph, batch1_decode]
 
 
 def markdown(report: dict) -> str:

@@ -8,8 +8,9 @@ the weights per 16 rows), and a decoder layer whose projections are all quantize
 runs whole in `_core.decoder_layer`. torch's own int8 CPU matmul (`_weight_int8pack_mm`) was
 measured beside it on this machine's AMD EPYC, 2 threads, a [5632, 1024] weight: 5.4 ms at one
 row against 0.31 ms, 129 ms at 32 rows against 4.6 ms (the f32 weight on oneDNN: 2.1 and 5.5 ms),
-so it is not used. Elsewhere (CUDA, half precision) the layer computes with its weight
-dequantized in the input's dtype, the reference the kernels are tested against.
+so it is not used. On CUDA the layers run kernels/quantized_matmul's Triton W8A16 and W4A16
+matmuls (dequantized in registers); elsewhere (half precision on a CPU) F.linear on the
+dequantized weight, the reference the kernels are tested against.
 
 The layers are built from their quantized tensors: `from_linear` quantizes a full-precision
 layer at load, model/prequantized reads a quantized checkpoint's.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve import _core
+from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
 
 METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -120,9 +122,9 @@ class Int4Linear(nn.Module):
             _core.linear_q4(x.contiguous().numpy(), packed, scales, offsets, group, bias, out.numpy(),
                             threads=torch.get_num_threads())
             return out
-        w = unpack_int4(self.packed).to(x.dtype).reshape(self.out_features, -1, self.group_size)
-        w = (w * self.scales[..., None].to(x.dtype) + self.offsets[..., None].to(x.dtype)).flatten(1)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        if x.is_cuda:
+            return w4a16_matmul(x.contiguous(), self.packed, self.scales, self.offsets, self.group_size, self.bias)
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class Int8Linear(nn.Module):
@@ -160,8 +162,9 @@ class Int8Linear(nn.Module):
             _core.linear_q8(x.contiguous().numpy(), self.q_view, self.scales_view, self.bias_view, out.numpy(),
                             threads=torch.get_num_threads())
             return out
-        y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        if x.is_cuda:
+            return w8a16_matmul(x.contiguous(), self.qweight, self.scales, self.bias)
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 QUANTIZED = (Int8Linear, Int4Linear)
