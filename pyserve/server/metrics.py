@@ -49,15 +49,18 @@ class Counter:
 class Gauge:
     """A value read from a callback at scrape time (a gauge, or a counter the engine keeps)."""
 
-    def __init__(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge"):
+    def __init__(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge",
+                 labels: dict[str, str] | None = None):
         self.name, self.help, self.read, self.kind = name, help_text, read, kind
+        self.labels = labels or {}  # fixed for the server's life (an info metric's)
 
     @classmethod
     def counter(cls, name: str, help_text: str, read: Callable[[], float]) -> Gauge:
         return cls(name, help_text, read, kind="counter")
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", f"{self.name} {_fmt(self.read())}"]
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
+                f"{self.name}{_labels(self.labels)} {_fmt(self.read())}"]
 
 
 class Histogram:

@@ -38,6 +38,9 @@ class ServerMetrics:
         reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.num_kv_blocks))
         reg.add(Gauge("pyserve:weight_bytes", "Bytes of the served weights (as quantized, if they are).",
                       stat("weight_bytes")))
+        reg.add(Gauge("pyserve:weight_quantization_info", "1, labelled with the served weights' quantization "
+                      "method (none, int8, int4, gptq-int4, awq-int4, compressed-tensors-int4, ...).", lambda: 1,
+                      labels={"method": str(engine.stats()["quantization"])}))
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),
