@@ -16,6 +16,8 @@ mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_avx2;
 mod linear_q4;
+#[cfg(target_arch = "x86_64")]
+mod linear_q4_avx2;
 mod linear_q8;
 mod lora;
 #[cfg(target_arch = "x86_64")]

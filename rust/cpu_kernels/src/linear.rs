@@ -72,6 +72,15 @@ pub(crate) trait RowWeights: Sync {
     /// Weights (o, i..i + 8) as f32. Safety: AVX2, and i + 8 <= fan_in.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, o: usize, i: usize) -> std::arch::x86_64::__m256;
+    /// Outputs `outputs` of every row with AVX2: the generic tiles over `load8`, unless a weight
+    /// type has a kernel of its own. Safety: AVX2 and FMA, shapes checked.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn run_outputs_avx2(&self, x: &[f32], rows: usize, outputs: Range<usize>, y: &SharedOutputs)
+    where
+        Self: Sized,
+    {
+        crate::linear_avx2::run_outputs(x, rows, self, outputs, y)
+    }
 }
 
 impl RowWeights for LinearWeights<'_> {
@@ -197,7 +206,7 @@ fn run_outputs<W: RowWeights>(x: &[f32], rows: usize, w: &W, outputs: Range<usiz
     if crate::vector::avx2_fma_available() {
         // SAFETY: the CPU has AVX2 and FMA; the shapes were checked against every length the
         // AVX2 half reads.
-        return unsafe { crate::linear_avx2::run_outputs(x, rows, w, outputs, y) };
+        return unsafe { w.run_outputs_avx2(x, rows, outputs, y) };
     }
     let k = w.fan_in();
     let mut row = vec![0.0f32; k];

@@ -6,7 +6,9 @@
 //! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f32, `x [rows, fan_in]`,
 //! `bias [fan_out]`, `y [rows, fan_out]` f32. `group` is a multiple of 8 dividing fan_in.
 
-use crate::linear::{run_checked, LinearError, RowWeights};
+use std::ops::Range;
+
+use crate::linear::{run_checked, LinearError, RowWeights, SharedOutputs};
 use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One 4-bit linear layer's parameters.
@@ -91,6 +93,16 @@ impl RowWeights for Q4Weights<'_> {
     fn finish(&self, o: usize, dot: f32) -> f32 {
         self.bias.map_or(dot, |b| dot + b[o])
     }
+    /// Groups of 16 inputs or more take the kernel that applies each scale once per group
+    /// (`linear_q4_avx2`).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn run_outputs_avx2(&self, x: &[f32], rows: usize, outputs: Range<usize>, y: &SharedOutputs) {
+        if self.group >= 16 {
+            crate::linear_q4_avx2::run_outputs(x, rows, self, outputs, y)
+        } else {
+            crate::linear_avx2::run_outputs(x, rows, self, outputs, y)
+        }
+    }
     #[inline(always)]
     fn row_ptr(&self, o: usize) -> *const u8 {
         self.packed.as_ptr().wrapping_add(o * self.fan_in / 2)
@@ -129,9 +141,14 @@ mod tests {
 
     #[test]
     fn matches_a_float64_reference_of_the_dequantized_weight() {
-        for (rows, k, n, group) in
-            [(1, 64, 4, 32), (3, 128, 9, 64), (2, 256, 130, 128), (17, 64, 7, 8), (2, 96, 5, 32)]
-        {
+        for (rows, k, n, group) in [
+            (1, 64, 4, 32),
+            (3, 128, 9, 64),
+            (2, 256, 130, 128),
+            (17, 64, 7, 8),
+            (2, 96, 5, 32),
+            (5, 48, 11, 16),
+        ] {
             let groups = k / group;
             let (x, q, b) = (values(rows * k, 1), nibbles(n * k, 2), values(n, 3));
             let (scales, offsets) = (values(n * groups, 4), values(n * groups, 5));
