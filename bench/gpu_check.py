@@ -14,7 +14,7 @@ Steps:
   extend_rows       verification rows (batch 64 x 5 queries) and a mixed step through the backend
   prefill           causal prefill TFLOP/s against torch's scaled_dot_product_attention
   lora              shrink + expand at ranks 16, 64, 256
-  quantized_matmul  W8A16 and W4A16 (group 128) at 1, 8 and 64 rows, 4096 -> 14336: error vs the
+  quantized_matmul  W8A16 (int8, fp8) and W4A16 (group 128) at 1, 8, 64 rows, 4096 -> 14336: error vs the
                     reference, GB/s of weight bytes vs the copy bandwidth, and time vs the bf16 matmul
   rejection         rejection sampling (noise drawn in the kernel), 64 requests x 4 drafts, half
                     of them coupled (seeded), vocabulary 152064
@@ -284,7 +284,7 @@ def lora(c: Check) -> list[dict]:
 
 def quantized_matmul(c: Check) -> list[dict]:
     from pyserve.kernels.quantized_matmul import w4a16_matmul, w4a16_ref, w8a16_matmul, w8a16_ref
-    from pyserve.model.quantized_linear import quantize_int4, quantize_int8
+    from pyserve.model.quantized_linear import quantize_fp8, quantize_int4, quantize_int8
 
     torch, s, rows = c.torch, c.s, []
     dtype_name = s["dtypes"][0]
@@ -292,6 +292,7 @@ def quantized_matmul(c: Check) -> list[dict]:
     k, n = s["qmm"]
     w = c.randn(n, k, dtype=torch.float32, scale=0.02)
     q8, s8 = quantize_int8(w)
+    f8, sf8 = quantize_fp8(w)
     packed, s4, zeros = quantize_int4(w, 128)
     o4 = -zeros.float() * s4
     dense = w.to(dtype)
@@ -300,6 +301,7 @@ def quantized_matmul(c: Check) -> list[dict]:
         ms_dense = c.ms(partial(torch.nn.functional.linear, x, dense))
         for name, fn, ref, nbytes in [
             ("W8A16", partial(w8a16_matmul, x, q8, s8), partial(w8a16_ref, x, q8, s8), q8.numel() + 4 * n),
+            ("W8A16 fp8", partial(w8a16_matmul, x, f8, sf8), partial(w8a16_ref, x, f8, sf8), f8.numel() + 4 * n),
             ("W4A16 g128", partial(w4a16_matmul, x, packed, s4, o4, 128), partial(w4a16_ref, x, packed, s4, o4, 128),
              packed.numel() + 8 * s4.numel()),
         ]:

@@ -28,8 +28,9 @@ class EngineConfig:
     max_lora_rank: int = option(64, "largest adapter rank accepted")
     seed: int = option(0, "seed of the shared sampling generator")
     quantization: str | None = option(  # checked by the model worker (model/quantized_linear.py)
-        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel) or int4 "
-        "(a scale and zero point per group of inputs)", type=str)
+        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel), int4 "
+        "(a scale and zero point per group of inputs) or fp8 (e4m3, one scale per output channel; CUDA "
+        "compute capability 8.9+)", type=str)
     quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
     gpu_memory_fraction: float = 0.85
     attention_backend: str | None = None

@@ -1,5 +1,5 @@
-"""Weight-only quantized matmuls for CUDA: W8A16 (int8, one scale per output channel) and W4A16
-(4 bits two to a byte, a scale and an offset per group of inputs), the weights dequantized in
+"""Weight-only quantized matmuls for CUDA: W8A16 (int8 or fp8 e4m3, one scale per output channel)
+and W4A16 (4 bits two to a byte, a scale and an offset per group of inputs), the weights dequantized in
 registers and multiplied through tl.dot in the activations' dtype with f32 accumulation.
 
 Each program computes a BLOCK_M x BLOCK_N tile of y, streaming BLOCK_K-wide slices of x and of
@@ -8,7 +8,7 @@ an eighth (4-bit) of f32's, half or a quarter of bf16's.
 
 Layouts (row-major, the CPU kernels' and model/quantized_linear's):
   x:       [M, K] float16 / bfloat16 / float32
-  W8A16:   qweight int8 [N, K], scales f32 [N]            y = (x q^T) * scales + bias
+  W8A16:   qweight int8 or float8_e4m3fn [N, K], scales f32 [N]   y = (x q^T) * scales + bias
   W4A16:   packed uint8 [N, K / 2] (input 2j in the low nibble of byte j), scales and offsets
            f32 [N, K / group]                              y = x (q * scale + offset)^T + bias
   bias:    f32 [N] or None;  y: [M, N] in x's dtype.
@@ -32,8 +32,9 @@ RUNTIME = ("m",)  # the row count changes every step: not specialised on
 
 @triton.jit(do_not_specialize=RUNTIME)
 def _w8a16_kernel(x_ptr, q_ptr, scales_ptr, bias_ptr, y_ptr, m, n, k, stride_x, stride_q, stride_y,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """FP8: q holds e4m3 bytes (read as uint8 and reinterpreted), else int8 values."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < m, cols < n
@@ -45,7 +46,11 @@ def _w8a16_kernel(x_ptr, q_ptr, scales_ptr, bias_ptr, y_ptr, m, n, k, stride_x, 
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0)
-        acc = tl.dot(x, tl.trans(q.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        if FP8:
+            w = q.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+        else:
+            w = q.to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -94,9 +99,11 @@ def _precision(x: torch.Tensor) -> str:
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher, checked: y [M, N] = (x q^T) * scales + bias, in x's dtype."""
-    check_tensor("qweight", qweight, 2, (torch.int8,), x.device)
+    """Triton launcher, checked: y [M, N] = (x q^T) * scales + bias, in x's dtype; qweight int8
+    or float8_e4m3fn (fp8 needs a GPU of compute capability 8.9+, or the interpreter)."""
+    check_tensor("qweight", qweight, 2, (torch.int8, torch.float8_e4m3fn), x.device)
     _check_common(x, "qweight", qweight, "scales", scales, bias)
+    fp8 = qweight.dtype == torch.float8_e4m3fn
     n, k = qweight.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features, qweight expects {k}")
@@ -105,9 +112,10 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         launch(_w8a16_kernel, (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)), RUNTIME,
-               x_ptr=x, q_ptr=qweight, scales_ptr=scales, bias_ptr=scales if bias is None else bias, y_ptr=y,
-               m=m, n=n, k=k, stride_x=x.stride(0), stride_q=qweight.stride(0), stride_y=y.stride(0),
-               HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+               x_ptr=x, q_ptr=qweight.view(torch.uint8) if fp8 else qweight, scales_ptr=scales,
+               bias_ptr=scales if bias is None else bias, y_ptr=y, m=m, n=n, k=k, stride_x=x.stride(0),
+               stride_q=qweight.stride(0), stride_y=y.stride(0), HAS_BIAS=bias is not None, FP8=fp8,
+               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                DOT_PRECISION=_precision(x))
     return y
 

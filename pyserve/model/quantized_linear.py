@@ -31,7 +31,8 @@ from torch import nn
 from pyserve import _core
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -47,6 +48,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     scales = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [N, K], scales f32 [N]) of a [N, K] weight: one scale per output channel,
+    the row's largest magnitude at e4m3's largest finite value."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scales.contiguous()
 
 
@@ -167,7 +177,48 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
-QUANTIZED = (Int8Linear, Int4Linear)
+class Fp8Linear(nn.Module):
+    """A linear layer with float8 (e4m3) weights, one scale per output channel: y = (x q^T) * s +
+    bias. Served on CUDA GPUs of compute capability 8.9+ (the worker checks); elsewhere it
+    computes with the dequantized weight (the reference)."""
+
+    cpu = False  # no CPU kernel: never part of `_core.decoder_layer`
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(*quantize_fp8(linear.weight), linear.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() + 4 * self.scales.numel()
+
+    def kernel_weights(self) -> None:
+        return None
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return w8a16_matmul(x.contiguous(), self.qweight, self.scales, self.bias)
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+QUANTIZED = (Int8Linear, Int4Linear, Fp8Linear)
+
+
+def check_device(method: str | None, device: torch.device) -> None:
+    """fp8 weights are served only where the GPU computes with them natively."""
+    if method == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"quantization: fp8 weights need a CUDA GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper); this engine runs on {device}")
 
 
 def quantize_linears(model: nn.Module, method: str, group_size: int = 64) -> int:
@@ -177,8 +228,9 @@ def quantize_linears(model: nn.Module, method: str, group_size: int = 64) -> int
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear.from_linear(child) if method == "int8"
-                else Int4Linear.from_linear(child, group_size))
+        layer = Int4Linear.from_linear(child, group_size) if method == "int4" else \
+            (Int8Linear if method == "int8" else Fp8Linear).from_linear(child)
+        setattr(parent, name, layer)
     return len(targets)
 
 
@@ -190,8 +242,8 @@ def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
-    if isinstance(first, Int8Linear):
-        return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
+    if isinstance(first, (Int8Linear, Fp8Linear)):
+        return type(first)(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
     if any(p.group_size != first.group_size for p in parts):
         return None
     orders = [p.input_order for p in parts]

@@ -22,7 +22,7 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
-from pyserve.model.quantized_linear import check_method, quantize_linears, weight_bytes
+from pyserve.model.quantized_linear import check_device, check_method, quantize_linears, weight_bytes
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.step_buffers import StepBuffers
@@ -79,6 +79,7 @@ class ModelWorker:
     ):
         check_method(quantization, quantization_group_size)
         self.device = resolve_device(device)
+        check_device(quantization, self.device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.config = cfg
         torch.manual_seed(seed)

@@ -12,18 +12,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w4a16_ref, w8a16_matmul, w8a16_ref  # noqa: E402
-from pyserve.model.quantized_linear import quantize_int4, quantize_int8  # noqa: E402
+from pyserve.model.quantized_linear import quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
+FP8_OK = not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, k, n, bias", [(1, 64, 96, True), (5, 100, 70, False), (17, 128, 64, True)])
-def test_w8a16_matches_the_dequantized_weight(m, k, n, bias, dtype):
+@pytest.mark.parametrize("quantize", [quantize_int8] + ([quantize_fp8] if FP8_OK else []), ids=["int8", "fp8"][:1 + FP8_OK])
+def test_w8a16_matches_the_dequantized_weight(m, k, n, bias, dtype, quantize):
     g = torch.Generator().manual_seed(m)
-    q, scales = quantize_int8(torch.randn(n, k, generator=g))
+    q, scales = quantize(torch.randn(n, k, generator=g))
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     want = x.double() @ (q.double() * scales.double()[:, None]).T + (0 if b is None else b.double())

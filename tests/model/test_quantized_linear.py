@@ -12,7 +12,8 @@ from torch import nn
 
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4
+from pyserve.model.quantized_linear import (Fp8Linear, Int4Linear, Int8Linear, quantize_fp8, quantize_int4,
+                                            quantize_int8, unpack_int4)
 from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -54,6 +55,25 @@ def test_the_cpu_kernel_computes_with_the_dequantized_weight(rows, bias, make):
     assert torch.allclose(layer(x), reference, rtol=1e-5, atol=1e-5)
     # a row's result does not depend on the rows beside it
     assert torch.equal(layer(x[3 % rows :][:1]), layer(x)[3 % rows][None])
+
+
+def test_quantize_fp8_scales_each_row_to_e4m3s_largest_value():
+    torch.manual_seed(2)
+    w = torch.randn(9, 64) * torch.linspace(0.01, 5.0, 9)[:, None]
+    q, scales = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (9,)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((9,), 448.0))
+    # e4m3 keeps 3 mantissa bits: each weight within half a step (1/16 relative) of its value
+    assert ((q.float() * scales[:, None] - w).abs() <= w.abs() / 16 + scales[:, None] * 2**-9).all()
+    layer = Fp8Linear.from_linear(nn.Linear(64, 9))
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x), nn.functional.linear(x, layer.dequantized(), layer.bias), atol=1e-6)
+    assert layer.weight_bytes == 9 * 64 + 4 * 9
+
+
+def test_fp8_is_refused_off_a_gpu_that_computes_it():
+    with pytest.raises(ValueError, match=r"quantization: fp8 weights need a CUDA GPU of compute capability 8\.9"):
+        LLM(quantization="fp8", device="cpu")
 
 
 def test_unknown_methods_and_group_sizes_are_refused_naming_the_field():
