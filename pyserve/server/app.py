@@ -24,6 +24,7 @@ from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
+from pyserve.server.tokenize_api import detokenize, tokenize
 from pyserve.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerS
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/version", version_info, methods=["GET"]),

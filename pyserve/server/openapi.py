@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from pyserve.server.settings import ServerSettings
+from pyserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 ERROR = {
@@ -83,6 +84,12 @@ def openapi_document(settings: ServerSettings, served: list[str]) -> dict[str, A
                              "responses": {"200": {"description": "text exposition format",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}},
                                            **_errors(*auth)}}},
+        **{path: {"post": {"summary": summary,
+                           "requestBody": {"required": True, "content": _json(_model_schema(model, components, served))},
+                           "responses": {"200": {"description": "done", "content": object_},
+                                         **_errors("400", *auth, "404", "413")}}}
+           for path, summary, model in (("/tokenize", "Token ids of a prompt or of chat messages", TokenizeRequest),
+                                        ("/detokenize", "Text of token ids", DetokenizeRequest))},
         "/openapi.json": {"get": {"summary": "This document", "security": [],
                                   "responses": {"200": {"description": "OpenAPI 3.1", "content": object_}}}},
     }

@@ -1,0 +1,93 @@
+"""/tokenize and /detokenize, as vLLM serves them (lm-evaluation-harness and clients that count
+tokens use them): a completion prompt or chat messages to token ids, and token ids to text.
+
+/tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
+model's chat template, `add_generation_prompt` default true); it answers {count, max_model_len,
+tokens, token_strs} (`token_strs` with `return_token_strs: true`, else null). /detokenize takes
+`tokens` and answers {prompt}. `model`, when given, must name the served model or an adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pyserve.model.tokenizer import ChatTemplateError
+from pyserve.server.body import json_body, validate
+from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
+from pyserve.server.errors import BadRequest
+from pyserve.server.schemas import ChatMessage
+from pyserve.server.state import ServerState
+
+MAX_TOKENIZE_CHARS = 4_000_000
+MAX_DETOKENIZE_TOKENS = 1_000_000
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+def _json(data: object) -> Response:
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None:
+        state.loras.resolve(model, state.settings.served_model_name)
+
+
+async def tokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    req = validate(TokenizeRequest, await json_body(request))
+    _check_model(state, req.model)
+    tok = state.engine.tokenizer
+    if req.prompt is not None:
+        tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        timeout = state.settings.chat_template_timeout
+        try:
+            text = await run_with_deadline(tok.apply_chat_template, [m.for_template() for m in req.messages],
+                                           req.add_generation_prompt, None, None, timeout=timeout)
+        except ChatTemplateError as e:
+            raise BadRequest(str(e), param="messages") from e
+        except DeadlineExceeded as e:
+            raise BadRequest(f"the chat template did not render within {timeout} s", param="messages") from e
+        tokens = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    token_strs = [tok.decode([t], skip_special_tokens=False) for t in tokens] if req.return_token_strs else None
+    return _json({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
+                  "token_strs": token_strs})
+
+
+async def detokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    req = validate(DetokenizeRequest, await json_body(request))
+    _check_model(state, req.model)
+    vocab = state.engine.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return _json({"prompt": state.engine.tokenizer.decode(req.tokens)})

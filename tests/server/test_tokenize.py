@@ -1,0 +1,62 @@
+"""/tokenize and /detokenize (vLLM's shapes), in process: prompts and chat messages to ids with
+the engine's own tokenizer and template, ids back to text, and bad input refused naming the field."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+
+from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.config import EngineConfig
+from pyserve.server.app import build_app
+from pyserve.server.settings import ServerSettings
+
+
+@contextlib.asynccontextmanager
+async def client(model_dir):
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, max_model_len=128))
+    app = build_app(engine, ServerSettings(served_model_name="tiny"))
+    await engine.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            yield engine, c
+    finally:
+        await engine.stop()
+
+
+async def test_a_prompt_and_messages_tokenize_as_the_engine_does_and_detokenize_back(llama_dir):
+    async with client(llama_dir) as (engine, c):
+        tok = engine.tokenizer
+        r = await c.post("/tokenize", json={"model": "tiny", "prompt": "def add(a, b):", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens"] == tok.encode("def add(a, b):") and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == 128
+        assert "".join(body["token_strs"]).endswith("def add(a, b):")
+        plain = (await c.post("/tokenize", json={"prompt": "x = 1", "add_special_tokens": False})).json()
+        assert plain["tokens"] == tok.encode("x = 1", add_special_tokens=False) and plain["token_strs"] is None
+        messages = [{"role": "user", "content": "hello"}]
+        chat = (await c.post("/tokenize", json={"messages": messages})).json()
+        assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages, True), add_special_tokens=False)
+        r = await c.post("/detokenize", json={"model": "tiny", "tokens": tok.encode("x = 1", add_special_tokens=False)})
+        assert r.status_code == 200 and r.json() == {"prompt": "x = 1"}
+
+
+async def test_bad_input_is_refused_naming_the_field(llama_dir):
+    async with client(llama_dir) as (engine, c):
+        cases = [
+            ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, None),
+            ("/tokenize", {}, 400, None),
+            ("/tokenize", {"prompt": "x", "padding": True}, 400, "padding"),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, engine.vocab_size]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ]
+        for path, body, status, param in cases:
+            r = await c.post(path, json=body)
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param, (body, error)
+            if param is None:
+                assert "exactly one of prompt and messages" in error["message"] or "Field required" in error["message"]
