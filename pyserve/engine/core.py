@@ -18,7 +18,9 @@ import structlog
 
 from pyserve import _core
 from pyserve.actors import Actor
-from pyserve.engine.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
+from pyserve.engine.prompt_logprobs import PromptLogprobs
+from pyserve.engine.request import (Abort, Add, EngineRequest, Logprobs, PromptRows, RequestRefused, StepOutput,
+                                    StepRows)
 from pyserve.actors.loop_thread import resolve
 from pyserve.engine.step_budget import StepBudget
 from pyserve.speculative.speculator import can_speculate, speculation_stats
@@ -47,6 +49,7 @@ class EngineCore(Actor):
         self.pending_forks: dict[int, Add] = {}  # held parent's id -> its Add, whose forks wait
         self.fork_parent: dict[int, int] = {}  # a sample waiting to fork -> its parent's id
         self.num_needing_output = 0  # live requests whose penalties read their output
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # requests prefilling with prompt logprobs
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_progress = time.monotonic()  # when a step that ran requests last completed
@@ -93,12 +96,13 @@ class EngineCore(Actor):
             mask_rows = self._mask_rows(out, rows, with_logits)
             if mask_rows:
                 rows.token_masks = self.grammar.start_masks(mask_rows)
+        prompt_rows = self._prompt_rows(req_ids) if self.prompt_logprobs else None
         adapter_ids = None
         if self.worker.lora is not None:  # per-request adapters exist only with LoRA enabled
             adapter_ids = np.fromiter((self.requests[rid].adapter_id for rid in req_ids), np.int64, len(req_ids))
         await anyio.sleep(0)  # once per step: the loop delivers what arrived meanwhile
         start = time.perf_counter()
-        result = self.worker.execute(out, rows, adapter_ids)
+        result = self.worker.execute(out, rows, adapter_ids, prompt_rows)
         seconds = time.perf_counter() - start
         self.last_progress = time.monotonic()
         if self.step_budget is not None:
@@ -114,6 +118,8 @@ class EngineCore(Actor):
         logprobs = None if result.logprobs is None else result.logprobs[update.sampled_index]
         step = StepOutput(update.req_ids, update.token_ids, update.starts, finished, update.num_cached_tokens,
                           logprobs, reply_to=self)
+        if prompt_rows is not None:
+            step.prompt_logprobs = self._gather_prompt_logprobs(prompt_rows, req_ids, result, update.req_ids)
         self.num_generation_tokens += len(step.token_ids)
         self._fork(update.fork_ready)
         if step.internal_ids:
@@ -123,6 +129,27 @@ class EngineCore(Actor):
             await self.speculator.after_step(out, num_sampled, num_output, seconds, set(finished), self.requests)
         if self.grammar and self.forced_tokens and (self.speculator is None or not self.speculator.last_depth):
             self._draft_forced_tokens(update.req_ids, finished)
+
+    def _prompt_rows(self, req_ids: list[int]) -> PromptRows | None:
+        index = [i for i, rid in enumerate(req_ids) if rid in self.prompt_logprobs]
+        if not index:
+            return None
+        reqs = [self.requests[req_ids[i]] for i in index]
+        return PromptRows(index, [r.prompt_token_ids for r in reqs], [r.params.prompt_logprobs for r in reqs])
+
+    def _gather_prompt_logprobs(self, prompt_rows: PromptRows, req_ids: list[int], result,
+                                got_tokens: list[int]) -> dict[int, Logprobs] | None:
+        """Writes the step's prompt logprobs; returns those of the requests whose prompts are
+        done (their first token came this step), which leave the buffers."""
+        for i, (token_indices, logprobs) in zip(prompt_rows.index, result.prompt_logprobs, strict=True):
+            if len(token_indices):
+                self.prompt_logprobs[req_ids[i]].write(token_indices, logprobs)
+        done = {}
+        for rid in got_tokens:
+            buffer = self.prompt_logprobs.get(rid)
+            if buffer is not None and buffer.complete:
+                done[rid] = self.prompt_logprobs.pop(rid).rows
+        return done or None
 
     def _mask_rows(self, out, rows: StepRows, with_logits: np.ndarray) -> list[MaskRow]:
         """The constrained rows of a step: each one's first logits row, and the drafts its
@@ -169,6 +196,7 @@ class EngineCore(Actor):
 
     def _drop(self, internal_id: int) -> EngineRequest | None:
         req = self.requests.pop(internal_id, None)
+        self.prompt_logprobs.pop(internal_id, None)
         if req is not None and req.needs_output:
             self.num_needing_output -= 1
         if req is not None and req.grammar is not None:
@@ -193,6 +221,9 @@ class EngineCore(Actor):
                 self.pending_forks[msg.request.internal_id] = msg
             for req in (msg.request, *msg.forks):
                 self.requests[req.internal_id] = req
+                if req.params.prompt_logprobs is not None and req is msg.request:  # forks share its prompt
+                    self.prompt_logprobs[req.internal_id] = PromptLogprobs(len(req.prompt_token_ids),
+                                                                           req.params.prompt_logprobs)
                 if req.grammar is not None:
                     self.grammar.add(req.internal_id, req.grammar)
                 self.num_needing_output += req.needs_output
@@ -220,7 +251,9 @@ class EngineCore(Actor):
             min_tokens=req.params.min_tokens,
             priority=msg.priority,
             adapter_id=msg.adapter_id,
-            cache_salt=msg.cache_salt,
+            # prompt logprobs need every prompt token computed: a namespace of its own, never hit
+            cache_salt=msg.cache_salt if req.params.prompt_logprobs is None
+            else f"{msg.cache_salt}\x00prompt-logprobs\x00{req.internal_id}",
             stop_token_ids=msg.stop_token_ids,
             eos_token_id=msg.eos_token_id,
             ignore_eos=req.params.ignore_eos,

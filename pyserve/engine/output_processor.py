@@ -123,6 +123,12 @@ class OutputProcessor(Actor):
         first step nor its last) are detokenized together, in one batched call."""
         aborts: list[int] = []
         samples = self._samples
+        for rid, lp in (msg.prompt_logprobs or {}).items():  # before the first token is published
+            sample = samples.get(rid)
+            if sample is not None:
+                out = sample.stream.output
+                out.prompt_logprobs = [None, *self._entries(out.prompt_token_ids[1:], lp, lp.top.shape[1],
+                                                            decode=sample.detok is not None)]
         ids, tokens, starts = msg.internal_ids, msg.token_ids, msg.starts
         special = msg.finish_reasons.keys() | msg.num_cached_tokens.keys()
         plain: list[tuple[_Sample, int]] = []  # (sample, its row)
@@ -230,18 +236,20 @@ class OutputProcessor(Actor):
         return True
 
     def _logprobs(self, delta: SampleDelta, k: int, decode: bool) -> list[dict[int, Logprob]]:
-        """Per token: the sampled token's logprob and rank, then the top-k alternatives; each
-        with its text unless `decode` is False (then None, as for detokenize=False in vLLM)."""
+        return self._entries(delta.token_ids, delta.logprobs, k, decode)
+
+    def _entries(self, token_ids: list[int], lp, k: int, decode: bool) -> list[dict[int, Logprob]]:
+        """Per token: its logprob and rank, then the top-k alternatives; each with its text
+        unless `decode` is False (then None, as for detokenize=False in vLLM)."""
 
         def text(token: int) -> str | None:
             return self.tokenizer.token_text(token, skip_special_tokens=False) if decode else None
 
-        lp = delta.logprobs
         out = []
-        for i, token in enumerate(delta.token_ids):
+        for i, token in enumerate(token_ids):
             entry = {token: Logprob(float(lp.sampled[i]), int(lp.sampled_ranks[i]), text(token))}
             top = zip(lp.top[i, :k].tolist(), lp.top_token_ids[i, :k].tolist())
-            for rank, (lp, tid) in enumerate(top, start=1):
-                entry.setdefault(tid, Logprob(lp, rank, text(tid)))
+            for rank, (value, tid) in enumerate(top, start=1):
+                entry.setdefault(tid, Logprob(value, rank, text(tid)))
             out.append(entry)
         return out

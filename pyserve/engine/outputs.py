@@ -35,4 +35,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, {token_id: Logprob} for the token
+    # itself and the top alternatives; None for the first token (nothing before it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False

@@ -129,6 +129,18 @@ class StepResult:
     token_ids: np.ndarray  # int64, end to end: num_sampled[i] tokens for request row i
     num_sampled: np.ndarray  # int64 [rows]: 1, or accepted drafts + 1 for a verifying row
     logprobs: Logprobs | None = None  # one row per token, when any row asked
+    # For each entry of the step's PromptRows: the prompt indices it scored and their logprobs.
+    prompt_logprobs: list[tuple[np.ndarray, Logprobs]] | None = None
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The scheduled requests of a step whose prompt tokens get logprobs: each one's index in
+    the step, prompt and number of top alternatives."""
+
+    index: list[int]
+    prompts: list[list[int]]
+    num_top: list[int]
 
 
 @dataclass(slots=True)
@@ -155,6 +167,9 @@ class StepOutput:
     num_cached_tokens: dict[int, int]  # for sequences getting their first tokens
     logprobs: Logprobs | None = None
     reply_to: Any = None  # the actor (EngineCore) that takes the Aborts this step calls for
+    # Sequences whose first token came this step and that asked for prompt logprobs: one row
+    # per prompt token after the first.
+    prompt_logprobs: dict[int, Logprobs] | None = None
 
     def delta(self, i: int) -> SampleDelta:
         """Sequence i's part of the step as one SampleDelta."""

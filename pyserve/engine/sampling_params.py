@@ -32,6 +32,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (each given the tokens before it) with this many top
+    # alternatives; the first token has none. Such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -63,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float_in("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyserve.engine.request import EngineRequest, Logprobs, StepResult, StepRows
+from pyserve.engine.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, make_backend
@@ -136,11 +136,13 @@ class ModelWorker:
         self.lora.queue_remove(adapter_id)
 
     @torch.inference_mode()
-    def execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None = None) -> StepResult:
+    def execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None = None,
+                prompt_rows: PromptRows | None = None) -> StepResult:
         """Runs the forward for one SchedulerOutput and samples: one token per request with
         logits, or for a request verifying drafts its accepted drafts and one more. `rows` are the
         requests with logits, in order; `adapter_ids` the LoRA adapter of every scheduled request
-        (0 = the base model)."""
+        (0 = the base model); `prompt_rows` the requests whose prompt tokens in this step get
+        logprobs (StepResult.prompt_logprobs)."""
         if out.num_reqs == 0:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device
@@ -152,7 +154,7 @@ class ModelWorker:
         if self.lora is not None:
             self.lora.prepare_step(adapter_ids, out.num_scheduled_tokens, dev)
         if self.step_buffers is not None and self.lora is None and len(out.input_ids) == out.num_reqs \
-                and len(rows.requests) == out.num_reqs:  # a decode step: on the fixed buffers, padded
+                and len(rows.requests) == out.num_reqs and prompt_rows is None:  # a decode step, on the fixed buffers
             input_ids, positions, meta, _ = self.step_buffers.stage(out)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
             return self._sample(self._logits(hidden, rows)[0], rows)
@@ -162,8 +164,17 @@ class ModelWorker:
         input_ids = torch.from_numpy(out.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(out.positions).to(dev, non_blocking=True)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        prompt_logprobs = None if prompt_rows is None else self._prompt_logprobs(hidden, out, prompt_rows)
         if not rows.requests:
-            return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+            return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64),
+                              prompt_logprobs=prompt_logprobs)
+        result = self._sample_hidden(out, rows, hidden)
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _sample_hidden(self, out, rows: StepRows, hidden: torch.Tensor) -> StepResult:
+        """The step's tokens from the hidden states of all its scheduled tokens."""
+        dev = self.device
         if len(out.logits_indices) != len(out.input_ids):
             hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
         logits, masks = self._logits(hidden, rows)  # else every token has logits, in order
@@ -172,6 +183,29 @@ class ModelWorker:
         counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
         certain = masks.certain if masks is not None else frozenset()
         return self.verifier.sample_and_verify(out, logits, rows, counts, self._sample, certain)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, out, prompt_rows: PromptRows) -> list[tuple[np.ndarray, Logprobs]]:
+        """For each request of `prompt_rows`: the prompt tokens its scheduled tokens predict
+        (token p + 1 from position p, within the prompt) and their raw logprobs, ranks and top
+        alternatives."""
+        results = []
+        for i, prompt, k in zip(prompt_rows.index, prompt_rows.prompts, prompt_rows.num_top, strict=True):
+            lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
+            positions = out.positions[lo:hi].astype(np.int64)
+            keep = np.flatnonzero(positions + 1 < len(prompt))
+            targets = positions[keep] + 1
+            if not len(keep):
+                results.append((targets, None))
+                continue
+            rows = hidden[lo:hi][torch.from_numpy(keep).to(hidden.device)]
+            raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            target_ids = torch.tensor(prompt, device=raw.device)[torch.from_numpy(targets).to(raw.device)]
+            sampled = raw.gather(1, target_ids[:, None])[:, 0]
+            ranks = (raw > sampled[:, None]).sum(dim=1) + 1
+            top = raw.topk(min(k, raw.shape[1]), dim=-1)
+            results.append((targets, Logprobs(top.values.cpu().numpy(), top.indices.cpu().numpy(),
+                                              sampled.cpu().numpy(), ranks.cpu().numpy())))
+        return results
 
     def _logits(self, hidden: torch.Tensor, rows: StepRows):
         """The logits of `hidden`, with the grammar masks of constrained rows applied, and
