@@ -17,9 +17,9 @@ def _count_computed_tokens(llm: LLM) -> list[int]:
     worker = llm.engine.worker
     execute = worker.execute
 
-    def counting(out, rows, adapter_ids=None):
+    def counting(out, rows, *rest):
         steps.append(int(out.total_num_tokens))
-        return execute(out, rows, adapter_ids)
+        return execute(out, rows, *rest)
 
     worker.execute = counting
     return steps
@@ -73,9 +73,9 @@ async def _newcomer_chunks(llama_dir, max_inter_token_latency: float) -> list[in
     steps: list[dict[int, int]] = []
     execute = engine.worker.execute
 
-    def recording(out, rows, adapter_ids=None):
+    def recording(out, rows, *rest):
         steps.append(dict(zip(out.req_ids.tolist(), out.num_scheduled_tokens.tolist())))
-        return execute(out, rows, adapter_ids)
+        return execute(out, rows, *rest)
 
     engine.worker.execute = recording
     await engine.start()
