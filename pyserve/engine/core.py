@@ -111,6 +111,9 @@ class EngineCore(Actor):
         num_sampled[with_logits] = result.num_sampled
         update = self.scheduler.update(result.token_ids, num_sampled)
         finished = dict(zip(update.finished_req_ids.tolist(), update.finish_reasons))
+        prompt_done = None  # before the finished leave: a prompt may end with its only output token
+        if prompt_rows is not None:
+            prompt_done = self._gather_prompt_logprobs(prompt_rows, req_ids, result, update.req_ids)
         if self.grammar:
             self._advance_grammars(update)
         for rid in finished:
@@ -118,8 +121,7 @@ class EngineCore(Actor):
         logprobs = None if result.logprobs is None else result.logprobs[update.sampled_index]
         step = StepOutput(update.req_ids, update.token_ids, update.starts, finished, update.num_cached_tokens,
                           logprobs, reply_to=self)
-        if prompt_rows is not None:
-            step.prompt_logprobs = self._gather_prompt_logprobs(prompt_rows, req_ids, result, update.req_ids)
+        step.prompt_logprobs = prompt_done
         self.num_generation_tokens += len(step.token_ids)
         self._fork(update.fork_ready)
         if step.internal_ids:
@@ -142,8 +144,9 @@ class EngineCore(Actor):
         """Writes the step's prompt logprobs; returns those of the requests whose prompts are
         done (their first token came this step), which leave the buffers."""
         for i, (token_indices, logprobs) in zip(prompt_rows.index, result.prompt_logprobs, strict=True):
-            if len(token_indices):
-                self.prompt_logprobs[req_ids[i]].write(token_indices, logprobs)
+            buffer = self.prompt_logprobs.get(req_ids[i])
+            if buffer is not None and len(token_indices):
+                buffer.write(token_indices, logprobs)
         done = {}
         for rid in got_tokens:
             buffer = self.prompt_logprobs.get(rid)

@@ -28,8 +28,12 @@ class CompletionContext:
     """One HTTP request's engine requests, timings and response building."""
 
     def __init__(self, kind: str, base_id: str, req: SamplingFields, prompts: list[list[int]], state: ServerState,
-                 arrival: float, created: int, lora: LoRARequest | None, tools: ToolPlan | None = None):
+                 arrival: float, created: int, lora: LoRARequest | None, tools: ToolPlan | None = None,
+                 echo: list[str] | None = None, echo_only: bool = False):
+        """`echo`: each prompt's text, put before its completions (with their logprobs when asked);
+        `echo_only`: max_tokens 0, the one token the engine generated is not returned."""
         self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
+        self.echo, self.echo_only = echo, echo_only
         self.arrival, self.created = arrival, created
         self.lora = lora
         if lora is not None:
@@ -207,6 +211,8 @@ class CompletionContext:
                 elif self.kind == "chat":
                     choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
+                elif self.echo is not None:
+                    choices.append(self._echoed(i, s.output, c, idx))
                 else:
                     choices.append({"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -232,6 +238,24 @@ class CompletionContext:
             tops.append({e.decoded_token: e.logprob for e in best})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
 
+    def _echoed(self, i: int, output, c, idx: int) -> dict:
+        """A completion choice with prompt i before it: text, and logprobs (the prompt's first token
+        has none) when asked."""
+        tokens = [] if self.echo_only else c.token_ids
+        text = self.echo[i] + ("" if self.echo_only else c.text)
+        lp = None
+        if self.req.logprobs is not None:
+            prompt = self.prompts[i]
+            head = self._logprobs(prompt[1:], output.prompt_logprobs[1:])
+            first = self.state.engine.tokenizer.decode(prompt[:1], skip_special_tokens=False)
+            lp = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
+                  "top_logprobs": [None, *head["top_logprobs"]]}
+            if tokens:
+                tail = self._logprobs(tokens, c.logprobs)
+                lp = {k: lp[k] + tail[k] for k in lp}
+        finish = "length" if self.echo_only else c.finish_reason
+        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
+
     def _num_top(self) -> int:
         if self.kind == "chat":
             return self.req.top_logprobs or 0
@@ -239,7 +263,7 @@ class CompletionContext:
 
     def _usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
+        completion = 0 if self.echo_only else sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
         cached = sum(s.output.num_cached_tokens for s in self.streams)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

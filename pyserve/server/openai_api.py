@@ -62,6 +62,10 @@ def _tool_format(settings, chat_template: str | None) -> ToolFormat | None:
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(CompletionRequest, await json_body(request))
+    if req.max_tokens == 0 and not req.echo:
+        raise BadRequest("max_tokens: 0 is allowed only with echo", param="max_tokens")
+    if req.echo and req.stream:
+        raise BadRequest("echo: not supported with stream", param="echo")
     lora = state.loras.resolve(req.model, state.settings.served_model_name)
     tok = state.engine.tokenizer
     vocab = state.engine.vocab_size
@@ -76,7 +80,10 @@ async def completions(request: Request) -> Response:
             if bad is not None:
                 raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             prompts.append(list(p))
-    return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora)
+    echo = None
+    if req.echo:  # the prompts as given (token ids: decoded)
+        echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts()]
+    return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora, echo=echo)
 
 
 def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -97,7 +104,8 @@ def _logit_bias(req: SamplingFields, vocab: int) -> dict[int, float] | None:
 
 
 def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-            max_model_len: int, vocab: int, constraint: StructuredOutputsParams | None) -> SamplingParams:
+            max_model_len: int, vocab: int, constraint: StructuredOutputsParams | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     room = max_model_len - prompt_len
     if room < 1:
         raise BadRequest(f"the prompt has {prompt_len} tokens; the model's length is {max_model_len}",
@@ -114,7 +122,7 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req, vocab),
-            structured_outputs=constraint,
+            structured_outputs=constraint, prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise BadRequest(str(e), param=_field_of(str(e))) from e
@@ -128,7 +136,9 @@ def _field_of(message: str) -> str | None:
 
 async def _serve(request: Request, state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
                  max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
-                 tools: ToolPlan | None = None) -> Response:
+                 tools: ToolPlan | None = None, echo: list[str] | None = None) -> Response:
+    """`echo`: the prompts' texts, to put before each completion (with logprobs: the prompts'
+    logprobs too; max_tokens 0: nothing generated is returned)."""
     engine = state.engine
     constraint, constraint_field = _constraint(req)
     if tools is not None and tools.constraint is not None:
@@ -136,7 +146,9 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
             raise BadRequest(f"{constraint_field}: a forced tool call (tool_choice) is already the constraint",
                              param=constraint_field)
         constraint, constraint_field = tools.constraint, "tools"
-    params = [_params(req, len(p), max_tokens, logprobs, engine.max_model_len, engine.vocab_size, constraint)
+    prompt_logprobs = logprobs if echo is not None else None
+    params = [_params(req, len(p), max(max_tokens, 1) if echo is not None and max_tokens is not None else max_tokens,
+                      logprobs, engine.max_model_len, engine.vocab_size, constraint, prompt_logprobs)
               for p in prompts]
     if state.draining:
         raise Unavailable("server is shutting down")
@@ -148,7 +160,8 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if limit is not None and engine.num_waiting() + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora, tools)
+    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora, tools,
+                            echo, echo_only=echo is not None and max_tokens == 0)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -271,15 +271,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=64)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+    # 0 only with echo: the prompt's logprobs, nothing generated (lm-evaluation-harness' scoring)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) the logprobs
 
     @field_validator("best_of")
     @classmethod
