@@ -137,7 +137,48 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input", required=True)
     b.add_argument("--output", required=True)
     b.set_defaults(func=batch)
+    e = sub.add_parser("eval", help="run an eval set through serving configurations: quality, cost, latency")
+    e.add_argument("--data", required=True, help="the eval set (JSON Lines; see pyserve.eval.items)")
+    e.add_argument("--configs", required=True, help="CONFIGS.yaml (see pyserve.eval.configs)")
+    e.add_argument("--out", default="eval-out", help="folder for eval.json, eval.csv, eval.png and server logs")
+    e.add_argument("--repeats", type=int, default=1, help="rounds, the configurations taking turns")
+    e.add_argument("--limit", type=int, default=None, help="only the first N items (a quick run)")
+    e.set_defaults(func=run_eval)
     return parser
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    from pyserve.eval.configs import ConfigsError, load_plan
+    from pyserve.eval.harness import machine, run_plan, table, write_report
+    from pyserve.eval.items import EvalSetError, load_eval_set
+
+    try:  # both checked before anything runs
+        items = load_eval_set(args.data)
+        plan = load_plan(args.configs)
+    except (EvalSetError, ConfigsError, OSError) as e:
+        sys.exit(f"pyserve eval: {e}")
+    if args.repeats < 1 or (args.limit is not None and args.limit < 1):
+        sys.exit("pyserve eval: --repeats and --limit must be at least 1")
+    items = items[: args.limit]
+    total = len(items) * len(plan.configs) * args.repeats
+    done = 0
+
+    def progress() -> None:
+        nonlocal done
+        done += 1
+        width = 30
+        filled = width * done // total
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} items", end="", file=sys.stderr,
+              flush=True)
+
+    out = Path(args.out)
+    reports = run_plan(plan, items, out, args.repeats, progress)
+    print(file=sys.stderr)
+    meta = {"machine": machine(), "data": str(args.data), "configs": str(args.configs), "items": len(items),
+            "repeats": args.repeats, "price_per_hour": plan.price_per_hour, "concurrency": plan.concurrency}
+    paths = write_report(reports, out, meta)
+    print(table(reports))
+    print("\n" + ", ".join(str(p) for p in paths.values()))
 
 
 def main(argv: list[str] | None = None) -> None:

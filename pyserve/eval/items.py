@@ -1,7 +1,8 @@
 """The eval set: JSON Lines, one item per line, each scored one way.
 
 Every item has an `id` (unique), a `prompt` (completion text) or `messages` (chat), optional
-`max_tokens`, and a `scorer` with that scorer's fields:
+`max_tokens` and `stop` (sent with the request), `source` (a note, not sent), and a `scorer`
+with that scorer's fields:
   exact        reference: the output, stripped, equals it
   contains     reference: the output contains it
   regex        pattern: re.search finds it in the output
@@ -38,6 +39,8 @@ class _Item(BaseModel):
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = None
+    source: str | None = None  # where the item was drawn from (not sent)
 
     @model_validator(mode="after")
     def _one_input(self):

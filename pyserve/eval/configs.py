@@ -1,0 +1,159 @@
+"""The configurations an eval compares, from CONFIGS.yaml:
+
+    price_per_hour: 0.10        # USD per device-hour, for every configuration unless it sets its own
+    concurrency: 4              # requests in flight per configuration
+    warmup: 2                   # requests sent (and not measured) before the set runs
+    configs:
+      - name: target-int8       # unique; the report's row
+        model: null             # a model directory (embedded:target, embedded:draft); null: the embedded target
+        quantization: int8      # any `pyserve serve` engine setting by its name: quantization,
+        speculative_config: {method: ngram, num_speculative_tokens: 4}   # max_num_seqs, ...
+        lora: docstrings        # an adapter (embedded name or NAME=PATH) the requests use
+        temperature: 0.0        # sampling: temperature, top_p, seed
+        max_tokens: 64          # the output cap (an item's own max_tokens wins)
+        system_prompt: "..."    # chat items: a system message first
+        prompt_template: "{prompt}"   # completion items: the prompt as sent
+      - name: elsewhere
+        url: http://127.0.0.1:8000/v1   # any OpenAI-compatible server, already running
+        served_model: some-name
+
+A configuration is started on loopback with `pyserve serve` unless it names a `url`. Keys that
+are not listed here are refused, naming the configuration and the key; routes, cascades and the
+semantic cache are refused until the decision layer exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENGINE_SETTINGS = ("quantization", "quantization_group_size", "speculative_config", "max_num_seqs",
+                   "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "block_size", "dtype",
+                   "enable_prefix_caching", "seed")
+NOT_YET = {"route": "routing", "cascade": "cascades", "semantic_cache": "the semantic cache"}
+
+
+class ConfigsError(ValueError):
+    """A malformed CONFIGS.yaml: the message names the configuration and the key."""
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1)]
+    model: str | None = None
+    url: str | None = None
+    served_model: str | None = None
+    lora: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 64
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
+    price_per_hour: Annotated[float, Field(ge=0)] | None = None
+    concurrency: Annotated[int, Field(ge=1, le=1024)] | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)  # the engine settings, gathered below
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key, what in NOT_YET.items():
+                if key in data:
+                    raise ValueError(f"{key}: {what} is not built yet (the decision layer, issue 24)")
+            data["engine"] = {k: data.pop(k) for k in ENGINE_SETTINGS if k in data}
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _embedded(cls, v: str | None) -> str | None:
+        """`embedded:target` and `embedded:draft` name the embedded family's models."""
+        if v is not None and v.startswith("embedded:"):
+            from pyserve.default_model import DRAFT_DIR, TARGET_DIR
+
+            dirs = {"embedded:target": TARGET_DIR, "embedded:draft": DRAFT_DIR}
+            if v not in dirs:
+                raise ValueError(f"{v!r} is not one of {', '.join(dirs)}")
+            return str(dirs[v])
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if "{prompt}" not in v:
+            raise ValueError("must contain {prompt}")
+        return v
+
+    @model_validator(mode="after")
+    def _local_or_remote(self):
+        if self.url is not None and (self.model is not None or self.engine or self.lora is not None):
+            raise ValueError("a url configuration is already running: model, lora and engine settings do not apply")
+        return self
+
+    def serve_flags(self) -> list[str]:
+        """`pyserve serve` flags of a local configuration (its model first, when it has one)."""
+        import json
+
+        flags = [] if self.model is None else [self.model]
+        for key, value in self.engine.items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                if key == "enable_prefix_caching" and not value:
+                    flags.append("--no-prefix-caching")
+                continue
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        if self.lora is not None:
+            flags += ["--enable-lora", "--lora-modules", self.lora]
+        return flags
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.partition("=")[0]
+
+
+class EvalPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    price_per_hour: Annotated[float, Field(ge=0)] = 0.10
+    concurrency: Annotated[int, Field(ge=1, le=1024)] = 4
+    warmup: Annotated[int, Field(ge=0, le=100)] = 2
+    configs: Annotated[list[EvalConfig], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [c.name for c in self.configs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"configs: the name {dup!r} is used twice")
+        return self
+
+
+def load_plan(path: str | Path) -> EvalPlan:
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigsError(f"{path.name}: not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigsError(f"{path.name}: must be a mapping with a configs list")
+    try:
+        return EvalPlan.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = list(err["loc"])
+        where = ""
+        if len(loc) >= 2 and loc[0] == "configs" and isinstance(loc[1], int):
+            configs = data.get("configs") or []
+            name = configs[loc[1]].get("name") if loc[1] < len(configs) and isinstance(configs[loc[1]], dict) else None
+            where = f"configs[{loc[1]}]" + (f" ({name})" if name else "")
+            loc = loc[2:]
+        field = ".".join(str(x) for x in loc)
+        message = err["msg"].removeprefix("Value error, ")
+        parts = [p for p in (where, field) if p]
+        raise ConfigsError(f"{path.name}: {': '.join(parts)}: {message}" if parts else f"{path.name}: {message}") from e

@@ -1,0 +1,83 @@
+"""`pyserve eval` end to end on the embedded family, in its quick form: the example configurations
+over the first items of the shipped eval set, the report's files and figures, a failing
+configuration reported beside the others, and bad configs refused naming the key."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyserve.default_model.training import corpus
+from pyserve.eval.configs import ConfigsError, load_plan
+from pyserve.eval.items import load_eval_set
+
+DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data")
+
+
+def test_the_shipped_set_is_drawn_from_held_out_modules_only():
+    items = load_eval_set(DATA / "embedded.jsonl")
+    kinds = {i.scorer for i in items}
+    assert kinds == {"exact", "choice", "perplexity", "code"}
+    held = {"csv.py", "fractions.py", "json", "shlex.py", "textwrap.py"}
+    assert held == set(corpus.HELD_OUT)
+    for item in items:
+        if item.scorer != "code":
+            assert Path(item.source).parts[0] in held, item.id
+
+
+def test_the_example_configs_parse():
+    plan = load_plan(DATA / "embedded_configs.yaml")
+    assert len(plan.configs) == 8
+    int8 = next(c for c in plan.configs if c.name == "target-int8")
+    assert int8.engine == {"quantization": "int8"} and int8.serve_flags()[1:] == ["--quantization", "int8"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("configs: []", "configs: List should have at least 1 item"),
+    ("configs:\n  - {name: a, route: x}", r"configs\[0\] \(a\): route: routing is not built yet"),
+    ("configs:\n  - {name: a, temprature: 0.5}", r"configs\[0\] \(a\): temprature: Extra inputs"),
+    ("configs:\n  - {name: a}\n  - {name: a}", "the name 'a' is used twice"),
+    ("configs:\n  - {name: a, prompt_template: 'x'}", r"configs\[0\] \(a\): prompt_template: must contain \{prompt\}"),
+    ("configs:\n  - {name: a, url: 'http://x', quantization: int8}", "a url configuration is already running"),
+    ("configs: [", "not valid YAML"),
+])
+def test_bad_configs_name_the_configuration_and_key(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigsError, match=message):
+        load_plan(path)
+
+
+def test_quick_run_of_the_example_and_a_failing_configuration(tmp_path):
+    configs = tmp_path / "configs.yaml"
+    example = (DATA / "embedded_configs.yaml").read_text()
+    broken = "  - name: broken\n    model: embedded:target\n    quantization: int3\n"
+    configs.write_text(example + broken)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(DATA / "embedded.jsonl"),
+                          "--configs", str(configs), "--out", str(out), "--limit", "6"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    rows = {c["name"]: c for c in report["configs"]}
+    assert list(rows) == ["target", "target-int8", "target-int4", "draft", "target-ngram", "target-draft-spec",
+                          "target-docstrings", "target-cap-16", "broken"]
+    assert rows["broken"]["status"] == "failed" and "quantization must be one of" in rows["broken"]["error"]
+    for name, row in rows.items():
+        if name == "broken":
+            continue
+        assert row["status"] == "ok" and row["items"] == 6, row
+        assert 0.0 <= row["ci_low"] <= row["quality"] <= row["ci_high"] <= 1.0
+        assert row["output_tokens"] > 0 and row["dollars_per_mtok"] > 0 and row["ttft_p50_ms"] > 0
+        assert row["e2e_p50_s"] > 0 and row["output_tok_s"] > 0
+    assert any(row["frontier"] for row in rows.values())
+    assert report["machine"]["python"] and report["items"] == 6
+    with (out / "eval.csv").open() as f:
+        assert [r["name"] for r in csv.DictReader(f)] == list(rows)
+    assert (out / "eval.png").stat().st_size > 1000
+    assert "target-int8" in run.stdout and "failed broken" in run.stdout
