@@ -10,7 +10,7 @@
         speculative_config: {method: ngram, num_speculative_tokens: 4}   # max_num_seqs, ...
         lora: docstrings        # an adapter (embedded name or NAME=PATH) the requests use
         temperature: 0.0        # sampling: temperature, top_p, seed
-        max_tokens: 64          # the output cap (an item's own max_tokens wins)
+        max_tokens: 16          # the output cap: no item generates more (items ask for their own)
         system_prompt: "..."    # chat items: a system message first
         prompt_template: "{prompt}"   # completion items: the prompt as sent
       - name: elsewhere
@@ -50,7 +50,7 @@ class EvalConfig(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     seed: int | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = 64
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None  # the output cap over every item's own
     system_prompt: str | None = None
     prompt_template: str = "{prompt}"
     price_per_hour: Annotated[float, Field(ge=0)] | None = None

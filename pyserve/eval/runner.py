@@ -24,6 +24,9 @@ from pyserve.eval.items import ChoiceItem, PerplexityItem
 from pyserve.eval.scorers import Score, score_choice, score_perplexity, score_text
 
 
+DEFAULT_MAX_TOKENS = 64  # an item's output when it sets no max_tokens
+
+
 class ServerError(RuntimeError):
     """The server answered an eval request with an error (the message is its body)."""
 
@@ -61,8 +64,9 @@ class Client:
         return r.json()
 
     def _sampling(self, item) -> dict:
+        max_tokens = min(item.max_tokens or DEFAULT_MAX_TOKENS, self.cfg.max_tokens or DEFAULT_MAX_TOKENS << 20)
         body = {"model": self.model, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p,
-                "max_tokens": item.max_tokens or self.cfg.max_tokens, "stream": True,
+                "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         if self.cfg.seed is not None:
             body["seed"] = self.cfg.seed
