@@ -106,7 +106,7 @@ class LocalServer:
         self.cfg, self.workdir = cfg, workdir
 
     def __enter__(self) -> str:
-        from pyserve.testing.loopback import start_server
+        from pyserve.server.loopback import start_server
 
         flags = self.cfg.serve_flags()
         model, rest = (None, flags) if self.cfg.model is None else (Path(flags[0]), flags[1:])
@@ -114,7 +114,7 @@ class LocalServer:
         return base
 
     def __exit__(self, *exc) -> None:
-        from pyserve.testing.loopback import stop_server
+        from pyserve.server.loopback import stop_server
 
         stop_server(self.proc)
 

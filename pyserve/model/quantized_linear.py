@@ -140,28 +140,30 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights, one scale per output channel: y = (x q^T) * s + bias."""
 
+    quantize = staticmethod(quantize_int8)
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.cpu = qweight.device.type == "cpu"
+        self.cpu = qweight.device.type == "cpu" and qweight.dtype == torch.int8  # the Rust kernel's weights
         if self.cpu:  # numpy views for the kernel (no copies)
             self.q_view, self.scales_view = self.qweight.numpy(), self.scales.numpy()
             self.bias_view = None if self.bias is None else self.bias.numpy()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(*quantize_int8(linear.weight), linear.bias)
+        return cls(*cls.quantize(linear.weight), linear.bias)
 
     @property
     def weight_bytes(self) -> int:
         return self.qweight.numel() + 4 * self.scales.numel()
 
-    def kernel_weights(self) -> tuple:
-        """The layer as `_core.decoder_layer` takes a quantized projection."""
-        return self.q_view, self.scales_view, self.bias_view
+    def kernel_weights(self) -> tuple | None:
+        """The layer as `_core.decoder_layer` takes a quantized projection (None: no CPU kernel)."""
+        return (self.q_view, self.scales_view, self.bias_view) if self.cpu else None
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]
@@ -177,41 +179,15 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
-class Fp8Linear(nn.Module):
-    """A linear layer with float8 (e4m3) weights, one scale per output channel: y = (x q^T) * s +
-    bias. Served on CUDA GPUs of compute capability 8.9+ (the worker checks); elsewhere it
-    computes with the dequantized weight (the reference)."""
+class Fp8Linear(Int8Linear):
+    """Int8Linear with float8 (e4m3) weights: served on CUDA GPUs of compute capability 8.9+ (the
+    worker checks) by the same W8A16 kernel; elsewhere it computes with the dequantized weight
+    (the reference). It has no CPU kernel, so it is never part of `_core.decoder_layer`."""
 
-    cpu = False  # no CPU kernel: never part of `_core.decoder_layer`
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        return cls(*quantize_fp8(linear.weight), linear.bias)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.qweight.numel() + 4 * self.scales.numel()
-
-    def kernel_weights(self) -> None:
-        return None
-
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return w8a16_matmul(x.contiguous(), self.qweight, self.scales, self.bias)
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+    quantize = staticmethod(quantize_fp8)
 
 
-QUANTIZED = (Int8Linear, Int4Linear, Fp8Linear)
+QUANTIZED = (Int8Linear, Int4Linear)  # Fp8Linear is an Int8Linear
 
 
 def check_device(method: str | None, device: torch.device) -> None:
@@ -242,7 +218,7 @@ def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
-    if isinstance(first, (Int8Linear, Fp8Linear)):
+    if isinstance(first, Int8Linear):  # fp8 too
         return type(first)(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
     if any(p.group_size != first.group_size for p in parts):
         return None

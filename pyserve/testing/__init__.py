@@ -7,6 +7,9 @@ installed wheel (`from pyserve.testing import build_model`), so neither puts the
   parity       greedy references by full recomputation with transformers, and the token-exact
                comparison with them that tolerates only near-ties
   loopback     `pyserve serve` started on a free loopback port, stopped, and its /metrics parsed
+  in_process   the app and its engine in the test's event loop, behind httpx's ASGI transport
+  quantized_checkpoints  tiny pre-quantized checkpoints (compressed-tensors, GPTQ, AWQ) and
+               their full-precision references
 
 Importing it is cheap: torch, transformers, peft, tokenizers and httpx load inside the functions
 that need them. Nothing in `pyserve` imports it.

@@ -4,28 +4,14 @@ prompt tokens' logprobs (the first one null) as the engine's prompt_logprobs giv
 
 from __future__ import annotations
 
-import contextlib
 import math
 
-import httpx
-
 from pyserve import SamplingParams
-from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
-from pyserve.server.app import build_app
-from pyserve.server.settings import ServerSettings
+from pyserve.testing.in_process import serving
 
 
-@contextlib.asynccontextmanager
-async def client(model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=128))
-    app = build_app(engine, ServerSettings(served_model_name="tiny"))
-    await engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            yield engine, c
-    finally:
-        await engine.stop()
+def client(model_dir):
+    return serving(model_dir, block_size=4, num_kv_blocks=128)
 
 
 PROMPT = "def add(a, b):\n    return"

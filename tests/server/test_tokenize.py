@@ -3,26 +3,11 @@ the engine's own tokenizer and template, ids back to text, and bad input refused
 
 from __future__ import annotations
 
-import contextlib
-
-import httpx
-
-from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
-from pyserve.server.app import build_app
-from pyserve.server.settings import ServerSettings
+from pyserve.testing.in_process import serving
 
 
-@contextlib.asynccontextmanager
-async def client(model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, max_model_len=128))
-    app = build_app(engine, ServerSettings(served_model_name="tiny"))
-    await engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            yield engine, c
-    finally:
-        await engine.stop()
+def client(model_dir):
+    return serving(model_dir, block_size=4, num_kv_blocks=64, max_model_len=128)
 
 
 async def test_a_prompt_and_messages_tokenize_as_the_engine_does_and_detokenize_back(llama_dir):

@@ -1,0 +1,53 @@
+"""`pyserve serve` as a child process on loopback: started on a free port (from a work directory,
+so the installed package is imported, its log in a file there), stopped the way an operator stops
+it (SIGTERM: the server drains). Used by `pyserve eval` and by the tests and benchmarks."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def start_server(model_dir: Path | None, *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Starts `pyserve serve MODEL FLAGS` (no MODEL when `model_dir` is None: the embedded default)
+    on a free loopback port and returns once /health answers.
+
+    It runs from `workdir`, outside the repository, so the installed package (with its native
+    module) is imported, and logs to a file there: an unread pipe would fill up and block it.
+    """
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = [] if model_dir is None else [str(model_dir)]
+    cmd = [sys.executable, "-m", "pyserve.cli", "serve", *model, "--port", str(port), *flags]
+    log_path = Path(workdir) / f"server-{port}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError("server did not start within 120 s")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    """SIGTERM (the server drains), then its exit code; killed if it does not stop in 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
