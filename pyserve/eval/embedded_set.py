@@ -2,8 +2,8 @@
 standard-library modules its training held out (`corpus.HELD_OUT`: csv, fractions, json, shlex,
 textwrap), so no item's text was trained on:
 
-- next-line: a function's first lines, then its next line generated up to the newline; exact
-  match (stripped).
+- next-line: a function's first lines; the first line generated after them must be the true
+  next line (a regex: surrounding whitespace aside, exact).
 - continuation: the same kind of prefix, and four candidate next lines (the true one and three
   lines from other held-out functions); the true one must have the highest loglikelihood.
 - perplexity: a whole held-out function after its `def` line.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from pyserve.default_model.training import corpus
@@ -57,8 +58,12 @@ def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, seed
         cut = rng.randrange(2, len(lines) - 1)
         while cut < len(lines) - 1 and not lines[cut].strip():
             cut += 1
-        items.append({"id": f"next-line-{i}", "source": module, "prompt": "\n".join(lines[:cut]) + "\n",
-                      "scorer": "exact", "reference": lines[cut].strip(), "max_tokens": 48, "stop": ["\n"]})
+        # The prompt stops before the newline: the tokenizer merges a newline with the indent after
+        # it, so a prompt ending in a bare newline is one the model never saw (it answers with
+        # another newline). The first generated line must be the true one.
+        line = re.escape(lines[cut].strip())
+        items.append({"id": f"next-line-{i}", "source": module, "prompt": "\n".join(lines[:cut]),
+                      "scorer": "regex", "pattern": rf"^[ \t]*\n[ \t]*{line}[ \t]*(?:\n|$)", "max_tokens": 32})
     for i, (module, lines) in enumerate(fns[next_line: next_line + continuation]):
         cut = rng.randrange(2, len(lines) - 1)
         true = lines[cut]
@@ -66,15 +71,15 @@ def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, seed
             continue
         indent = true[: len(true) - len(true.lstrip())]
         distractors = rng.sample([p for p in pool if p.strip() != true.strip()], 3)
-        choices = [true] + [indent + d.strip() for d in distractors]
+        choices = ["\n" + line for line in [true] + [indent + d.strip() for d in distractors]]  # see next-line
         order = list(range(4))
         rng.shuffle(order)
-        items.append({"id": f"continuation-{i}", "source": module, "prompt": "\n".join(lines[:cut]) + "\n",
+        items.append({"id": f"continuation-{i}", "source": module, "prompt": "\n".join(lines[:cut]),
                       "scorer": "choice", "choices": [choices[j] for j in order], "answer": order.index(0)})
     start = next_line + continuation
     for i, (module, lines) in enumerate(fns[start: start + perplexity]):
-        items.append({"id": f"perplexity-{i}", "source": module, "prompt": lines[0] + "\n",
-                      "scorer": "perplexity", "reference": "\n".join(lines[1:]) + "\n"})
+        items.append({"id": f"perplexity-{i}", "source": module, "prompt": lines[0],
+                      "scorer": "perplexity", "reference": "\n" + "\n".join(lines[1:]) + "\n"})
     for name, request, tests in CODE_TASKS:
         items.append({"id": f"code-{name}", "source": "written for this set",
                       "messages": [{"role": "user", "content": request}], "scorer": "code", "tests": tests,

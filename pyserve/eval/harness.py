@@ -23,7 +23,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pyserve.eval.configs import EvalConfig, EvalPlan
@@ -57,6 +57,8 @@ class ConfigReport:
     output_tok_s: float | None = None
     quality_per_dollar_second: float | None = None
     frontier: bool = False
+    # Per item (the first round): id, score (null for perplexity items), the scorer's detail.
+    results: list[dict] = field(default_factory=list)
 
 
 def _ms(v: float | None) -> float | None:
@@ -66,6 +68,7 @@ def _ms(v: float | None) -> float | None:
 def summarize(name: str, rounds: list[tuple[list[ItemResult], float]], price_per_hour: float) -> ConfigReport:
     """One configuration's report from its rounds: (results in item order, wall seconds)."""
     rep = ConfigReport(name, items=len(rounds[0][0]))
+    rep.results = [{"id": r.id, "score": r.score.value, "detail": r.score.detail} for r in rounds[0][0]]
     per_item = list(zip(*[r for r, _ in rounds]))  # each item's results over rounds
     values = [statistics.fmean(s.score.value for s in results) for results in per_item
               if results[0].score.value is not None]

@@ -22,7 +22,7 @@ DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data
 def test_the_shipped_set_is_drawn_from_held_out_modules_only():
     items = load_eval_set(DATA / "embedded.jsonl")
     kinds = {i.scorer for i in items}
-    assert kinds == {"exact", "choice", "perplexity", "code"}
+    assert kinds == {"regex", "choice", "perplexity", "code"}
     held = {"csv.py", "fractions.py", "json", "shlex.py", "textwrap.py"}
     assert held == set(corpus.HELD_OUT)
     for item in items:
@@ -76,8 +76,21 @@ def test_quick_run_of_the_example_and_a_failing_configuration(tmp_path):
         assert row["output_tokens"] > 0 and row["dollars_per_mtok"] > 0 and row["ttft_p50_ms"] > 0
         assert row["e2e_p50_s"] > 0 and row["output_tok_s"] > 0
     assert any(row["frontier"] for row in rows.values())
+    first = rows["target"]["results"]
+    assert [r["id"] for r in first] == [i.id for i in load_eval_set(DATA / "embedded.jsonl")[:6]]
+    assert all(r["score"] in (0.0, 1.0) for r in first)
     assert report["machine"]["python"] and report["items"] == 6
     with (out / "eval.csv").open() as f:
         assert [r["name"] for r in csv.DictReader(f)] == list(rows)
     assert (out / "eval.png").stat().st_size > 1000
     assert "target-int8" in run.stdout and "failed broken" in run.stdout
+
+
+def test_a_bad_eval_line_stops_the_cli_before_any_server_starts(tmp_path):
+    data = tmp_path / "eval.jsonl"
+    data.write_text('{"id": "a", "prompt": "x", "scorer": "exact", "reference": "y"}\n{"id": "b", "prompt": "x"}\n')
+    run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(data), "--configs",
+                          str(DATA / "embedded_configs.yaml"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode != 0 and "eval.jsonl line 2: scorer: missing" in run.stderr
+    assert not (tmp_path / "out").exists()
