@@ -32,6 +32,7 @@ from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROMPT_LOGPROB_ROWS = 256  # prompt rows scored at once: a [rows, vocab] f32 block at a time
 
 
 def resolve_device(device: str) -> torch.device:
@@ -198,14 +199,19 @@ class ModelWorker:
                 results.append((targets, None))
                 continue
             rows = hidden[lo:hi][torch.from_numpy(keep).to(hidden.device)]
-            raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            target_ids = torch.tensor(prompt, device=raw.device)[torch.from_numpy(targets).to(raw.device)]
-            sampled = raw.gather(1, target_ids[:, None])[:, 0]
-            ranks = (raw > sampled[:, None]).sum(dim=1) + 1
-            top = raw.topk(min(k, raw.shape[1]), dim=-1)
-            results.append((targets, Logprobs(top.values.cpu().numpy(), top.indices.cpu().numpy(),
-                                              sampled.cpu().numpy(), ranks.cpu().numpy())))
+            target_ids = torch.tensor(prompt, device=rows.device)[torch.from_numpy(targets).to(rows.device)]
+            parts = [self._token_logprobs(rows[j : j + PROMPT_LOGPROB_ROWS], target_ids[j : j + PROMPT_LOGPROB_ROWS], k)
+                     for j in range(0, len(rows), PROMPT_LOGPROB_ROWS)]
+            results.append((targets, Logprobs(*(np.concatenate(a) for a in zip(*parts)))))
         return results
+
+    def _token_logprobs(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[np.ndarray, ...]:
+        """(top-k values, their ids, the tokens' own logprobs, their ranks) of raw logprobs."""
+        raw = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        own = raw.gather(1, token_ids[:, None])[:, 0]
+        ranks = (raw > own[:, None]).sum(dim=1) + 1
+        top = raw.topk(min(k, raw.shape[1]), dim=-1)
+        return top.values.cpu().numpy(), top.indices.cpu().numpy(), own.cpu().numpy(), ranks.cpu().numpy()
 
     def _logits(self, hidden: torch.Tensor, rows: StepRows):
         """The logits of `hidden`, with the grammar masks of constrained rows applied, and

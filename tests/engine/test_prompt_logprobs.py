@@ -1,6 +1,7 @@
 """SamplingParams(prompt_logprobs=k): each prompt token's raw logprob given the tokens before it,
 its rank and the top-k alternatives, against transformers' log-softmax of the whole prompt;
-chunked prefill, a prompt the prefix cache holds, and n > 1 give the same values."""
+chunked prefill, rows scored in parts, a prompt the prefix cache holds, and n > 1 give the same
+values."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def check(output, prompt: list[int], reference: torch.Tensor, k: int) -> None:
         assert len(entry) in (k, k + 1)
 
 
-@pytest.mark.parametrize("chunk", [2048, 16])
-def test_prompt_logprobs_match_transformers(llama_dir, chunk):
+@pytest.mark.parametrize("chunk, scored_rows", [(2048, 256), (16, 256), (2048, 7)])
+def test_prompt_logprobs_match_transformers(llama_dir, chunk, scored_rows, monkeypatch):
+    from pyserve.model import worker
+
+    monkeypatch.setattr(worker, "PROMPT_LOGPROB_ROWS", scored_rows)  # 7: a chunk's rows scored in parts
     prompt = prompts(300, seed=4, lengths=(40,))[0]
     reference = hf_prompt_logprobs(llama_dir, prompt)
     with LLM(str(llama_dir), block_size=4, num_kv_blocks=128, max_num_batched_tokens=chunk) as llm:
