@@ -147,9 +147,9 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
                              param=constraint_field)
         constraint, constraint_field = tools.constraint, "tools"
     prompt_logprobs = logprobs if echo is not None else None
-    params = [_params(req, len(p), max(max_tokens, 1) if echo is not None and max_tokens is not None else max_tokens,
-                      logprobs, engine.max_model_len, engine.vocab_size, constraint, prompt_logprobs)
-              for p in prompts]
+    engine_max = 1 if max_tokens == 0 else max_tokens  # echo of the prompt alone: one token, not returned
+    params = [_params(req, len(p), engine_max, logprobs, engine.max_model_len, engine.vocab_size, constraint,
+                      prompt_logprobs) for p in prompts]
     if state.draining:
         raise Unavailable("server is shutting down")
     try:
