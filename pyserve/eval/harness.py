@@ -168,10 +168,8 @@ def run_plan(plan: EvalPlan, items: list, out_dir: Path, repeats: int = 1, progr
 def machine() -> dict:
     from importlib.metadata import version
 
-    import torch
-
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "python": sys.version.split()[0], "torch": torch.__version__, "pyserve": version("pyserve"),
+            "python": sys.version.split()[0], "torch": version("torch"), "pyserve": version("pyserve"),
             "cpus": __import__("os").cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
