@@ -116,11 +116,9 @@ class Client:
         where the context's own tokens end)."""
         ctx = (await self._post("/tokenize", {"model": self.model, "prompt": context}))["tokens"]
         whole = (await self._post("/tokenize", {"model": self.model, "prompt": context + continuation}))["tokens"]
-        if whole[: len(ctx)] != ctx or len(whole) == len(ctx):
-            ctx = ctx[: max(1, min(len(ctx), len(whole) - 1))]  # a token spans the boundary: it belongs to the continuation
         body = {"model": self.model, "prompt": whole, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0}
         logprobs = (await self._post("/v1/completions", body))["choices"][0]["logprobs"]["token_logprobs"]
-        return [float(v) for v in logprobs[len(ctx):]]
+        return [float(v) for v in logprobs[split_point(ctx, whole):]]
 
     async def run_item(self, item) -> ItemResult:
         start = time.perf_counter()
@@ -148,6 +146,19 @@ async def run_items(client: Client, items: list, concurrency: int, on_done=None)
 
     await asyncio.gather(*(one(i) for i in range(len(items))))
     return results
+
+
+def split_point(context: list[int], whole: list[int]) -> int:
+    """Where the continuation's tokens begin in `whole` (context and continuation tokenized
+    together): after the tokens it shares with the context alone, so a token spanning the
+    boundary belongs to the continuation; at least 1 (the first token has no logprob) and at most
+    len(whole) - 1 (a continuation has a token)."""
+    shared = 0
+    for a, b in zip(context, whole):
+        if a != b:
+            break
+        shared += 1
+    return max(1, min(shared, len(whole) - 1))
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -44,3 +44,4 @@ def test_cost_and_quality_per_dollar_second():
     assert dollars_per_million_tokens(10.0, 0, 2.0) == math.inf
     assert math.isclose(quality_per_dollar_second(0.8, 0.002, 0.5), 800.0)
     assert quality_per_dollar_second(0.8, 0.0, 0.5) == math.inf
+
