@@ -1,7 +1,9 @@
-"""Run by code_sandbox as `python -I _sandbox_guard.py FOLDER SCRIPT`: installs the audit hook
-(see code_sandbox), then runs SCRIPT as __main__."""
+"""Run by code_sandbox as `python -I -B _sandbox_guard.py FOLDER SCRIPT MEMORY_BYTES CPU_SECONDS
+FILE_BYTES`: sets the resource limits, installs the audit hook (see code_sandbox), then runs
+SCRIPT as __main__."""
 
 import os
+import resource
 import runpy
 import sys
 
@@ -12,6 +14,10 @@ class SandboxRefused(PermissionError):
 
 def main() -> None:
     folder, script = os.path.realpath(sys.argv[1]), sys.argv[2]
+    memory, cpu, file_size = (int(v) for v in sys.argv[3:6])
+    for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, file_size),
+                         (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
 
     def inside(path) -> bool:
         if isinstance(path, int):  # a file descriptor already open

@@ -3,7 +3,8 @@ harness, use the network or write outside its own temporary folder.
 
 - Time: a wall-clock limit; past it the whole process group is killed (SIGKILL), and CPU time
   is capped too (RLIMIT_CPU).
-- Memory: RLIMIT_AS; files it writes: RLIMIT_FSIZE (16 MiB).
+- Memory: RLIMIT_AS; files it writes: RLIMIT_FSIZE (16 MiB). The guard script sets the limits
+  in the child before the program runs (no preexec_fn: the harness has threads).
 - Isolation: `python -I -B` (no user site, no PYTHON* variables, no bytecode written), an empty
   environment but PATH, HOME and TMPDIR in the folder, the folder as working directory, and an
   audit hook (installed before the program runs; Python offers no way to remove one) that
@@ -17,7 +18,6 @@ output needs, not a boundary against an adversary.
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -36,16 +36,6 @@ class RunResult:
     output: str  # the tail of stdout and stderr
 
 
-def _limits(memory_mb: int, cpu_s: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
-
-
 def run_tests(program: str, tests: str, timeout_s: float = 10.0, memory_mb: int = 512) -> RunResult:
     """Runs `program` then `tests` (asserts) as one script in the sandbox; passed when it exits 0."""
     with tempfile.TemporaryDirectory(prefix="pyserve-eval-") as folder:
@@ -53,9 +43,12 @@ def run_tests(program: str, tests: str, timeout_s: float = 10.0, memory_mb: int 
         script.write_text(program + "\n\n" + tests + "\n", encoding="utf-8")
         env = {"PATH": os.defpath, "HOME": folder, "TMPDIR": folder, "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONIOENCODING": "utf-8"}
-        proc = subprocess.Popen([sys.executable, "-I", "-B", str(GUARD), folder, str(script)], cwd=folder, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_limits(memory_mb, max(1, int(timeout_s) + 1)))
+        cpu_s = max(1, int(timeout_s) + 1)
+        # the limits are set by the guard itself, before the program: no preexec_fn (unsafe in a
+        # process with threads, which the eval's event loop is)
+        proc = subprocess.Popen([sys.executable, "-I", "-B", str(GUARD), folder, str(script), str(memory_mb << 20),
+                                 str(cpu_s), str(FILE_LIMIT)], cwd=folder, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
