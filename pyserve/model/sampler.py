@@ -171,10 +171,8 @@ class Sampler:
                 tokens = torch.where(rows.temperature == 0.0, greedy_tokens, tokens)
         if raw is None:
             return SampleResult(tokens)
-        sampled = raw.gather(1, tokens.unsqueeze(1))
-        ranks = (raw > sampled).sum(dim=-1) + 1
-        top = raw.topk(min(rows.max_num_logprobs, raw.shape[1]), dim=-1)
-        return SampleResult(tokens, top.values, top.indices, sampled.squeeze(1), ranks)
+        top, top_ids, sampled, ranks = token_logprobs(raw, tokens, rows.max_num_logprobs)
+        return SampleResult(tokens, top, top_ids, sampled, ranks)
 
     def probs(self, logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         """The distribution `sample` draws each row from, as f32 probabilities [N, V]: one-hot at
@@ -234,6 +232,15 @@ class Sampler:
             q[idx] = keyed_exponential([k.at(offset) for _, k in rows.seeded_rows], q.shape[1], q.device).to(q.dtype)
         # NOTE: the CPU kernel can return exactly 0, and 0/0 is NaN, which argmax would pick.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Of raw logprobs [N, V] and one token per row: (the top-k logprobs [N, k] descending, their
+    ids, each token's own logprob [N], its rank [N], 1 = the most likely)."""
+    own = raw.gather(1, tokens.unsqueeze(1))
+    ranks = (raw > own).sum(dim=-1) + 1
+    top = raw.topk(min(k, raw.shape[1]), dim=-1)
+    return top.values, top.indices, own.squeeze(1), ranks
 
 
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -24,7 +24,7 @@ from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
 from pyserve.model.quantized_linear import check_device, check_method, quantize_linears, weight_bytes
 from pyserve.model.cpu_linear import can_use, use_cpu_linears
-from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.model.sampler import Sampler, SamplingRows, token_logprobs
 from pyserve.model.step_buffers import StepBuffers
 from pyserve.model.token_masks import apply_token_masks
 from pyserve.speculative.draft_model import DraftModelProposer
@@ -208,10 +208,7 @@ class ModelWorker:
     def _token_logprobs(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[np.ndarray, ...]:
         """(top-k values, their ids, the tokens' own logprobs, their ranks) of raw logprobs."""
         raw = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
-        own = raw.gather(1, token_ids[:, None])[:, 0]
-        ranks = (raw > own[:, None]).sum(dim=1) + 1
-        top = raw.topk(min(k, raw.shape[1]), dim=-1)
-        return top.values.cpu().numpy(), top.indices.cpu().numpy(), own.cpu().numpy(), ranks.cpu().numpy()
+        return tuple(t.cpu().numpy() for t in token_logprobs(raw, token_ids, k))
 
     def _logits(self, hidden: torch.Tensor, rows: StepRows):
         """The logits of `hidden`, with the grammar masks of constrained rows applied, and
