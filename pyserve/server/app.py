@@ -8,7 +8,6 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -17,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from pyserve.server.body import json_response
 from pyserve.server.errors import APIError, error_body, error_response
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
@@ -33,10 +33,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pyserve.server")
 
 
-def _json(data: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status, media_type="application/json")
-
-
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     base = state.settings.served_model_name
@@ -45,22 +41,22 @@ async def models(request: Request) -> Response:
     for name, entry in state.loras.entries.items():
         cards.append({"id": name, "object": "model", "created": 0, "owned_by": "pyserve",
                       "root": entry.lora.lora_path, "parent": base, "max_model_len": state.engine.max_model_len})
-    return _json({"object": "list", "data": cards})
+    return json_response({"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:
     startup: Startup = request.app.state.startup
     if startup.status == "loading":
-        return _json({"status": "loading"}, 503)
+        return json_response({"status": "loading"}, 503)
     if startup.status == "failed":
-        return _json({"status": "failed", "error": repr(startup.error)}, 503)
+        return json_response({"status": "failed", "error": repr(startup.error)}, 503)
     state: ServerState = request.app.state.pyserve
     health = state.engine.health()
     if health.status == "dead":
-        return _json({"status": "dead", "error": repr(health.error)}, 503)
+        return json_response({"status": "dead", "error": repr(health.error)}, 503)
     if health.status == "stalled":
-        return _json({"status": "stalled", "seconds_without_step": round(health.seconds_without_step, 3)}, 503)
-    return _json({"status": "ok"})
+        return json_response({"status": "stalled", "seconds_without_step": round(health.seconds_without_step, 3)}, 503)
+    return json_response({"status": "ok"})
 
 
 async def metrics(request: Request) -> Response:
@@ -70,7 +66,7 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    return _json(openapi_document(state.settings, [state.settings.served_model_name, *state.loras.entries]))
+    return json_response(openapi_document(state.settings, [state.settings.served_model_name, *state.loras.entries]))
 
 
 async def version_info(request: Request) -> Response:
@@ -78,7 +74,7 @@ async def version_info(request: Request) -> Response:
         v = version("pyserve")
     except PackageNotFoundError:
         v = "unknown"
-    return _json({"version": v})
+    return json_response({"version": v})
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:

@@ -1,4 +1,5 @@
-"""Request bodies: JSON parsing and schema validation, with errors that name the field."""
+"""Request bodies (JSON parsing and schema validation, with errors that name the field) and JSON
+response bodies."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pyserve.server.errors import BadRequest
 from pyserve.server.schemas import NO_EFFECT_FIELDS, REFUSED_FIELDS
@@ -21,6 +23,10 @@ async def json_body(request: Request) -> Any:
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data
+
+
+def json_response(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status, media_type="application/json")
 
 
 def validate(schema: type[BaseModel], data: dict[str, Any]):

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from pyserve.engine.output_processor import ClientTooSlow, RequestStream, StreamDelta
 from pyserve.lora.request import LoRARequest
+from pyserve.server.body import json_response
 from pyserve.server.errors import Unavailable, error_body
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState
@@ -141,7 +142,7 @@ class CompletionContext:
             self._finish_log()
             raise
         self._finish_log()
-        return Response(orjson.dumps(self._final_body()), media_type="application/json")
+        return json_response(self._final_body())
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:

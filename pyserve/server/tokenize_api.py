@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.server.body import json_body, validate
+from pyserve.server.body import json_body, json_response, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest
 from pyserve.server.schemas import ChatMessage
@@ -51,10 +50,6 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
-def _json(data: object) -> Response:
-    return Response(orjson.dumps(data), media_type="application/json")
-
-
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None:
         state.loras.resolve(model, state.settings.served_model_name)
@@ -78,7 +73,7 @@ async def tokenize(request: Request) -> Response:
             raise BadRequest(f"the chat template did not render within {timeout} s", param="messages") from e
         tokens = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     token_strs = [tok.decode([t], skip_special_tokens=False) for t in tokens] if req.return_token_strs else None
-    return _json({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
+    return json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
                   "token_strs": token_strs})
 
 
@@ -90,4 +85,4 @@ async def detokenize(request: Request) -> Response:
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-    return _json({"prompt": state.engine.tokenizer.decode(req.tokens)})
+    return json_response({"prompt": state.engine.tokenizer.decode(req.tokens)})
