@@ -30,6 +30,22 @@ BLOCK_K = 64
 RUNTIME = ("m",)  # the row count changes every step: not specialised on
 
 
+@triton.jit
+def _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x):
+    """x[rows, ks], zeros outside."""
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: tl.constexpr):
+    """y[rows, cols] = acc (+ bias[cols]), in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=RUNTIME)
 def _w8a16_kernel(x_ptr, q_ptr, scales_ptr, bias_ptr, y_ptr, m, n, k, stride_x, stride_q, stride_y,
                   HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -42,8 +58,7 @@ def _w8a16_kernel(x_ptr, q_ptr, scales_ptr, bias_ptr, y_ptr, m, n, k, stride_x, 
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
         q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_q + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0)
         if FP8:
@@ -52,10 +67,7 @@ def _w8a16_kernel(x_ptr, q_ptr, scales_ptr, bias_ptr, y_ptr, m, n, k, stride_x, 
             w = q.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(acc, bias_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=RUNTIME)
@@ -70,8 +82,7 @@ def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, offsets_ptr, bias_ptr, y_ptr, m
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         w_mask = col_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _x_tile(x_ptr, rows, row_ok, ks, k_ok, stride_x)
         # each byte is loaded for its two inputs (the second load hits the cache), then shifted
         byte = tl.load(packed_ptr + cols[:, None].to(tl.int64) * stride_p + ks[None, :] // 2, mask=w_mask, other=0)
         q = ((byte >> ((ks[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
@@ -79,15 +90,12 @@ def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, offsets_ptr, bias_ptr, y_ptr, m
         w = q * tl.load(scales_ptr + group, mask=w_mask, other=0.0) + tl.load(offsets_ptr + group, mask=w_mask,
                                                                                other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(acc, bias_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
 
 
-def _check_common(x, weight_name, weight, scales_name, scales, bias):
+def _check_common(x, weight, scales, bias):
     check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor(scales_name, scales, scales.dim(), (torch.float32,), x.device)
+    check_tensor("scales", scales, scales.dim(), (torch.float32,), x.device)
     if bias is not None:
         check_tensor("bias", bias, 1, (torch.float32,), x.device)
         check_shape("bias", bias, weight.shape[:1])
@@ -102,7 +110,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """Triton launcher, checked: y [M, N] = (x q^T) * scales + bias, in x's dtype; qweight int8
     or float8_e4m3fn (fp8 needs a GPU of compute capability 8.9+, or the interpreter)."""
     check_tensor("qweight", qweight, 2, (torch.int8, torch.float8_e4m3fn), x.device)
-    _check_common(x, "qweight", qweight, "scales", scales, bias)
+    _check_common(x, qweight, scales, bias)
     fp8 = qweight.dtype == torch.float8_e4m3fn
     n, k = qweight.shape
     if x.shape[1] != k:
@@ -124,7 +132,7 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher, checked: y [M, N] = x (q * scale + offset)^T + bias, in x's dtype."""
     check_tensor("packed", packed, 2, (torch.uint8,), x.device)
-    _check_common(x, "packed", packed, "scales", scales, bias)
+    _check_common(x, packed, scales, bias)
     check_tensor("offsets", offsets, 2, (torch.float32,), x.device)
     n, k = packed.shape[0], 2 * packed.shape[1]
     if x.shape[1] != k:
