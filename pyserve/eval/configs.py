@@ -95,10 +95,10 @@ class EvalConfig(BaseModel):
         return self
 
     def serve_flags(self) -> list[str]:
-        """`pyserve serve` flags of a local configuration (its model first, when it has one)."""
+        """`pyserve serve` flags of a local configuration (its model is `model`, given apart)."""
         import json
 
-        flags = [] if self.model is None else [self.model]
+        flags = []
         for key, value in self.engine.items():
             flag = "--" + key.replace("_", "-")
             if isinstance(value, bool):

@@ -111,9 +111,9 @@ class LocalServer:
     def __enter__(self) -> str:
         from pyserve.server.loopback import start_server
 
-        flags = self.cfg.serve_flags()
-        model, rest = (None, flags) if self.cfg.model is None else (Path(flags[0]), flags[1:])
-        self.proc, base = start_server(model, "--served-model-name", "eval", *rest, workdir=self.workdir)
+        model = None if self.cfg.model is None else Path(self.cfg.model)
+        self.proc, base = start_server(model, "--served-model-name", "eval", *self.cfg.serve_flags(),
+                                       workdir=self.workdir)
         return base
 
     def __exit__(self, *exc) -> None:

@@ -34,7 +34,7 @@ def test_the_example_configs_parse():
     plan = load_plan(DATA / "embedded_configs.yaml")
     assert len(plan.configs) == 8
     int8 = next(c for c in plan.configs if c.name == "target-int8")
-    assert int8.engine == {"quantization": "int8"} and int8.serve_flags()[1:] == ["--quantization", "int8"]
+    assert int8.engine == {"quantization": "int8"} and int8.serve_flags() == ["--quantization", "int8"]
 
 
 @pytest.mark.parametrize("text, message", [
