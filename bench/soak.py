@@ -48,7 +48,7 @@ class Tally:
 
 
 def metrics(text: str) -> dict[str, float]:
-    return {k.removeprefix("pyserve:"): v for k, v in parse_metrics(text).items()}
+    return {k.removeprefix("pyserve:"): v for k, v in parse_metrics(text, "pyserve-default").items()}
 
 
 def rss_mib(pid: int) -> float:

@@ -66,9 +66,40 @@ def lora_module(item: str) -> tuple[str, str]:
     return name, str(ADAPTER_DIRS[name])
 
 
+def _served_models(args: argparse.Namespace) -> dict:
+    """name -> ModelSpec for every model the flags ask for (see server.model_specs); a bad entry
+    ends the command before anything loads."""
+    from pyserve.engine.config import EngineConfig
+    from pyserve.options import from_args
+    from pyserve.server.model_specs import (ModelEntry, ModelsConfigError, default_pair, engine_configs,
+                                            load_models_file, model_flag)
+    from pyserve.server.models import ModelSpec
+
+    try:
+        entries = []
+        if args.model is not None:
+            entries.append(ModelEntry(args.served_model_name or served_name(args.model), args.model,
+                                      lora_modules=dict(args.lora_modules)))
+        entries += [ModelEntry(*model_flag(item)) for item in args.models]
+        if args.models_config:
+            entries += load_models_file(args.models_config)
+        if not entries:
+            entries = default_pair()
+            entries[0].name = args.served_model_name or entries[0].name
+        if args.model is None:  # the primary takes the command line's adapters
+            entries[0].lora_modules = dict(args.lora_modules) | entries[0].lora_modules
+        base = from_args(EngineConfig, args, watchdog_timeout=args.watchdog_timeout or None)
+        if args.lora_root:
+            entries[0].overrides.setdefault("enable_lora", True)
+        configs = engine_configs(entries, base)
+    except ModelsConfigError as e:
+        sys.exit(f"pyserve serve: {e}")
+    return {name: ModelSpec(lambda c=config: _engine(c), loras) for name, (config, loras) in configs.items()}
+
+
 def serve(args: argparse.Namespace) -> None:
-    """Binds the socket at once and builds the engine behind it (/health: 503 "loading", then
-    200); exits non-zero when the engine fails to load."""
+    """Binds the socket at once and builds the engines behind it (/health: 503 "loading", then
+    200); exits non-zero when one fails to load."""
     import uvicorn
 
     from pyserve.logs import configure_logging
@@ -77,18 +108,15 @@ def serve(args: argparse.Namespace) -> None:
     from pyserve.server.settings import ServerSettings
 
     configure_logging()
-    config = _engine_config(args)
-    settings = ServerSettings(**from_args(
-        ServerSettings, args, served_model_name=args.served_model_name or served_name(args.model),
-        lora_modules=dict(args.lora_modules),
-    ))
+    models = _served_models(args)
+    settings = ServerSettings(**from_args(ServerSettings, args, served_model_name=next(iter(models))))
     failures: list[BaseException] = []
 
     def load_failed(error: BaseException) -> None:
         failures.append(error)
         server.should_exit = True
 
-    app = build_app(lambda: _engine(config), settings, on_load_failure=load_failed)
+    app = build_app(models, settings, on_load_failure=load_failed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -129,7 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     s.add_argument("--lora-modules", nargs="*", default=[], type=lora_module, metavar="NAME=PATH",
-                   help="adapters served from the start (the request's model field names one)")
+                   help="adapters of the (first) model served from the start (the request's model field names one)")
+    s.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=DIR",
+                   help="one more model served under NAME (repeatable; see pyserve.server.model_specs)")
+    s.add_argument("--models-config", default=None, metavar="FILE",
+                   help="a YAML file of models to serve: name, model, kv_share, lora_modules, engine flags")
     add_flags(s, ServerSettings)
     s.set_defaults(func=serve)
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")

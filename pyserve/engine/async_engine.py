@@ -88,6 +88,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len,
             seed=config.seed,
             gpu_memory_fraction=config.gpu_memory_fraction,
+            kv_cache_share=config.kv_cache_share,
             attention_backend=config.attention_backend,
             draft_model=draft,
             max_loras=config.max_loras if config.enable_lora else 0,

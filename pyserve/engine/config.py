@@ -33,6 +33,7 @@ class EngineConfig:
         "compute capability 8.9+)", type=str)
     quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
     gpu_memory_fraction: float = 0.85
+    kv_cache_share: float = 1.0  # of the automatic KV budget, for servers of several models (server/model_specs.py)
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model"}', type=str)
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if not 0.0 < self.kv_cache_share <= 1.0:
+            raise ValueError(f"kv_cache_share must be in (0, 1], got {self.kv_cache_share}")
         if self.max_inter_token_latency is not None and not 0 <= self.max_inter_token_latency < math.inf:
             raise ValueError(f"max_inter_token_latency must be >= 0 seconds or None, got {self.max_inter_token_latency}")
         if self.watchdog_timeout is not None and not self.watchdog_timeout > 0:

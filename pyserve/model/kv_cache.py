@@ -19,16 +19,18 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def auto_num_blocks(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory_fraction: float
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, memory_fraction: float,
+    share: float = 1.0,
 ) -> int:
-    """Blocks that fit: on CUDA, `memory_fraction` of the memory free after loading the weights;
-    on CPU, a fixed 1 GiB budget."""
+    """Blocks that fit in `share` of the budget: on CUDA, `memory_fraction` of the memory free
+    after loading the weights; on CPU, a fixed 1 GiB."""
     per_block = bytes_per_block(cfg, block_size, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * memory_fraction)
     else:
         budget = CPU_KV_CACHE_BYTES
+    budget = int(budget * share)
     return max(2, min(MAX_AUTO_BLOCKS, budget // per_block))
 
 

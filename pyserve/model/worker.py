@@ -69,6 +69,7 @@ class ModelWorker:
         max_model_len: int,
         seed: int = 0,
         gpu_memory_fraction: float = 0.85,
+        kv_cache_share: float = 1.0,
         attention_backend: str | None = None,
         draft_model: tuple[str, ModelConfig] | None = None,
         max_loras: int = 0,
@@ -90,7 +91,8 @@ class ModelWorker:
                              f"({self.model.checkpoint_quantization}); leave quantization unset")
         self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
         if num_kv_blocks is None:
-            num_kv_blocks = auto_num_blocks(cfg, block_size, self.dtype, self.device, gpu_memory_fraction)
+            num_kv_blocks = auto_num_blocks(cfg, block_size, self.dtype, self.device,
+                                            gpu_memory_fraction, kv_cache_share)
         self.num_kv_blocks = num_kv_blocks
         self.kv_caches = allocate_kv_cache(cfg, num_kv_blocks, block_size, self.dtype, self.device)
         backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")

@@ -4,7 +4,7 @@ server.startup: the engine may still be loading when the socket answers)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
@@ -17,9 +17,12 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from pyserve.server.body import json_response
+from pyserve.server.cache_routes import cache_info, invalidate
+from pyserve.server.embeddings_api import embeddings
 from pyserve.server.errors import APIError, error_body, error_response
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
+from pyserve.server.models import ModelSpec
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
@@ -33,29 +36,32 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pyserve.server")
 
 
-async def models(request: Request) -> Response:
+async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    base = state.settings.served_model_name
-    cards = [{"id": base, "object": "model", "created": 0, "owned_by": "pyserve", "root": state.engine.model_path,
-              "parent": None, "max_model_len": state.engine.max_model_len}]
-    for name, entry in state.loras.entries.items():
-        cards.append({"id": name, "object": "model", "created": 0, "owned_by": "pyserve",
-                      "root": entry.lora.lora_path, "parent": base, "max_model_len": state.engine.max_model_len})
+    cards = state.models.cards()
+    if state.encoder is not None:
+        cards.append({"id": state.encoder.name, "object": "model", "created": 0, "owned_by": "pyserve",
+                      "root": state.encoder.source, "parent": None, "max_model_len": state.encoder.max_input_tokens})
     return json_response({"object": "list", "data": cards})
 
 
 async def health(request: Request) -> Response:
+    """200 when every served model's engine is alive and stepping; else 503 naming the first
+    that is not (`model`)."""
     startup: Startup = request.app.state.startup
     if startup.status == "loading":
         return json_response({"status": "loading"}, 503)
     if startup.status == "failed":
         return json_response({"status": "failed", "error": repr(startup.error)}, 503)
     state: ServerState = request.app.state.pyserve
-    health = state.engine.health()
-    if health.status == "dead":
-        return json_response({"status": "dead", "error": repr(health.error)}, 503)
-    if health.status == "stalled":
-        return json_response({"status": "stalled", "seconds_without_step": round(health.seconds_without_step, 3)}, 503)
+    for model in state.models:
+        health = model.engine.health()
+        named = {"model": model.name} if len(state.models) > 1 else {}
+        if health.status == "dead":
+            return json_response({"status": "dead", "error": repr(health.error), **named}, 503)
+        if health.status == "stalled":
+            return json_response({"status": "stalled", **named,
+                                  "seconds_without_step": round(health.seconds_without_step, 3)}, 503)
     return json_response({"status": "ok"})
 
 
@@ -66,7 +72,8 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    return json_response(openapi_document(state.settings, [state.settings.served_model_name, *state.loras.entries]))
+    return json_response(openapi_document(state.settings, state.models.names(),
+                                          [state.encoder.name] if state.encoder is not None else []))
 
 
 async def version_info(request: Request) -> Response:
@@ -92,13 +99,16 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return Response(error_body(500, "internal_error", "internal server error"), 500, media_type="application/json")
 
 
-def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerSettings,
+def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, ModelSpec], settings: ServerSettings,
               on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
-    """`engine`: a built engine (the app serves at once; the lifespan starts the engine, or the
-    caller does when no lifespan runs), or a function that builds one, called in a thread once the
-    lifespan has begun, so the socket answers meanwhile (see server.startup); `on_load_failure`
-    is told if it raises.
+    """`models`: name -> ModelSpec, or one engine served as `settings.served_model_name` with
+    `settings.lora_modules`. An engine given built is served at once (the lifespan starts it, or
+    the caller does when no lifespan runs); a function building one is called in a thread once
+    the lifespan has begun, so the socket answers meanwhile (see server.startup);
+    `on_load_failure` is told if one raises.
     """
+    if not isinstance(models, Mapping):
+        models = {settings.served_model_name: ModelSpec(models, dict(settings.lora_modules))}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -121,7 +131,10 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerS
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            *([Route("/v1/cache", cache_info, methods=["GET"]),
+               Route("/v1/cache/invalidate", invalidate, methods=["POST"])] if settings.semantic_cache else []),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
@@ -135,6 +148,6 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerS
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan,
     )
-    startup = Startup(app, engine, settings, on_load_failure)
+    startup = Startup(app, dict(models), settings, on_load_failure)
     app.state.startup = startup
     return app

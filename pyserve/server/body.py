@@ -25,8 +25,8 @@ async def json_body(request: Request) -> Any:
     return data
 
 
-def json_response(data: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status, media_type="application/json")
+def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, media_type="application/json", headers=headers)
 
 
 def validate(schema: type[BaseModel], data: dict[str, Any]):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -18,6 +18,7 @@ from pyserve.engine.output_processor import ClientTooSlow, RequestStream, Stream
 from pyserve.lora.request import LoRARequest
 from pyserve.server.body import json_response
 from pyserve.server.errors import Unavailable, error_body
+from pyserve.server.models import ServedModel
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState
 from pyserve.server.tool_calls import ChoiceCalls, ToolPlan
@@ -29,16 +30,19 @@ class CompletionContext:
     """One HTTP request's engine requests, timings and response building."""
 
     def __init__(self, kind: str, base_id: str, req: SamplingFields, prompts: list[list[int]], state: ServerState,
-                 arrival: float, created: int, lora: LoRARequest | None, tools: ToolPlan | None = None,
-                 echo: list[str] | None = None, echo_only: bool = False):
-        """`echo`: each prompt's text, put before its completions (with their logprobs when asked);
-        `echo_only`: max_tokens 0, the one token the engine generated is not returned."""
+                 model: ServedModel, arrival: float, created: int, lora: LoRARequest | None,
+                 tools: ToolPlan | None = None, echo: list[str] | None = None, echo_only: bool = False):
+        """`model` (with `lora`, when an adapter serves it) answers the request; `echo`: each
+        prompt's text, put before its completions (with their logprobs when asked); `echo_only`:
+        max_tokens 0, the one token the engine generated is not returned."""
         self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
+        self.model, self.engine = model, model.engine
+        self.model_name = model.name if lora is None else lora.lora_name  # the response's `model`
         self.echo, self.echo_only = echo, echo_only
         self.arrival, self.created = arrival, created
         self.lora = lora
         if lora is not None:
-            state.loras.started(lora.lora_name)
+            model.loras.started(lora.lora_name)
             state.metrics.lora_requests.inc(adapter=lora.lora_name)
         self.streams: list[RequestStream] = []
         self.first_token: float | None = None
@@ -47,6 +51,11 @@ class CompletionContext:
         self._logged = False
         self.tools = tools if tools is not None and tools.format is not None else None  # calls to read out
         self._calls: dict[int, ChoiceCalls] = {}  # per choice, when calls are read out
+        self.cache_status: str | None = None  # the semantic cache's word on this request (hit / miss / bypass)
+        self.on_done: Callable[[dict], None] | None = None  # told the final body of a request that finished
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.cache_status is None else {"x-pyserve-cache": self.cache_status}
 
     def _choice_calls(self, idx: int) -> ChoiceCalls:
         calls = self._calls.get(idx)
@@ -57,12 +66,12 @@ class CompletionContext:
     def release_lora(self) -> None:
         """Tells the registry this request no longer uses its adapter (once)."""
         if self.lora is not None:
-            self.state.loras.finished(self.lora)
+            self.model.loras.finished(self.lora)
             self.lora = None
 
     def abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
-            self.state.engine.abort_nowait(s.output.request_id)
+            self.engine.abort_nowait(s.output.request_id)
 
     def slow_client(self) -> None:
         """The client stopped reading its stream (see TimedStreamingResponse)."""
@@ -142,7 +151,10 @@ class CompletionContext:
             self._finish_log()
             raise
         self._finish_log()
-        return json_response(self._final_body())
+        body = self._final_body()
+        if self.on_done is not None:
+            self.on_done(body)
+        return json_response(body, headers=self.headers())
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
@@ -169,6 +181,8 @@ class CompletionContext:
             if opts is not None and opts.include_usage:
                 yield self._chunk([], usage=self._usage())
             yield b"data: [DONE]\n\n"
+            if self.on_done is not None and self.tools is None:  # streamed calls' final message is not kept
+                self.on_done(self._final_body())
         except (asyncio.CancelledError, GeneratorExit):
             self.abort(self.streams)
             if self.outcome == "ok":
@@ -180,7 +194,7 @@ class CompletionContext:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
-                                "model": self.req.model, "choices": choices}
+                                "model": self.model_name, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return b"data: " + orjson.dumps(body) + b"\n\n"
@@ -217,11 +231,11 @@ class CompletionContext:
                 else:
                     choices.append({"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": self._usage()}
 
     def _logprobs(self, token_ids: list[int], entries) -> dict:
-        decode = self.state.engine.tokenizer.decode
+        decode = self.engine.tokenizer.decode
         if self.kind == "chat":
             content = []
             for tid, entry in zip(token_ids, entries):
@@ -248,7 +262,7 @@ class CompletionContext:
         if self.req.logprobs is not None:
             prompt = self.prompts[i]
             head = self._logprobs(prompt[1:], output.prompt_logprobs[1:])
-            first = self.state.engine.tokenizer.decode(prompt[:1], skip_special_tokens=False)
+            first = self.engine.tokenizer.decode(prompt[:1], skip_special_tokens=False)
             lp = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
                   "top_logprobs": [None, *head["top_logprobs"]]}
             if tokens:
@@ -266,8 +280,11 @@ class CompletionContext:
         prompt = sum(len(p) for p in self.prompts)
         completion = 0 if self.echo_only else sum(len(c.token_ids) for s in self.streams for c in s.output.outputs)
         cached = sum(s.output.num_cached_tokens for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.cache_status is not None:
+            usage["pyserve_cache"] = self.cache_status
+        return usage
 
     def _finish_log(self) -> None:
         if self._logged:
@@ -278,7 +295,7 @@ class CompletionContext:
         self.state.metrics.e2e.observe(now - self.arrival)
         self.state.metrics.outcomes.inc(outcome=self.outcome)
         usage = self._usage()
-        log.info("request_finished", request_id=self.id, outcome=self.outcome, model=self.req.model,
+        log.info("request_finished", request_id=self.id, outcome=self.outcome, model=self.model_name,
                  prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
                  cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                  ttft_s=None if self.first_token is None else round(self.first_token - self.arrival, 6),

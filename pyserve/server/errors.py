@@ -23,6 +23,10 @@ class Unauthorized(APIError):
     status, type = 401, "authentication_error"
 
 
+class Forbidden(APIError):
+    status, type = 403, "permission_error"
+
+
 class NotFound(APIError):
     status, type = 404, "not_found_error"
 

@@ -1,7 +1,7 @@
 """The server's LoRA adapters by name: the ones given at start (`--lora-modules`) and, with
 `--lora-root`, the ones loaded and unloaded at runtime (the handlers are in lora_routes).
 
-A request's `model` field names the base model or an adapter. Unloading removes the name at once
+One registry per served model (server.models resolves a request's `model` field). Unloading removes the name at once
 (new requests get 404) and frees the adapter's weights once its in-flight requests finish. Loads
 and unloads of one name are serialized.
 """
@@ -33,16 +33,10 @@ class LoraRegistry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._removed: dict[int, _Entry] = {}  # unloaded, weights freed once idle
 
-    def resolve(self, model: str, base_name: str) -> LoRARequest | None:
-        """None for the base model, the adapter's request for an adapter name; 404 otherwise."""
-        if model == base_name:
-            return None
-        entry = self.entries.get(model)
-        if entry is None:
-            names = ", ".join([repr(base_name), *map(repr, self.entries)])
-            raise NotFound(f"model {model!r} does not exist; this server serves {names}", param="model",
-                           code="model_not_found")
-        return entry.lora
+    def get(self, name: str) -> LoRARequest | None:
+        """The adapter served under `name`, if one is."""
+        entry = self.entries.get(name)
+        return None if entry is None else entry.lora
 
     def started(self, name: str) -> None:
         entry = self.entries.get(name)

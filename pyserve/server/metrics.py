@@ -47,20 +47,28 @@ class Counter:
 
 
 class Gauge:
-    """A value read from a callback at scrape time (a gauge, or a counter the engine keeps)."""
+    """Values read from callbacks at scrape time (a gauge, or a counter the engine keeps): one
+    series per label set, fixed for the server's life (e.g. one per served model)."""
 
-    def __init__(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge",
+    def __init__(self, name: str, help_text: str, read: Callable[[], float] | None = None, kind: str = "gauge",
                  labels: dict[str, str] | None = None):
-        self.name, self.help, self.read, self.kind = name, help_text, read, kind
-        self.labels = labels or {}  # fixed for the server's life (an info metric's)
+        self.name, self.help, self.kind = name, help_text, kind
+        self.series: list[tuple[dict[str, str], Callable[[], float]]] = []
+        if read is not None:
+            self.series.append((labels or {}, read))
 
     @classmethod
-    def counter(cls, name: str, help_text: str, read: Callable[[], float]) -> Gauge:
-        return cls(name, help_text, read, kind="counter")
+    def counter(cls, name: str, help_text: str, read: Callable[[], float] | None = None,
+                labels: dict[str, str] | None = None) -> Gauge:
+        return cls(name, help_text, read, kind="counter", labels=labels)
+
+    def add_series(self, labels: dict[str, str], read: Callable[[], float]) -> Gauge:
+        self.series.append((labels, read))
+        return self
 
     def render(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
-                f"{self.name}{_labels(self.labels)} {_fmt(self.read())}"]
+                *(f"{self.name}{_labels(labels)} {_fmt(read())}" for labels, read in self.series)]
 
 
 class Histogram:

@@ -17,10 +17,12 @@ from pyserve.actors import EngineDeadError
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.server.body import json_body, validate
+from pyserve.server.body import json_body, json_response, validate
+from pyserve.server.chat_cache import HEADER, CachePlan, hit_body, replay_sse
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
+from pyserve.server.models import ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
 from pyserve.server.tool_calls import ToolPlan, plan_tools
@@ -32,8 +34,14 @@ from pyserve.server.streaming import TimedStreamingResponse
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(ChatCompletionRequest, await json_body(request))
-    lora = state.loras.resolve(req.model, state.settings.served_model_name)
-    tok = state.engine.tokenizer
+    model, lora = state.models.resolve(req.model)
+    cache_plan = None
+    if state.cache is not None:
+        cache_plan = await state.cache.plan(request, req, req.model)
+        entry = None if cache_plan is None else state.cache.lookup(cache_plan)
+        if entry is not None:
+            return _cache_hit(state, req, entry)
+    tok = model.engine.tokenizer
     settings = state.settings
     param = "messages" if req.chat_template is None else "chat_template"
     if req.chat_template is not None and not settings.trust_request_chat_template:
@@ -50,7 +58,19 @@ async def chat_completions(request: Request) -> Response:
                          param=param) from e
     prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(request, state, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora, plan)
+    return await _serve(request, state, model, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora, plan,
+                        cache_plan=cache_plan)
+
+
+def _cache_hit(state: ServerState, req: ChatCompletionRequest, entry) -> Response:
+    state.metrics.cache_lookup.observe(state.cache.lookup_seconds.pop())
+    headers = {HEADER: "hit"}
+    if req.stream:
+        include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+        return TimedStreamingResponse(replay_sse(entry, req.model, include_usage), state.settings.stream_timeout,
+                                      lambda: None, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", **headers})
+    return json_response(hit_body(entry, req.model), headers=headers)
 
 
 def _tool_format(settings, chat_template: str | None) -> ToolFormat | None:
@@ -66,9 +86,9 @@ async def completions(request: Request) -> Response:
         raise BadRequest("max_tokens: 0 is allowed only with echo", param="max_tokens")
     if req.echo and req.stream:
         raise BadRequest("echo: not supported with stream", param="echo")
-    lora = state.loras.resolve(req.model, state.settings.served_model_name)
-    tok = state.engine.tokenizer
-    vocab = state.engine.vocab_size
+    model, lora = state.models.resolve(req.model)
+    tok = model.engine.tokenizer
+    vocab = model.engine.vocab_size
     prompts = []
     for p in req.prompts():
         if isinstance(p, str):
@@ -83,7 +103,7 @@ async def completions(request: Request) -> Response:
     echo = None
     if req.echo:  # the prompts as given (token ids: decoded)
         echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts()]
-    return await _serve(request, state, "text", req, prompts, req.max_tokens, req.logprobs, lora, echo=echo)
+    return await _serve(request, state, model, "text", req, prompts, req.max_tokens, req.logprobs, lora, echo=echo)
 
 
 def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -134,12 +154,13 @@ def _field_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-async def _serve(request: Request, state: ServerState, kind: str, req: SamplingFields, prompts: list[list[int]],
-                 max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
-                 tools: ToolPlan | None = None, echo: list[str] | None = None) -> Response:
+async def _serve(request: Request, state: ServerState, model: ServedModel, kind: str, req: SamplingFields,
+                 prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
+                 tools: ToolPlan | None = None, echo: list[str] | None = None,
+                 cache_plan: CachePlan | None = None) -> Response:
     """`echo`: the prompts' texts, to put before each completion (with logprobs: the prompts'
     logprobs too; max_tokens 0: nothing generated is returned)."""
-    engine = state.engine
+    engine = model.engine
     constraint, constraint_field = _constraint(req)
     if tools is not None and tools.constraint is not None:
         if constraint is not None:
@@ -160,8 +181,13 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if limit is not None and engine.num_waiting() + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = CompletionContext(kind, base_id, req, prompts, state, time.perf_counter(), int(time.time()), lora, tools,
-                            echo, echo_only=echo is not None and max_tokens == 0)
+    ctx = CompletionContext(kind, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
+                            tools, echo, echo_only=echo is not None and max_tokens == 0)
+    if cache_plan is not None:
+        if cache_plan.read:
+            state.metrics.cache_lookup.observe(state.cache.lookup_seconds.pop())
+        ctx.cache_status = "miss" if cache_plan.read else "bypass"
+        ctx.on_done = lambda body: state.cache.save(cache_plan, body)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -192,5 +218,5 @@ async def _serve(request: Request, state: ServerState, kind: str, req: SamplingF
     if req.stream:
         return TimedStreamingResponse(ctx.sse(), state.settings.stream_timeout, ctx.slow_client,
                                       media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ctx.headers()})
     return await ctx.respond(request)

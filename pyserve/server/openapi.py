@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pyserve.server.embeddings_api import EmbeddingRequest
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from pyserve.server.settings import ServerSettings
 from pyserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
@@ -37,7 +38,7 @@ LORA_REQUEST = {"type": "object", "required": ["lora_name"],
 def _model_schema(model: type[BaseModel], components: dict[str, Any], served: list[str]) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template=REF)
     components.update(schema.pop("$defs", {}))
-    schema["properties"]["model"] = {"type": "string", "enum": served, "title": "Model"}
+    schema["properties"]["model"] = {"type": "string", "title": "Model", **({"enum": served} if served else {})}
     components[model.__name__] = schema
     return {"$ref": REF.format(model=model.__name__)}
 
@@ -61,8 +62,9 @@ def _generation(body: dict[str, Any], errors: tuple[str, ...]) -> dict[str, Any]
     }
 
 
-def openapi_document(settings: ServerSettings, served: list[str]) -> dict[str, Any]:
-    """`served`: the names the `model` field accepts now (the base model, then loaded adapters)."""
+def openapi_document(settings: ServerSettings, served: list[str], embedding_models: list[str]) -> dict[str, Any]:
+    """`served`: the names the `model` field of a completion accepts now (the models, then loaded
+    adapters); `embedding_models`: those /v1/embeddings accepts."""
     components: dict[str, Any] = {"Error": ERROR}
     auth = ("401",) if settings.api_key else ()
     chat = _model_schema(ChatCompletionRequest, components, served)
@@ -90,6 +92,12 @@ def openapi_document(settings: ServerSettings, served: list[str]) -> dict[str, A
                                          **_errors("400", *auth, "404", "413")}}}
            for path, summary, model in (("/tokenize", "Token ids of a prompt or of chat messages", TokenizeRequest),
                                         ("/detokenize", "Text of token ids", DetokenizeRequest))},
+        "/v1/embeddings": {"post": {
+            "summary": "Embeddings of strings or token ids",
+            "requestBody": {"required": True,
+                            "content": _json(_model_schema(EmbeddingRequest, components, embedding_models))},
+            "responses": {"200": {"description": "one vector per input", "content": object_},
+                          **_errors("400", *auth, "404", "413")}}},
         "/openapi.json": {"get": {"summary": "This document", "security": [],
                                   "responses": {"200": {"description": "OpenAPI 3.1", "content": object_}}}},
     }

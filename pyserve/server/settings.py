@@ -24,6 +24,18 @@ class ServerSettings:
     trust_request_chat_template: bool = option(
         False, "accept a chat_template field in chat requests (rendered in the sandbox, under the timeout)")
     chat_template_timeout: float = option(2.0, "seconds a chat template may take to render")
+    embedding_model: str = option(
+        "wordllama", "the /v1/embeddings model (also the semantic cache's): 'wordllama' (WordLlama l2_supercat, "
+        "shipped in the pinned wordllama package), a Hugging Face encoder directory, or 'none'", type=str)
+    semantic_cache: bool = option(False, "answer chat requests like ones already answered from the semantic cache "
+                                  "(pyserve.server.chat_cache)")
+    semantic_cache_error_bound: float = option(
+        0.01, "the semantic cache's threshold: the lowest at which the share of wrong hits on the calibration pairs "
+        "is shown (at 95 percent confidence) to stay under this")
+    semantic_cache_ttl: float = option(3600.0, "seconds a cache entry lives (hits do not renew it)")
+    semantic_cache_max_entries: int = option(100_000, "cache entries kept at most (least recently used go first)")
+    semantic_cache_max_bytes: int = option(256 << 20, "bytes of cache entries kept at most")
+    semantic_cache_sampled: bool = option(False, "also cache requests that sample (temperature > 0, no seed)")
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
@@ -31,5 +43,9 @@ class ServerSettings:
         for name in ("stream_timeout", "chat_template_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.semantic_cache_error_bound < 1:
+            raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
+        if self.semantic_cache and self.embedding_model == "none":
+            raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
         if self.max_stream_buffer < 1:
             raise ValueError(f"max_stream_buffer must be at least 1, got {self.max_stream_buffer}")

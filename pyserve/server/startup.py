@@ -1,5 +1,6 @@
-"""The server's start: the engine is built in a thread while the socket already answers (`/health`
-says "loading", other routes 503), then started on the event loop with the `--lora-modules`.
+"""The server's start: the engines are built in a thread, one model after the other, while the
+socket already answers (`/health` says "loading", other routes 503), then started on the event
+loop with their adapters (`--lora-modules`).
 
 `status` moves once: "loading" -> "ready" (the ServerState is `app.state.pyserve`) or "failed"
 (`error` set, `on_failure` called: the process is to exit non-zero).
@@ -17,11 +18,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from pyserve.embeddings.load import load_encoder
+from pyserve.semantic_cache.calibration import calibrate_encoder
+from pyserve.server.chat_cache import ChatCache
 from pyserve.server.lora_registry import LoraRegistry
+from pyserve.server.models import ModelSpec, ModelTable, ServedModel
 from pyserve.server.settings import ServerSettings
 from pyserve.server.state import ServerMetrics, ServerState
 
 if TYPE_CHECKING:
+    from pyserve.embeddings.encoder import Encoder
     from pyserve.engine.async_engine import AsyncEngine
 
 log = structlog.get_logger("pyserve.server")
@@ -65,47 +71,70 @@ async def _in_thread(fn: Callable[[], AsyncEngine]) -> AsyncEngine:
 
 
 class Startup:
-    def __init__(self, app, engine: AsyncEngine | Callable[[], AsyncEngine], settings: ServerSettings,
+    def __init__(self, app, models: dict[str, ModelSpec], settings: ServerSettings,
                  on_failure: Callable[[BaseException], None] | None = None):
-        """`engine`: a built engine (the server is ready at once; the lifespan starts the engine),
-        or a function building one, called in a thread once the lifespan has begun."""
+        """`models`: name -> what to serve. When every engine is built, the server is ready at
+        once (the lifespan starts them); otherwise the builders are called in a thread once the
+        lifespan has begun."""
         self.status = "loading"
         self.error: BaseException | None = None
         self._app = app
         self._settings = settings
-        self._load = engine if callable(engine) else None
+        self._specs = models
         self._on_failure = on_failure
-        self._started: AsyncEngine | None = None
+        self._started: list[AsyncEngine] = []
         self._task: asyncio.Task | None = None
-        if self._load is None:
-            self._publish(self._state(engine))
+        if not self.in_background:
+            self._publish(self._state(({name: spec.engine for name, spec in models.items()}, *self._build_encoder())))
 
     @property
     def in_background(self) -> bool:
-        return self._load is not None
+        return any(callable(spec.engine) for spec in self._specs.values())
 
-    def _state(self, engine: AsyncEngine) -> ServerState:
-        return ServerState(engine, self._settings, ServerMetrics.create(engine),
-                           LoraRegistry(engine, self._settings.lora_root))
+    def _state(self, built: tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]) -> ServerState:
+        engines, encoder, cache = built
+        models = ModelTable([ServedModel(name, engine, LoraRegistry(engine, self._settings.lora_root))
+                             for name, engine in engines.items()])
+        return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
+
+    def _build_all(self) -> tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]:
+        engines = {name: spec.engine() if callable(spec.engine) else spec.engine for name, spec in self._specs.items()}
+        return (engines, *self._build_encoder())
+
+    def _build_encoder(self) -> tuple[Encoder | None, ChatCache | None]:
+        s = self._settings
+        encoder = load_encoder(s.embedding_model)
+        if not s.semantic_cache:
+            return encoder, None
+        calibration = calibrate_encoder(encoder, s.semantic_cache_error_bound)
+        log.info("semantic_cache_calibrated", threshold=round(calibration.threshold, 4),
+                 negatives=calibration.negatives, positives_hit=round(calibration.positives_hit, 3))
+        return encoder, ChatCache(encoder, calibration, s.semantic_cache_ttl, s.semantic_cache_max_entries,
+                                  s.semantic_cache_max_bytes, s.semantic_cache_sampled)
 
     def _publish(self, state: ServerState) -> None:
         self._app.state.pyserve = state
         self.status = "ready"
 
     async def run(self) -> None:
-        """Builds the engine (when it was not given), starts it, loads the LoRA modules, then
+        """Builds the engines (those not given), starts them, loads their adapters, then
         publishes the ServerState and logs `server_ready` (seconds since the process started,
         and per phase)."""
         began = time.perf_counter()
-        state = self._app.state.pyserve if self._load is None else self._state(await _in_thread(self._load))
+        state = self._state(await _in_thread(self._build_all)) if self.in_background else self._app.state.pyserve
         built = time.perf_counter()
-        await state.engine.start()
-        self._started = state.engine
-        for name, path in self._settings.lora_modules.items():
-            await state.loras.add(name, path)
+        for model in state.models:
+            await model.engine.start()
+            self._started.append(model.engine)
+        for model in state.models:
+            for name, path in self._specs[model.name].lora_modules.items():
+                if state.models.is_taken(name):
+                    raise ValueError(f"lora_modules: {name!r} is already a served model or adapter")
+                await model.loras.add(name, path)
         self._publish(state)
-        log.info("server_ready", model=self._settings.served_model_name, max_model_len=state.engine.max_model_len,
-                 kv_blocks=state.engine.num_kv_blocks, seconds=round(process_seconds(), 3),
+        log.info("server_ready", models=[m.name for m in state.models],
+                 max_model_len={m.name: m.engine.max_model_len for m in state.models},
+                 kv_blocks=sum(m.engine.num_kv_blocks for m in state.models), seconds=round(process_seconds(), 3),
                  load_seconds=round(built - began, 3), start_seconds=round(time.perf_counter() - built, 3))
 
     def begin(self) -> None:
@@ -132,5 +161,5 @@ class Startup:
         state: ServerState | None = getattr(self._app.state, "pyserve", None)
         if state is not None:
             state.draining = True
-        if self._started is not None:
-            await self._started.stop()
+        for engine in self._started:
+            await engine.stop()

@@ -1,16 +1,17 @@
-"""What the handlers share: the engine, the settings, the metrics, the LoRA registry."""
+"""What the handlers share: the served models (engines and adapters), the settings, the metrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+from pyserve.server.models import ModelTable
 from pyserve.server.settings import ServerSettings
 
-if TYPE_CHECKING:  # the engine (and torch) load after the socket is bound: see server.startup
-    from pyserve.engine.async_engine import AsyncEngine
+if TYPE_CHECKING:
+    from pyserve.embeddings.encoder import Encoder
+    from pyserve.server.chat_cache import ChatCache
 
 
 @dataclass(slots=True)
@@ -21,26 +22,43 @@ class ServerMetrics:
     e2e: Histogram
     outcomes: Counter
     lora_requests: Counter
+    embedding_inputs: Counter
+    cache_lookup: Histogram
 
     @classmethod
-    def create(cls, engine: AsyncEngine) -> ServerMetrics:
+    def create(cls, models: ModelTable, cache: ChatCache | None = None) -> ServerMetrics:
+        """The engines' gauges carry a `model` label, one series per served model."""
         reg = Registry()
+        if cache is not None:
+            for name, help_text, read, kind in [
+                ("hits_total", "Chat requests answered from the semantic cache.", lambda: cache.hits, "counter"),
+                ("misses_total", "Chat requests looked up and not found.", lambda: cache.misses, "counter"),
+                ("stores_total", "Answers stored.", lambda: cache.stores, "counter"),
+                ("evictions_total", "Entries dropped for room.", lambda: cache.store.evictions, "counter"),
+                ("entries", "Entries held.", lambda: len(cache.store), "gauge"),
+                ("bytes", "Bytes of the entries held.", lambda: cache.store.bytes, "gauge"),
+                ("threshold", "The calibrated similarity threshold.", lambda: cache.calibration.threshold, "gauge"),
+            ]:
+                reg.add(Gauge(f"pyserve:semantic_cache_{name}", help_text, read, kind=kind))
 
-        def stat(key: str):
-            return lambda: engine.stats()[key]
+        def per_model(name: str, help_text: str, key: str | None = None, *, counter: bool = False,
+                      read=None, labels=None) -> None:
+            gauge = reg.add(Gauge(name, help_text, kind="counter" if counter else "gauge"))
+            for m in models:
+                fn = read(m.engine) if read else (lambda e=m.engine: e.stats()[key])
+                gauge.add_series({"model": m.name, **(labels(m.engine) if labels else {})}, fn)
 
-        reg.add(Gauge("pyserve:num_requests_running", "Sequences in the running queue.", stat("num_requests_running")))
-        reg.add(Gauge("pyserve:num_requests_waiting", "Sequences waiting to be scheduled.", stat("num_requests_waiting")))
-        reg.add(Gauge("pyserve:kv_cache_usage_perc", "Fraction of KV blocks referenced (0-1).", stat("kv_cache_usage_perc")))
-        reg.add(Gauge("pyserve:kv_free_blocks", "KV blocks free (never used or evicted).", stat("kv_free_blocks")))
-        reg.add(Gauge("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
-                      stat("kv_cached_blocks")))
-        reg.add(Gauge("pyserve:kv_total_blocks", "KV blocks in the pool.", lambda: engine.num_kv_blocks))
-        reg.add(Gauge("pyserve:weight_bytes", "Bytes of the served weights (as quantized, if they are).",
-                      stat("weight_bytes")))
-        reg.add(Gauge("pyserve:weight_quantization_info", "1, labelled with the served weights' quantization "
-                      "method (none, int8, int4, gptq-int4, awq-int4, compressed-tensors-int4, ...).", lambda: 1,
-                      labels={"method": str(engine.stats()["quantization"])}))
+        per_model("pyserve:num_requests_running", "Sequences in the running queue.", "num_requests_running")
+        per_model("pyserve:num_requests_waiting", "Sequences waiting to be scheduled.", "num_requests_waiting")
+        per_model("pyserve:kv_cache_usage_perc", "Fraction of KV blocks referenced (0-1).", "kv_cache_usage_perc")
+        per_model("pyserve:kv_free_blocks", "KV blocks free (never used or evicted).", "kv_free_blocks")
+        per_model("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
+                  "kv_cached_blocks")
+        per_model("pyserve:kv_total_blocks", "KV blocks in the pool.", read=lambda e: lambda: e.num_kv_blocks)
+        per_model("pyserve:weight_bytes", "Bytes of the served weights (as quantized, if they are).", "weight_bytes")
+        per_model("pyserve:weight_quantization_info", "1, labelled with the served weights' quantization "
+                  "method (none, int8, int4, gptq-int4, awq-int4, compressed-tensors-int4, ...).",
+                  read=lambda e: lambda: 1, labels=lambda e: {"method": str(e.stats()["quantization"])})
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),
@@ -52,12 +70,12 @@ class ServerMetrics:
             ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
             ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
         ]:
-            reg.add(Gauge.counter(f"pyserve:{key}_total", help_text, stat(key)))
-        reg.add(Gauge("pyserve:spec_decode_mean_acceptance_length",
-                      "Tokens per verifying sequence step (accepted drafts + 1), averaged since start.",
-                      stat("spec_decode_mean_acceptance_length")))
-        reg.add(Gauge("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
-                      stat("spec_decode_depth")))
+            per_model(f"pyserve:{key}_total", help_text, key, counter=True)
+        per_model("pyserve:spec_decode_mean_acceptance_length",
+                  "Tokens per verifying sequence step (accepted drafts + 1), averaged since start.",
+                  "spec_decode_mean_acceptance_length")
+        per_model("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
+                  "spec_decode_depth")
         return cls(
             registry=reg,
             ttft=reg.add(Histogram("pyserve:time_to_first_token_seconds", "Time to first token.")),
@@ -65,13 +83,17 @@ class ServerMetrics:
             e2e=reg.add(Histogram("pyserve:e2e_request_latency_seconds", "Request latency, arrival to finish.")),
             outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
             lora_requests=reg.add(Counter("pyserve:lora_requests_total", "Requests per LoRA adapter.")),
+            embedding_inputs=reg.add(Counter("pyserve:embedding_inputs_total", "Inputs embedded by /v1/embeddings.")),
+            cache_lookup=reg.add(Histogram("pyserve:semantic_cache_lookup_seconds", "Semantic cache lookups (the "
+                                           "index search and checks, after the embedding).")),
         )
 
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    models: ModelTable
     settings: ServerSettings
     metrics: ServerMetrics
-    loras: LoraRegistry
+    encoder: Encoder | None = None  # /v1/embeddings, the semantic cache, the router
+    cache: ChatCache | None = None
     draining: bool = False

@@ -4,7 +4,7 @@ tokens use them): a completion prompt or chat messages to token ids, and token i
 /tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
 model's chat template, `add_generation_prompt` default true); it answers {count, max_model_len,
 tokens, token_strs} (`token_strs` with `return_token_strs: true`, else null). /detokenize takes
-`tokens` and answers {prompt}. `model`, when given, must name the served model or an adapter.
+`tokens` and answers {prompt}. `model`, when given, names a served model or adapter (default: the primary model).
 """
 
 from __future__ import annotations
@@ -50,16 +50,11 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None:
-        state.loras.resolve(model, state.settings.served_model_name)
-
-
 async def tokenize(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(TokenizeRequest, await json_body(request))
-    _check_model(state, req.model)
-    tok = state.engine.tokenizer
+    engine = state.models.resolve(req.model)[0].engine
+    tok = engine.tokenizer
     if req.prompt is not None:
         tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
@@ -73,16 +68,16 @@ async def tokenize(request: Request) -> Response:
             raise BadRequest(f"the chat template did not render within {timeout} s", param="messages") from e
         tokens = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     token_strs = [tok.decode([t], skip_special_tokens=False) for t in tokens] if req.return_token_strs else None
-    return json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
+    return json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                   "token_strs": token_strs})
 
 
 async def detokenize(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(DetokenizeRequest, await json_body(request))
-    _check_model(state, req.model)
-    vocab = state.engine.vocab_size
+    engine = state.models.resolve(req.model)[0].engine
+    vocab = engine.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-    return json_response({"prompt": state.engine.tokenizer.decode(req.tokens)})
+    return json_response({"prompt": engine.tokenizer.decode(req.tokens)})

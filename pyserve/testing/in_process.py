@@ -9,18 +9,32 @@ import contextlib
 @contextlib.asynccontextmanager
 async def serving(model_dir, served_model_name: str = "tiny", **engine_settings):
     """(engine, client) for the app serving `model_dir`; `engine_settings` go to EngineConfig."""
+    async with serving_models({served_model_name: {"model": str(model_dir), **engine_settings}}) as (engines, client):
+        yield engines[served_model_name], client
+
+
+@contextlib.asynccontextmanager
+async def serving_models(models: dict[str, dict], **settings):
+    """(engines by name, client) for the app serving each name's EngineConfig fields, the first
+    as the primary; `settings` go to ServerSettings."""
     import httpx
 
     from pyserve.engine.async_engine import AsyncEngine
     from pyserve.engine.config import EngineConfig
     from pyserve.server.app import build_app
+    from pyserve.server.models import ModelSpec
     from pyserve.server.settings import ServerSettings
 
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), **engine_settings))
-    app = build_app(engine, ServerSettings(served_model_name=served_model_name))
-    await engine.start()
+    engines = {name: AsyncEngine(EngineConfig(**fields)) for name, fields in models.items()}
+    app = build_app({name: ModelSpec(e) for name, e in engines.items()},
+                    ServerSettings(served_model_name=next(iter(models)), **settings))
+    started = []
     try:
+        for engine in engines.values():
+            await engine.start()
+            started.append(engine)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            yield engine, client
+            yield engines, client
     finally:
-        await engine.stop()
+        for engine in started:
+            await engine.stop()

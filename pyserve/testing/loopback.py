@@ -8,16 +8,28 @@ from pyserve.server.loopback import start_server, stop_server
 __all__ = ["parse_metrics", "scrape_metrics", "start_server", "stop_server"]
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, model: str | None = None) -> dict[str, float]:
     """Prometheus text as {series: value}; a series is its name with its labels, as written
-    (`pyserve:request_outcomes_total{outcome="ok"}`)."""
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    (`pyserve:request_outcomes_total{outcome="ok"}`). With `model`: the server-wide series and
+    that model's, its `model` label dropped (`pyserve:num_requests_running`); other models' left out."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if model is not None and 'model="' in series:
+            name, labels = series[:-1].split("{", 1)
+            kept = [p for p in labels.split(",") if not p.startswith('model="')]
+            if f'model="{model}"' not in labels.split(","):
+                continue
+            series = name + ("{" + ",".join(kept) + "}" if kept else "")
+        out[series] = float(value)
+    return out
 
 
-def scrape_metrics(base: str, api_key: str | None = None) -> dict[str, float]:
-    """The server's /metrics, parsed."""
+def scrape_metrics(base: str, api_key: str | None = None, model: str | None = None) -> dict[str, float]:
+    """The server's /metrics, parsed (see parse_metrics)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return parse_metrics(httpx.get(base + "/metrics", headers=headers, timeout=30).text)
+    return parse_metrics(httpx.get(base + "/metrics", headers=headers, timeout=30).text, model)

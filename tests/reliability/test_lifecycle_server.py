@@ -19,7 +19,7 @@ KEY = "k"
 
 
 def metrics(base: str) -> dict[str, float]:
-    return {k.removeprefix("pyserve:"): v for k, v in scrape_metrics(base, KEY).items()}
+    return {k.removeprefix("pyserve:"): v for k, v in scrape_metrics(base, KEY, "tiny").items()}
 
 
 def outcomes(base: str) -> dict[str, float]:

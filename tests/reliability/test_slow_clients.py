@@ -138,7 +138,7 @@ def test_many_real_streams_that_never_read_do_not_stall_the_engine(llama_dir, tm
         assert time.perf_counter() - start < 30
         deadline = time.perf_counter() + 60
         while True:
-            values = scrape_metrics(base)
+            values = scrape_metrics(base, model="tiny")
             outcomes = {k: v for k, v in values.items() if k.startswith("pyserve:request_outcomes_total")}
             if values["pyserve:num_requests_running"] == 0 and sum(outcomes.values()) == 17:
                 break

@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME
+from pyserve.embeddings.packaged import NAME as PACKAGED_EMBEDDING_MODEL
+from pyserve.server.model_specs import DRAFT_MODEL_NAME
 from pyserve.testing import start_server, stop_server
 
 KEY = "sk-lora"
@@ -45,7 +47,8 @@ def chat(base: str, model: str) -> httpx.Response:
 def test_adapters_by_name_listed_loaded_and_unloaded(server):
     base, _ = server
     models = httpx.get(base + "/v1/models", headers=AUTH).json()["data"]
-    assert [(m["id"], m["parent"]) for m in models] == [(DEFAULT_MODEL_NAME, None), ("docstrings", DEFAULT_MODEL_NAME)]
+    assert [(m["id"], m["parent"]) for m in models] == [(DEFAULT_MODEL_NAME, None), ("docstrings", DEFAULT_MODEL_NAME),
+                                                        (DRAFT_MODEL_NAME, None), (PACKAGED_EMBEDDING_MODEL, None)]
     plain = chat(base, DEFAULT_MODEL_NAME).json()["choices"][0]["message"]["content"]
     docs = chat(base, "docstrings").json()["choices"][0]["message"]["content"]
     assert plain.startswith("def ") and docs.startswith('"""')

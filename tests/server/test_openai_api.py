@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pyserve.embeddings.packaged import NAME as PACKAGED_EMBEDDING_MODEL
 from pyserve.testing import scrape_metrics, start_server, stop_server
 
 KEY = "test-key-123"
@@ -36,7 +37,7 @@ def client(server):
 
 
 def metric(base: str, name: str) -> float:
-    return scrape_metrics(base, KEY)[name]
+    return scrape_metrics(base, KEY, MODEL)[name]
 
 
 def test_chat_non_streaming_and_streaming_agree(client):
@@ -109,7 +110,7 @@ def test_n_and_logprobs(client):
 def test_models_health_version_metrics(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server + "/v1/models", headers=auth).json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, PACKAGED_EMBEDDING_MODEL]
     assert httpx.get(server + "/health").status_code == 200
     assert "version" in httpx.get(server + "/version", headers=auth).json()
     text = httpx.get(server + "/metrics", headers=auth).text

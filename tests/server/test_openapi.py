@@ -9,10 +9,10 @@ from pyserve.server.settings import ServerSettings
 
 
 def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():
-    doc = openapi_document(ServerSettings(served_model_name="m", api_key="k"), ["m", "adapter-a"])
+    doc = openapi_document(ServerSettings(served_model_name="m", api_key="k"), ["m", "adapter-a"], ["e"])
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
-                                 "/metrics", "/openapi.json", "/tokenize", "/detokenize"}
+                                 "/metrics", "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings"}
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["properties"]["model"]["enum"] == ["m", "adapter-a"]
@@ -39,7 +39,7 @@ def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():
 
 
 def test_lora_admin_routes_appear_only_with_a_lora_root():
-    assert "/v1/load_lora_adapter" not in openapi_document(ServerSettings(served_model_name="m"), ["m"])["paths"]
-    doc = openapi_document(ServerSettings(served_model_name="m", lora_root="/tmp"), ["m"])
+    assert "/v1/load_lora_adapter" not in openapi_document(ServerSettings(served_model_name="m"), ["m"], [])["paths"]
+    doc = openapi_document(ServerSettings(served_model_name="m", lora_root="/tmp"), ["m"], [])
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
     assert "security" not in doc

@@ -22,7 +22,7 @@ def test_an_int8_server_serves_and_reports_its_weight_bytes(tmp_path):
         r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"model": "pyserve-default", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
-        metrics = scrape_metrics(base)
+        metrics = scrape_metrics(base, model="pyserve-default")
         assert metrics["pyserve:weight_bytes"] < 0.55 * 16_786_432
         assert metrics['pyserve:weight_quantization_info{method="int8"}'] == 1
     finally:
@@ -49,7 +49,7 @@ def test_a_gptq_checkpoint_serves_over_http_and_in_a_batch_file(model_dirs, tmp_
         r = httpx.post(base + "/v1/completions", timeout=60, json=body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
-        assert scrape_metrics(base)['pyserve:weight_quantization_info{method="gptq-int4"}'] == 1
+        assert scrape_metrics(base, model="gptq")['pyserve:weight_quantization_info{method="gptq-int4"}'] == 1
     finally:
         stop_server(proc)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -1,0 +1,48 @@
+"""The threshold for one encoder, from the shipped calibration pairs (calibration_set.py): the
+similarities of the negative pairs the anchors do not already tell apart, calibrated to the
+error bound (threshold.py); a negative told apart by its anchors can never hit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pyserve.embeddings.encoder import Encoder
+from pyserve.semantic_cache.anchors import anchors
+from pyserve.semantic_cache.question import conversation_text, question_text
+from pyserve.semantic_cache.threshold import calibrate
+
+PAIRS = Path(__file__).resolve().parent / "data" / "calibration.jsonl"
+NEVER = -2.0  # below any cosine similarity
+
+
+@dataclass(slots=True)
+class Calibration:
+    threshold: float
+    negatives: int
+    positives_hit: float  # share of the positive pairs that hit at the threshold
+
+
+def pair_similarities(encoder: Encoder, pairs: list[dict]) -> np.ndarray:
+    """Each pair's similarity as the cache sees it (NEVER where the anchors differ)."""
+    def texts(side: str) -> list[str]:
+        return [question_text(conversation_text([("user", p[side])])) for p in pairs]
+
+    a, b = (encoder.embed_ids(encoder.tokenize(texts(side))) for side in ("a", "b"))
+    sims = (a * b).sum(axis=1)
+    apart = np.array([anchors(p["a"]) != anchors(p["b"]) for p in pairs])
+    return np.where(apart, NEVER, sims)
+
+
+def calibrate_encoder(encoder: Encoder, error_bound: float, path: Path = PAIRS) -> Calibration:
+    pairs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    sims = pair_similarities(encoder, pairs)
+    same = np.array([p["same"] for p in pairs])
+    threshold = calibrate(sims[~same].tolist(), error_bound)
+    if threshold is None:
+        raise ValueError(f"semantic_cache_error_bound: {error_bound} cannot be shown with {int((~same).sum())} "
+                         f"calibration pairs (95% confidence); give a larger bound")
+    return Calibration(threshold, int((~same).sum()), float((sims[same] >= threshold).mean()))

@@ -1,0 +1,17 @@
+"""What the cache embeds of a conversation: every message but the system prompt (which is part
+of the exact scope instead), role by role, reduced to its content words (anchors.content_words).
+A static embedding averages its tokens, so framing words ("how do I", "show me") would otherwise
+outweigh the few words that carry the question."""
+
+from __future__ import annotations
+
+from pyserve.semantic_cache.anchors import content_words
+
+
+def conversation_text(messages: list[tuple[str, str]]) -> str:
+    """(role, text) pairs, system and developer messages left out, as one text."""
+    return "\n".join(f"{role}: {text}" for role, text in messages if role not in ("system", "developer"))
+
+
+def question_text(text: str) -> str:
+    return " ".join(content_words(text))

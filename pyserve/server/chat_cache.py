@@ -1,0 +1,142 @@
+"""The semantic cache as /v1/chat/completions uses it (pyserve.semantic_cache holds the parts).
+
+A request is looked up when it is deterministic (temperature 0, or a seed; `--semantic-cache-sampled`
+lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`: not read, still
+stored; `no-store`: neither). Its exact scope is the tenant (a hash of the bearer key and the
+`X-Tenant` header), the model or adapter, the system prompt and every other field of the body
+but the messages and streaming; within it, the nearest stored conversation answers if it passes
+its threshold and has the same anchors. A miss stores the finished answer (a choice cut short by
+an error, a disconnect or, streamed, with tool calls is not stored). Hits and misses say so in
+the `x-pyserve-cache` header and `usage.pyserve_cache`; a streamed hit is replayed as SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+from starlette.requests import Request
+
+from pyserve.embeddings.encoder import Encoder
+from pyserve.semantic_cache.anchors import anchors
+from pyserve.semantic_cache.calibration import Calibration
+from pyserve.semantic_cache.question import conversation_text, question_text
+from pyserve.semantic_cache.store import Entry, SemanticStore
+from pyserve.server.schemas import ChatCompletionRequest
+
+HEADER = "x-pyserve-cache"
+UNSCOPED_FIELDS = {"messages", "stream", "stream_options", "user"}
+
+
+def tenant_of(request: Request) -> str:
+    """Who owns an entry: the bearer key presented and the X-Tenant header, hashed."""
+    raw = request.headers.get("authorization", "") + "\0" + request.headers.get("x-tenant", "")
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class CachePlan:
+    scope: str
+    tenant: str
+    model: str
+    vector: np.ndarray
+    anchors: tuple[str, ...]
+    read: bool
+    write: bool
+
+
+class ChatCache:
+    def __init__(self, encoder: Encoder, calibration: Calibration, ttl: float, max_entries: int, max_bytes: int,
+                 sampled: bool):
+        self.encoder, self.calibration, self.sampled = encoder, calibration, sampled
+        self.store = SemanticStore(encoder.dim, ttl, max_entries, max_bytes)
+        self.hits = self.misses = self.stores = 0
+        self.lookup_seconds: list[float] = []  # drained by the metrics histogram
+
+    def eligible(self, req: ChatCompletionRequest) -> bool:
+        deterministic = req.temperature == 0 or req.seed is not None
+        return req.n == 1 and (deterministic or self.sampled)
+
+    async def plan(self, request: Request, req: ChatCompletionRequest, model: str) -> CachePlan | None:
+        """None for a request the cache leaves alone; else its scope and embedding (a plan that
+        neither reads nor writes when Cache-Control opts out: the response says "bypass")."""
+        control = request.headers.get("cache-control", "").lower()
+        write = "no-store" not in control
+        read = write and "no-cache" not in control
+        if not self.eligible(req):
+            return None
+        if not (read or write):
+            return CachePlan("", "", model, np.zeros(0, dtype=np.float32), (), False, False)
+        system = [m.text() for m in req.messages if m.role in ("system", "developer")]
+        fields = req.model_dump(mode="json", exclude=UNSCOPED_FIELDS, exclude_none=True)
+        tenant = tenant_of(request)
+        scope = hashlib.sha256(orjson.dumps([tenant, model, system, fields], option=orjson.OPT_SORT_KEYS)).hexdigest()
+        text = conversation_text([(m.role, _message_text(m)) for m in req.messages])
+        ids = self.encoder.tokenize([question_text(text)])[:1]
+        ids[0] = ids[0][: self.encoder.max_input_tokens]
+        vector = (await asyncio.to_thread(self.encoder.embed_ids, ids))[0]
+        return CachePlan(scope, tenant, model, vector, anchors(text), read, write)
+
+    def lookup(self, plan: CachePlan) -> Entry | None:
+        if not plan.read:
+            return None
+        found = self.store.lookup(plan.scope, plan.vector, plan.anchors)
+        self.lookup_seconds.append(found.seconds)
+        if found.entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found.entry
+
+    def save(self, plan: CachePlan, body: dict) -> None:
+        """Stores a finished answer: its one choice and usage."""
+        choice = body["choices"][0]
+        if not plan.write or choice.get("finish_reason") not in ("stop", "length", "tool_calls", "function_call"):
+            return
+        answer = orjson.dumps({"choice": choice, "usage": body["usage"]})
+        self.store.insert(plan.scope, plan.vector, plan.anchors, answer, plan.tenant, plan.model,
+                          self.calibration.threshold)
+        self.stores += 1
+
+    def invalidate(self, tenant: str, model: str | None) -> int:
+        return self.store.invalidate(lambda e: e.tenant == tenant and (model is None or e.model == model))
+
+
+def hit_body(entry: Entry, model: str) -> dict:
+    answer = orjson.loads(entry.response)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [answer["choice"]], "usage": answer["usage"] | {"pyserve_cache": "hit"}}
+
+
+async def replay_sse(entry: Entry, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+    """A stored answer as the chunks a streamed request gets: the role, the content (and tool
+    calls), the finish reason, the usage when asked, [DONE]."""
+    body = hit_body(entry, model)
+    choice = body["choices"][0]
+    message = choice["message"]
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": model}
+
+    def chunk(delta: dict, finish: str | None = None, logprobs=None) -> bytes:
+        return b"data: " + orjson.dumps(head | {"choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}) + b"\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]}, logprobs=choice.get("logprobs"))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, choice["finish_reason"])
+    if include_usage:
+        yield b"data: " + orjson.dumps(head | {"choices": [], "usage": body["usage"]}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _message_text(m) -> str:
+    calls = m.for_template().get("tool_calls")
+    return m.text() + ("" if not calls else "\n" + orjson.dumps(calls).decode())

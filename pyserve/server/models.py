@@ -1,0 +1,88 @@
+"""The models one server serves, by name: each with its own engine (its own KV cache, scheduler
+and step loop) and its own LoRA adapters. A request's `model` field names a model or an adapter
+of one; adapter names are unique across the server. The first model is the primary: it takes
+`--lora-modules` and the adapters loaded at runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pyserve.lora.request import LoRARequest
+from pyserve.server.errors import NotFound
+from pyserve.server.lora_registry import LoraRegistry
+
+if TYPE_CHECKING:
+    from pyserve.engine.async_engine import AsyncEngine
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """What the server is told to serve under one name: an engine, or a function building one
+    (called in the loading thread), and the adapters to load once it has started."""
+
+    engine: AsyncEngine | Callable[[], AsyncEngine]
+    lora_modules: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    engine: AsyncEngine
+    loras: LoraRegistry
+
+
+class ModelTable:
+    def __init__(self, models: list[ServedModel]):
+        if not models:
+            raise ValueError("a server serves at least one model")
+        self._models = {m.name: m for m in models}
+        if len(self._models) != len(models):
+            raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
+
+    @property
+    def primary(self) -> ServedModel:
+        return next(iter(self._models.values()))
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def get(self, name: str) -> ServedModel | None:
+        return self._models.get(name)
+
+    def names(self) -> list[str]:
+        """Every name a request may give: the models, then their adapters."""
+        return [*self._models, *(a for m in self for a in m.loras.entries)]
+
+    def is_taken(self, name: str) -> bool:
+        return name in self._models or any(name in m.loras.entries for m in self)
+
+    def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
+        """The model (and adapter) a request's `model` field names (None: the primary); 404
+        listing the names served otherwise."""
+        if name is None:
+            return self.primary, None
+        model = self._models.get(name)
+        if model is not None:
+            return model, None
+        for model in self:
+            lora = model.loras.get(name)
+            if lora is not None:
+                return model, lora
+        names = ", ".join(map(repr, self.names()))
+        raise NotFound(f"model {name!r} does not exist; this server serves {names}", param="model",
+                       code="model_not_found")
+
+    def cards(self) -> list[dict]:
+        """/v1/models: each model, then its adapters (parent: the model)."""
+        cards = []
+        for m in self:
+            base = {"object": "model", "created": 0, "owned_by": "pyserve", "max_model_len": m.engine.max_model_len}
+            cards.append({"id": m.name, **base, "root": m.engine.model_path, "parent": None})
+            cards += [{"id": a, **base, "root": e.lora.lora_path, "parent": m.name} for a, e in m.loras.entries.items()]
+        return cards
