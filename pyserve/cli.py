@@ -176,7 +176,43 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=int, default=1, help="rounds, the configurations taking turns")
     e.add_argument("--limit", type=int, default=None, help="only the first N items (a quick run)")
     e.set_defaults(func=run_eval)
+    r = sub.add_parser("route-train", help="train a router between two models from an eval that scored both")
+    r.add_argument("--eval", required=True, help="eval.json of a pyserve eval run with both configurations")
+    r.add_argument("--data", required=True, help="the eval set that run used (the items' prompts)")
+    r.add_argument("--small", required=True, help="the small model's configuration name in eval.json")
+    r.add_argument("--large", required=True, help="the large model's configuration name in eval.json")
+    r.add_argument("--small-model", default=None, help="its served name (default: the configuration's name)")
+    r.add_argument("--large-model", default=None, help="its served name (default: the configuration's name)")
+    r.add_argument("--large-share", type=float, default=0.5, help="share of requests to send to the large model")
+    r.add_argument("--embedding-model", default="wordllama", help="as pyserve serve's --embedding-model")
+    r.add_argument("--out", required=True, help="the router's JSON file (pyserve serve --route NAME=FILE)")
+    r.set_defaults(func=route_train)
     return parser
+
+
+def route_train(args: argparse.Namespace) -> None:
+    import json
+
+    from pyserve.embeddings.load import load_encoder
+    from pyserve.eval.items import EvalSetError, load_eval_set
+    from pyserve.routing.train import eval_scores, train_router
+
+    try:
+        items = load_eval_set(args.data)
+        small, large = eval_scores(args.eval, args.small), eval_scores(args.eval, args.large)
+        encoder = load_encoder(args.embedding_model)
+        if encoder is None:
+            raise ValueError("--embedding-model: a router needs an embedding model")
+        prompts = {i.id: i.prompt if i.prompt is not None else
+                   "\n".join(str(m.get("content", "")) for m in i.messages if m.get("role") != "system")
+                   for i in items}
+        router, figures = train_router(encoder, prompts, small, large, args.small_model or args.small,
+                                       args.large_model or args.large, args.large_share)
+    except (EvalSetError, ValueError, OSError, KeyError) as e:
+        sys.exit(f"pyserve route-train: {e}")
+    router.trained_on |= {"eval": str(args.eval), "small": args.small, "large": args.large}
+    router.save(args.out)
+    print(json.dumps({"router": args.out, "cross_validated": figures}, indent=1))
 
 
 def run_eval(args: argparse.Namespace) -> None:

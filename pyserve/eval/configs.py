@@ -16,10 +16,13 @@
       - name: elsewhere
         url: http://127.0.0.1:8000/v1   # any OpenAI-compatible server, already running
         served_model: some-name
+      - name: routed            # the embedded pair (model: null), requests sent to a route:
+        route: router.json      #   a router from pyserve route-train, or
+        cascade: {min_logprob: -1.5}   # a cascade (small, large: served names, default the pair)
+        semantic_cache: true    # the server's semantic cache on (any local configuration)
 
 A configuration is started on loopback with `pyserve serve` unless it names a `url`. Keys that
-are not listed here are refused, naming the configuration and the key; routes, cascades and the
-semantic cache are refused until the decision layer exists.
+are not listed here are refused, naming the configuration and the key.
 """
 
 from __future__ import annotations
@@ -32,11 +35,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENGINE_SETTINGS = ("quantization", "quantization_group_size", "speculative_config", "max_num_seqs",
                    "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "block_size", "dtype",
                    "enable_prefix_caching", "seed")
-NOT_YET = {"route": "routing", "cascade": "cascades", "semantic_cache": "the semantic cache"}
 
 
 class ConfigsError(ValueError):
     """A malformed CONFIGS.yaml: the message names the configuration and the key."""
+
+
+class CascadeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    small: str = "pyserve-default-draft"
+    large: str = "pyserve-default"
+    min_logprob: float
 
 
 class EvalConfig(BaseModel):
@@ -55,6 +65,9 @@ class EvalConfig(BaseModel):
     prompt_template: str = "{prompt}"
     price_per_hour: Annotated[float, Field(ge=0)] | None = None
     concurrency: Annotated[int, Field(ge=1, le=1024)] | None = None
+    route: str | None = None
+    cascade: CascadeConfig | None = None
+    semantic_cache: bool = False
     engine: dict[str, Any] = Field(default_factory=dict)  # the engine settings, gathered below
 
     @model_validator(mode="before")
@@ -62,9 +75,6 @@ class EvalConfig(BaseModel):
     def _gather_engine_settings(cls, data: Any) -> Any:
         if isinstance(data, dict):
             data = dict(data)
-            for key, what in NOT_YET.items():
-                if key in data:
-                    raise ValueError(f"{key}: {what} is not built yet (the decision layer, issue 24)")
             data["engine"] = {k: data.pop(k) for k in ENGINE_SETTINGS if k in data}
         return data
 
@@ -90,9 +100,20 @@ class EvalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _local_or_remote(self):
-        if self.url is not None and (self.model is not None or self.engine or self.lora is not None):
-            raise ValueError("a url configuration is already running: model, lora and engine settings do not apply")
+        if self.url is not None and (self.model is not None or self.engine or self.lora is not None
+                                     or self.decides or self.semantic_cache):
+            raise ValueError("a url configuration is already running: model, lora, engine settings, routes and "
+                             "the cache do not apply")
+        if self.route is not None and self.cascade is not None:
+            raise ValueError("give route or cascade, not both")
+        if self.decides and (self.model is not None or self.lora is not None):
+            raise ValueError("a route or cascade is served over the embedded pair: leave model and lora unset")
         return self
+
+    @property
+    def decides(self) -> bool:
+        """Whether requests go to a route or cascade (named `eval`) rather than one model."""
+        return self.route is not None or self.cascade is not None
 
     def serve_flags(self) -> list[str]:
         """`pyserve serve` flags of a local configuration (its model is `model`, given apart)."""
@@ -108,6 +129,13 @@ class EvalConfig(BaseModel):
             flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
         if self.lora is not None:
             flags += ["--enable-lora", "--lora-modules", self.lora]
+        if self.route is not None:
+            flags += ["--route", f"eval={self.route}"]
+        if self.cascade is not None:
+            c = self.cascade
+            flags += ["--cascade", f"eval={c.small},{c.large},{c.min_logprob}"]
+        if self.semantic_cache:
+            flags.append("--semantic-cache")
         return flags
 
     @property

@@ -57,7 +57,8 @@ class ConfigReport:
     output_tok_s: float | None = None
     quality_per_dollar_second: float | None = None
     frontier: bool = False
-    # Per item (the first round): id, score (null for perplexity items), the scorer's detail.
+    # Per item (the first round): id, score (null for perplexity items), the scorer's detail,
+    # output tokens.
     results: list[dict] = field(default_factory=list)
 
 
@@ -68,7 +69,8 @@ def _ms(v: float | None) -> float | None:
 def summarize(name: str, rounds: list[tuple[list[ItemResult], float]], price_per_hour: float) -> ConfigReport:
     """One configuration's report from its rounds: (results in item order, wall seconds)."""
     rep = ConfigReport(name, items=len(rounds[0][0]))
-    rep.results = [{"id": r.id, "score": r.score.value, "detail": r.score.detail} for r in rounds[0][0]]
+    rep.results = [{"id": r.id, "score": r.score.value, "detail": r.score.detail,
+                    "output_tokens": r.timing.output_tokens} for r in rounds[0][0]]
     per_item = list(zip(*[r for r, _ in rounds]))  # each item's results over rounds
     values = [statistics.fmean(s.score.value for s in results) for results in per_item
               if results[0].score.value is not None]
@@ -112,8 +114,8 @@ class LocalServer:
         from pyserve.server.loopback import start_server
 
         model = None if self.cfg.model is None else Path(self.cfg.model)
-        self.proc, base = start_server(model, "--served-model-name", "eval", *self.cfg.serve_flags(),
-                                       workdir=self.workdir)
+        named = [] if self.cfg.decides else ["--served-model-name", "eval"]  # a route is named eval
+        self.proc, base = start_server(model, *named, *self.cfg.serve_flags(), workdir=self.workdir)
         return base
 
     def __exit__(self, *exc) -> None:

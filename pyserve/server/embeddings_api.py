@@ -27,7 +27,8 @@ class EmbeddingRequest(BaseModel):
 
     model: str
     input: (Annotated[str, Field(max_length=MAX_INPUT_CHARS)]
-            | Annotated[list[Annotated[str, Field(max_length=MAX_INPUT_CHARS)]], Field(min_length=1, max_length=MAX_INPUTS)]
+            | Annotated[list[Annotated[str, Field(max_length=MAX_INPUT_CHARS)]],
+                        Field(min_length=1, max_length=MAX_INPUTS)]
             | Annotated[list[int], Field(min_length=1)]
             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)])
     encoding_format: Literal["float", "base64"] = "float"

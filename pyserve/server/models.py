@@ -16,6 +16,7 @@ from pyserve.server.lora_registry import LoraRegistry
 
 if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
+    from pyserve.routing.router import Router
 
 
 @dataclass(slots=True)
@@ -25,6 +26,21 @@ class ModelSpec:
 
     engine: AsyncEngine | Callable[[], AsyncEngine]
     lora_modules: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RouteSpec:
+    """A served name whose requests go to one of two served models (server.decision)."""
+
+    name: str
+    small: str
+    large: str
+    router: Router | None = None  # a route: the classifier decides
+    min_logprob: float | None = None  # a cascade: the small model's confidence decides
+
+    @property
+    def kind(self) -> str:
+        return "route" if self.router is not None else "cascade"
 
 
 @dataclass(slots=True)
@@ -41,6 +57,7 @@ class ModelTable:
         self._models = {m.name: m for m in models}
         if len(self._models) != len(models):
             raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
+        self.routes: dict[str, RouteSpec] = {}
 
     @property
     def primary(self) -> ServedModel:
@@ -56,17 +73,19 @@ class ModelTable:
         return self._models.get(name)
 
     def names(self) -> list[str]:
-        """Every name a request may give: the models, then their adapters."""
-        return [*self._models, *(a for m in self for a in m.loras.entries)]
+        """Every name a request may give: the models, their adapters, then the routes."""
+        return [*self._models, *(a for m in self for a in m.loras.entries), *self.routes]
 
     def is_taken(self, name: str) -> bool:
-        return name in self._models or any(name in m.loras.entries for m in self)
+        return name in self._models or name in self.routes or any(name in m.loras.entries for m in self)
 
     def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
         """The model (and adapter) a request's `model` field names (None: the primary); 404
         listing the names served otherwise."""
         if name is None:
             return self.primary, None
+        if name in self.routes:  # where one model must stand for a route (/tokenize): its large one
+            name = self.routes[name].large
         model = self._models.get(name)
         if model is not None:
             return model, None
@@ -85,4 +104,9 @@ class ModelTable:
             base = {"object": "model", "created": 0, "owned_by": "pyserve", "max_model_len": m.engine.max_model_len}
             cards.append({"id": m.name, **base, "root": m.engine.model_path, "parent": None})
             cards += [{"id": a, **base, "root": e.lora.lora_path, "parent": m.name} for a, e in m.loras.entries.items()]
+        for r in self.routes.values():
+            large = self._models[r.large].engine
+            cards.append({"id": r.name, "object": "model", "created": 0, "owned_by": "pyserve", "root": None,
+                          "parent": None, "max_model_len": large.max_model_len,
+                          "pyserve_route": {"kind": r.kind, "small": r.small, "large": r.large}})
         return cards

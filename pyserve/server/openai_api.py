@@ -22,7 +22,8 @@ from pyserve.server.chat_cache import HEADER, CachePlan, hit_body, replay_sse
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
-from pyserve.server.models import ServedModel
+from pyserve.server.decision import serve_decided
+from pyserve.server.models import RouteSpec, ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
 from pyserve.server.tool_calls import ToolPlan, plan_tools
@@ -34,6 +35,10 @@ from pyserve.server.streaming import TimedStreamingResponse
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(ChatCompletionRequest, await json_body(request))
+    route = state.models.routes.get(req.model)
+    if route is not None:
+        text = "\n".join(m.text() for m in req.messages if m.role not in ("system", "developer"))
+        return await _decided(request, state, route, req, text, _chat_on)
     model, lora = state.models.resolve(req.model)
     cache_plan = None
     if state.cache is not None:
@@ -41,6 +46,23 @@ async def chat_completions(request: Request) -> Response:
         entry = None if cache_plan is None else state.cache.lookup(cache_plan)
         if entry is not None:
             return _cache_hit(state, req, entry)
+    return await _chat_on(request, state, model, lora, req, cache_plan)
+
+
+async def _decided(request: Request, state: ServerState, route: RouteSpec, req: SamplingFields, text: str,
+                   serve_on) -> Response:
+    """A request naming a route or cascade, served on the model it picks (server.decision)."""
+    async def embed(t: str):
+        encoder = state.encoder
+        return (await asyncio.to_thread(encoder.embed_ids, encoder.tokenize([t])[:1]))[0]
+
+    return await serve_decided(route, state.models, req, lambda: text, embed,
+                               lambda model, r: serve_on(request, state, model, None, r), state.metrics,
+                               state.settings.stream_timeout)
+
+
+async def _chat_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
+                   req: ChatCompletionRequest, cache_plan: CachePlan | None = None) -> Response:
     tok = model.engine.tokenizer
     settings = state.settings
     param = "messages" if req.chat_template is None else "chat_template"
@@ -86,7 +108,20 @@ async def completions(request: Request) -> Response:
         raise BadRequest("max_tokens: 0 is allowed only with echo", param="max_tokens")
     if req.echo and req.stream:
         raise BadRequest("echo: not supported with stream", param="echo")
+    route = state.models.routes.get(req.model)
+    if route is not None:
+        prompts = req.prompts()
+        if len(prompts) != 1:
+            raise BadRequest(f"prompt: a request to {req.model!r} ({route.kind}) takes one prompt", param="prompt")
+        text = prompts[0] if isinstance(prompts[0], str) else \
+            state.models.get(route.large).engine.tokenizer.decode(prompts[0], skip_special_tokens=False)
+        return await _decided(request, state, route, req, text, _completion_on)
     model, lora = state.models.resolve(req.model)
+    return await _completion_on(request, state, model, lora, req)
+
+
+async def _completion_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
+                         req: CompletionRequest) -> Response:
     tok = model.engine.tokenizer
     vocab = model.engine.vocab_size
     prompts = []

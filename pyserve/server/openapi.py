@@ -107,6 +107,18 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
             paths[path] = {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(LORA_REQUEST)},
                                     "responses": {"200": {"description": "done", "content": object_},
                                                   **_errors("400", *auth, "404", "413")}}}
+    if settings.semantic_cache:
+        forbidden = {"403": {"description": "the server has no API key",
+                             "content": _json({"$ref": REF.format(model="Error")})}}
+        paths["/v1/cache"] = {"get": {"summary": "The semantic cache's figures",
+                                      "responses": {"200": {"description": "figures", "content": object_},
+                                                    **_errors(*auth), **forbidden}}}
+        paths["/v1/cache/invalidate"] = {"post": {
+            "summary": "Drop the caller's tenant's cache entries (of one model, or all)",
+            "requestBody": {"required": True, "content": _json(
+                {"type": "object", "properties": {"model": {"type": "string"}}, "additionalProperties": False})},
+            "responses": {"200": {"description": "how many were dropped", "content": object_},
+                          **_errors("400", *auth, "413"), **forbidden}}}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "pyserve", "version": "1", "description": "OpenAI-compatible LLM serving"},

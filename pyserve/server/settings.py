@@ -36,6 +36,13 @@ class ServerSettings:
     semantic_cache_max_entries: int = option(100_000, "cache entries kept at most (least recently used go first)")
     semantic_cache_max_bytes: int = option(256 << 20, "bytes of cache entries kept at most")
     semantic_cache_sampled: bool = option(False, "also cache requests that sample (temperature > 0, no seed)")
+    route: list[str] = option(
+        help="NAME=ROUTER.json: a served name whose requests the router (written by pyserve route-train) sends to its "
+        "small or large model (repeatable)", default_factory=list, action="append", type=str)
+    cascade: list[str] = option(
+        help="NAME=SMALL,LARGE,MIN_LOGPROB: a served name answered by SMALL, escalated to LARGE when the 10th "
+        "percentile of the answer's token logprobs is below MIN_LOGPROB (repeatable)",
+        default_factory=list, action="append", type=str)
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 

@@ -21,6 +21,7 @@ import structlog
 from pyserve.embeddings.load import load_encoder
 from pyserve.semantic_cache.calibration import calibrate_encoder
 from pyserve.server.chat_cache import ChatCache
+from pyserve.server.decision import check_routes, load_route, parse_cascade
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
 from pyserve.server.settings import ServerSettings
@@ -95,6 +96,9 @@ class Startup:
         engines, encoder, cache = built
         models = ModelTable([ServedModel(name, engine, LoraRegistry(engine, self._settings.lora_root))
                              for name, engine in engines.items()])
+        routes = [*map(load_route, self._settings.route), *map(parse_cascade, self._settings.cascade)]
+        check_routes(routes, models, None if encoder is None else encoder.name)
+        models.routes = {r.name: r for r in routes}
         return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
 
     def _build_all(self) -> tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]:

@@ -24,6 +24,8 @@ class ServerMetrics:
     lora_requests: Counter
     embedding_inputs: Counter
     cache_lookup: Histogram
+    route_requests: Counter
+    cascade_escalations: Counter
 
     @classmethod
     def create(cls, models: ModelTable, cache: ChatCache | None = None) -> ServerMetrics:
@@ -84,6 +86,10 @@ class ServerMetrics:
             outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
             lora_requests=reg.add(Counter("pyserve:lora_requests_total", "Requests per LoRA adapter.")),
             embedding_inputs=reg.add(Counter("pyserve:embedding_inputs_total", "Inputs embedded by /v1/embeddings.")),
+            route_requests=reg.add(Counter("pyserve:route_requests_total", "Requests to a route or cascade, by the "
+                                           "model that answered.")),
+            cascade_escalations=reg.add(Counter("pyserve:cascade_escalations_total", "Cascade requests the small "
+                                                "model's confidence sent on to the large one.")),
             cache_lookup=reg.add(Histogram("pyserve:semantic_cache_lookup_seconds", "Semantic cache lookups (the "
                                            "index search and checks, after the embedding).")),
         )

@@ -13,6 +13,8 @@ import torch
 
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS, DEFAULT_MODEL_NAME, DRAFT_DIR, FAMILY_DIR, TARGET_DIR
+from pyserve.embeddings.packaged import NAME as EMBEDDING_MODEL
+from pyserve.server.model_specs import DRAFT_MODEL_NAME
 from pyserve.testing import assert_parity, hf_greedy, start_server, stop_server
 
 CARD = json.loads((FAMILY_DIR / "card.json").read_text())
@@ -121,7 +123,7 @@ def test_serve_with_no_model_answers_chat_with_the_embedded_model(tmp_path):
     proc, base = start_server(None, workdir=tmp_path)
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME, EMBEDDING_MODEL]
         resp = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHAT, max_tokens=48,
                                               temperature=0.0)
         assert resp.choices[0].message.content == want

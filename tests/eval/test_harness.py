@@ -37,9 +37,20 @@ def test_the_example_configs_parse():
     assert int8.engine == {"quantization": "int8"} and int8.serve_flags() == ["--quantization", "int8"]
 
 
+def test_decision_keys_become_serve_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("configs:\n  - {name: r, route: r.json, semantic_cache: true}\n"
+                    "  - {name: c, cascade: {min_logprob: -1.5}}\n")
+    routed, cascade = load_plan(path).configs
+    assert routed.decides and routed.serve_flags() == ["--route", "eval=r.json", "--semantic-cache"]
+    assert cascade.serve_flags() == ["--cascade", "eval=pyserve-default-draft,pyserve-default,-1.5"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("configs: []", "configs: List should have at least 1 item"),
-    ("configs:\n  - {name: a, route: x}", r"configs\[0\] \(a\): route: routing is not built yet"),
+    ("configs:\n  - {name: a, route: x, model: embedded:draft}", r"configs\[0\] \(a\): .*leave model and lora unset"),
+    ("configs:\n  - {name: a, route: x, cascade: {min_logprob: -1}}", r"configs\[0\] \(a\): .*route or cascade"),
+    ("configs:\n  - {name: a, cascade: {}}", r"configs\[0\] \(a\): cascade.min_logprob: Field required"),
     ("configs:\n  - {name: a, temprature: 0.5}", r"configs\[0\] \(a\): temprature: Extra inputs"),
     ("configs:\n  - {name: a}\n  - {name: a}", "the name 'a' is used twice"),
     ("configs:\n  - {name: a, prompt_template: 'x'}", r"configs\[0\] \(a\): prompt_template: must contain \{prompt\}"),

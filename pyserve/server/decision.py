@@ -1,0 +1,152 @@
+"""Served names that choose a model per request (`--route`, `--cascade`); a request naming one
+is served by one of two served models, named in the response's `model` and the `x-pyserve-model`
+header.
+
+- A route (`--route NAME=ROUTER.json`, written by `pyserve route-train`): the router's classifier
+  over the embedding of the request's text (the prompt; for chat, the messages but the system
+  prompt) picks the small or the large model.
+- A cascade (`--cascade NAME=SMALL,LARGE,MIN_LOGPROB`): the small model answers first, not
+  streamed, with its token logprobs (the sampler has them anyway); if the 10th percentile of
+  its answer's token logprobs is below MIN_LOGPROB the request is escalated: the large model
+  serves it as asked (`x-pyserve-escalated: yes`), its prefix cache holding what it has seen
+  before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
+  answer is then sent as SSE at once, an escalated request streams the large model's answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import orjson
+from starlette.responses import Response
+
+from pyserve.routing.router import Router
+from pyserve.server.body import json_response
+from pyserve.server.models import ModelTable, RouteSpec, ServedModel
+from pyserve.server.streaming import TimedStreamingResponse
+
+CONFIDENCE_QUANTILE = 0.1
+MODEL_HEADER = "x-pyserve-model"
+
+
+def parse_cascade(item: str) -> RouteSpec:
+    """One --cascade NAME=SMALL,LARGE,MIN_LOGPROB."""
+    name, sep, rest = item.partition("=")
+    parts = rest.split(",")
+    try:
+        if not sep or not name or len(parts) != 3 or not all(parts[:2]):
+            raise ValueError
+        return RouteSpec(name, parts[0], parts[1], min_logprob=float(parts[2]))
+    except ValueError:
+        raise ValueError(f"cascade: {item!r}: use NAME=SMALL,LARGE,MIN_LOGPROB (e.g. auto=small,big,-2.5)") from None
+
+
+def load_route(item: str) -> RouteSpec:
+    """One --route NAME=ROUTER.json."""
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"route: {item!r}: use NAME=ROUTER.json")
+    router = Router.load(path)
+    return RouteSpec(name, router.small, router.large, router=router)
+
+
+def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str | None) -> None:
+    """ValueError naming the route whose models are not served or whose router was trained on
+    another embedding model."""
+    seen: set[str] = set()
+    for r in routes:
+        for which in (r.small, r.large):
+            if models.get(which) is None:
+                raise ValueError(f"route {r.name!r}: model {which!r} is not served")
+        if models.is_taken(r.name):
+            raise ValueError(f"route {r.name!r}: the name is already a served model or adapter")
+        if r.name in seen:
+            raise ValueError(f"route {r.name!r} is given twice")
+        seen.add(r.name)
+        if r.router is not None and r.router.encoder != encoder_name:
+            raise ValueError(f"route {r.name!r}: its router was trained on embeddings of {r.router.encoder!r}; "
+                             f"this server's embedding model is {encoder_name!r}")
+
+
+def confidence(body: dict) -> float:
+    """The 10th percentile of the first choice's token logprobs (chat or text completion)."""
+    lp = body["choices"][0].get("logprobs") or {}
+    values = [t["logprob"] for t in lp["content"]] if "content" in lp else lp.get("token_logprobs") or []
+    values = [v for v in values if v is not None]
+    return float(np.quantile(values, CONFIDENCE_QUANTILE)) if values else float("-inf")
+
+
+def sse_of(body: dict, include_usage: bool) -> bytes:
+    """A finished body as the SSE stream of its choices (one chunk each, then finish, usage, [DONE])."""
+    chat = body["object"] == "chat.completion"
+    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+    out = []
+    for c in body["choices"]:
+        if chat:
+            delta = {"role": "assistant", **{k: v for k, v in c["message"].items() if k != "role" and v is not None}}
+            out.append({"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": None})
+            out.append({"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]})
+        else:
+            out.append({"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
+                        "finish_reason": c["finish_reason"]})
+    frames = [b"data: " + orjson.dumps(head | {"choices": [choice]}) + b"\n\n" for choice in out]
+    if include_usage:
+        frames.append(b"data: " + orjson.dumps(head | {"choices": [], "usage": body["usage"]}) + b"\n\n")
+    return b"".join(frames) + b"data: [DONE]\n\n"
+
+
+async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callable[[], str], embed,
+                        run: Callable[[ServedModel, object], Awaitable[Response]], metrics,
+                        stream_timeout: float) -> Response:
+    """Serves `req` (a validated chat or completion request naming `route`) by the route's rule.
+    `text()`: the request's text for the router; `embed(text)`: its vector; `run(model, req)`:
+    the endpoint's own serving of a request on one model."""
+    small, large = models.get(route.small), models.get(route.large)
+    if route.router is not None:
+        chosen = route.router.choose(await embed(text()))
+        metrics.route_requests.inc(route=route.name, model=chosen)
+        return _named(await run(models.get(chosen), req.model_copy(update={"model": chosen})), chosen)
+    asked_logprobs = _asked_logprobs(req)
+    first = await run(small, _with_logprobs(req.model_copy(update={"model": small.name, "stream": False})))
+    if first.status_code != 200:
+        return _named(first, small.name)
+    body = orjson.loads(first.body)
+    escalate = confidence(body) < route.min_logprob
+    metrics.route_requests.inc(route=route.name, model=large.name if escalate else small.name)
+    if escalate:
+        metrics.cascade_escalations.inc(route=route.name)
+        response = await run(large, req.model_copy(update={"model": large.name}))
+        response.headers["x-pyserve-escalated"] = "yes"
+        return _named(response, large.name)
+    if not asked_logprobs:
+        for c in body["choices"]:
+            c["logprobs"] = None
+    headers = {MODEL_HEADER: small.name, "x-pyserve-escalated": "no"}
+    if req.stream:
+        include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+        payload = sse_of(body, include_usage)
+
+        async def once():
+            yield payload
+
+        return TimedStreamingResponse(once(), stream_timeout, lambda: None, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", **headers})
+    return json_response(body, headers=headers)
+
+
+def _named(response: Response, model: str) -> Response:
+    response.headers[MODEL_HEADER] = model
+    return response
+
+
+def _asked_logprobs(req) -> bool:
+    chat = hasattr(req, "messages")
+    return bool(req.logprobs) if chat else req.logprobs is not None
+
+
+def _with_logprobs(req):
+    if _asked_logprobs(req):
+        return req
+    return req.model_copy(update={"logprobs": True} if hasattr(req, "messages") else {"logprobs": 0})

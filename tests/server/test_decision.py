@@ -1,0 +1,129 @@
+"""Routes and cascades through the openai client: a router's choice by the request's embedding, a
+cascade kept or escalated by the small model's token logprobs (streamed too), the answering
+model named in `model` and a header, the answers those of the models asked directly; routes in
+/v1/models, bad routes refused; a router trained from eval scores and saved by route-train."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+
+from pyserve.cli import main
+from pyserve.embeddings.encoder import embed_texts
+from pyserve.embeddings.packaged import NAME as ENCODER, PackagedEncoder
+from pyserve.routing.router import Router
+from pyserve.routing.train import train_router
+from pyserve.testing import parse_metrics
+from pyserve.testing.in_process import serving_models
+
+SORTING = "how do I sort a list of numbers"
+OTHER = "the history of medieval castles in France"
+
+
+@pytest.fixture(scope="module")
+def router_file(tmp_path_factory) -> str:
+    """A router that sends text like SORTING to the large model and the rest to the small."""
+    direction = embed_texts(PackagedEncoder(), [SORTING])[0]
+    path = tmp_path_factory.mktemp("router") / "router.json"
+    Router("small", "large", ENCODER, [float(w) * 40 for w in direction], -30.0, 0.5, 0.5).save(path)
+    return str(path)
+
+
+def _models(model_dirs):
+    return {"small": {"model": str(model_dirs["qwen2"]), "block_size": 4, "num_kv_blocks": 64},
+            "large": {"model": str(model_dirs["llama"]), "block_size": 4, "num_kv_blocks": 64}}
+
+
+async def _chat(http, model: str, text: str, **kw):
+    api = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http, max_retries=0)
+    r = await api.chat.completions.with_raw_response.create(
+        **({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0} | kw))
+    return r.headers, r.parse()
+
+
+async def test_a_route_sends_each_request_to_the_model_its_router_picks(model_dirs, router_file):
+    async with serving_models(_models(model_dirs), route=[f"auto={router_file}"]) as (_, http):
+        cards = {c["id"]: c for c in (await http.get("/v1/models")).json()["data"]}
+        assert cards["auto"]["pyserve_route"] == {"kind": "route", "small": "small", "large": "large"}
+        for text, want in ((SORTING, "large"), (OTHER, "small")):
+            headers, routed = await _chat(http, "auto", text)
+            _, direct = await _chat(http, want, text)
+            assert routed.model == headers["x-pyserve-model"] == want
+            assert routed.choices[0].message.content == direct.choices[0].message.content
+        r = await http.post("/v1/completions", json={"model": "auto", "prompt": SORTING, "max_tokens": 3})
+        assert r.json()["model"] == "large"
+        r = await http.post("/v1/completions", json={"model": "auto", "prompt": [SORTING, OTHER], "max_tokens": 3})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+        metrics = parse_metrics((await http.get("/metrics")).text)
+        assert metrics['pyserve:route_requests_total{model="large",route="auto"}'] == 2
+        assert metrics['pyserve:route_requests_total{model="small",route="auto"}'] == 1
+
+
+async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(model_dirs):
+    cascades = ["keep=small,large,-1e9", "escalate=small,large,1"]  # logprobs never fall below -1e9 nor reach 1
+    async with serving_models(_models(model_dirs), cascade=cascades) as (_, http):
+        _, small = await _chat(http, "small", OTHER)
+        _, large = await _chat(http, "large", OTHER)
+        headers, kept = await _chat(http, "keep", OTHER)
+        assert (kept.model, headers["x-pyserve-escalated"]) == ("small", "no")
+        assert kept.choices[0].message.content == small.choices[0].message.content
+        assert kept.choices[0].logprobs is None  # asked for internally, not by the client
+        headers, up = await _chat(http, "escalate", OTHER)
+        assert (up.model, headers["x-pyserve-escalated"], headers["x-pyserve-model"]) == ("large", "yes", "large")
+        assert up.choices[0].message.content == large.choices[0].message.content
+        for name, want in (("keep", small), ("escalate", large)):
+            api = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http, max_retries=0)
+            stream = await api.chat.completions.create(model=name, messages=[{"role": "user", "content": OTHER}],
+                                                       max_tokens=6, temperature=0, stream=True)
+            chunks = [c async for c in stream]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+                want.choices[0].message.content
+        metrics = parse_metrics((await http.get("/metrics")).text)
+        assert metrics['pyserve:cascade_escalations_total{route="escalate"}'] == 2
+        assert 'pyserve:cascade_escalations_total{route="keep"}' not in metrics
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"cascade": ["c=small,nope,-1"]}, "route 'c': model 'nope' is not served"),
+    ({"cascade": ["small=small,large,-1"]}, "route 'small': the name is already a served model"),
+    ({"cascade": ["c=small,large"]}, "use NAME=SMALL,LARGE,MIN_LOGPROB"),
+    ({"cascade": ["c=small,large,-1", "c=small,large,-2"]}, "route 'c' is given twice"),
+])
+async def test_bad_routes_are_refused_naming_them(model_dirs, settings, message):
+    with pytest.raises(ValueError, match=message):
+        async with serving_models(_models(model_dirs), **settings):
+            pass
+
+
+def test_a_router_trained_from_scores_routes_the_items_the_large_model_wins(tmp_path):
+    """The large model wins exactly the sorting questions: the cross-validated router sends them
+    there and recovers the large model's quality with half the calls; route-train writes it."""
+    topics = ["sort a list", "sort numbers", "sort strings by length", "sort a dictionary by value"]
+    others = ["bake bread", "plant tomatoes", "paint a fence", "tune a guitar"]
+    prompts, small, large = {}, {}, {}
+    for i in range(40):
+        sorting = i % 2 == 0
+        text = f"How do I {(topics if sorting else others)[i // 2 % 4]}? ({i})"
+        prompts[f"i{i}"] = text
+        small[f"i{i}"] = {"id": f"i{i}", "score": 0.0 if sorting else 1.0, "output_tokens": 10}
+        large[f"i{i}"] = {"id": f"i{i}", "score": 1.0, "output_tokens": 10}
+    router, figures = train_router(PackagedEncoder(), prompts, small, large, "s", "l", large_share=0.5)
+    assert figures["quality_routed"] == figures["quality_large"] == 1.0 and figures["recovered"] == 1.0
+    assert 0.5 <= figures["large_calls"] == figures["large_tokens_share"] <= 0.6  # per-fold quantiles
+    vec = embed_texts(PackagedEncoder(), ["How do I sort a list?", "How do I bake bread?"])
+    assert [router.choose(v) for v in vec] == ["l", "s"]
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"id": k, "prompt": v, "scorer": "exact", "reference": "x"}) + "\n"
+                             for k, v in prompts.items()))
+    eval_json = tmp_path / "eval.json"
+    eval_json.write_text(json.dumps({"configs": [{"name": "small", "results": list(small.values())},
+                                                 {"name": "large", "results": list(large.values())}]}))
+    out = tmp_path / "router.json"
+    main(["route-train", "--eval", str(eval_json), "--data", str(items), "--small", "small", "--large", "large",
+          "--small-model", "s", "--large-model", "l", "--large-share", "0.5", "--out", str(out)])
+    saved = Router.load(out)
+    assert (saved.small, saved.large, saved.encoder) == ("s", "l", ENCODER)
+    assert np.allclose(saved.weights, router.weights) and saved.trained_on["recovered"] == 1.0
