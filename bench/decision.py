@@ -114,7 +114,9 @@ def main() -> None:
     report = {"items": len(ids), "quality_small": routers[str(SHARES[0])]["quality_small"],
               "quality_large": routers[str(SHARES[0])]["quality_large"], "router_cross_validated": routers,
               "cascade_offline": cascades, "cascade_chosen": chosen,
-              "every_item_served": served_all}
+              "every_item_served": served_all,
+              "per_item": {i: {"small": small[i]["score"], "large": large[i]["score"], "confidence": conf[i],
+                               "large_tokens": large[i]["output_tokens"]} for i in ids}}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

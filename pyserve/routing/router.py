@@ -1,7 +1,8 @@
 """A trained router: logistic regression over the embedding of a request's text, predicting
 that the large model is needed (it scored better than the small one on such an item); above the
 threshold, the large model answers. The threshold was set for a chosen share of large-model
-calls on the training items. Stored as JSON (weights as a list)."""
+calls on the training items (a router trained where one model always won or tied has no
+weights and a threshold outside [0, 1]: it always picks that model). Stored as JSON."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Router:
         return 1.0 / (1.0 + np.exp(-z))
 
     def choose(self, vector: np.ndarray) -> str:
-        return self.large if self.p_large(vector) >= self.threshold else self.small
+        return self.large if self.p_large(vector) > self.threshold else self.small
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")

@@ -40,10 +40,17 @@ def _fit(x: np.ndarray, y: np.ndarray):
     return LogisticRegression(C=1.0, class_weight="balanced", max_iter=2000).fit(x, y)
 
 
-def _predict(model, x: np.ndarray, y_train: np.ndarray) -> np.ndarray:
+def _predict(model, x: np.ndarray) -> np.ndarray:
+    """P(large needed); a constant 0.5 where the labels were all alike (see _threshold)."""
+    return np.full(len(x), 0.5) if model is None else model.predict_proba(x)[:, 1]
+
+
+def _threshold(model, p: np.ndarray, y: np.ndarray, large_share: float) -> float:
+    """The quantile of `p` that sends `large_share` above it; where the labels were all alike,
+    below or above every prediction (all to the model that was never beaten)."""
     if model is None:
-        return np.full(len(x), float(y_train.mean()) if len(y_train) else 0.0)
-    return model.predict_proba(x)[:, 1]
+        return -1.0 if y.mean() > 0.5 else 2.0
+    return float(np.quantile(p, 1 - large_share))
 
 
 def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dict], large: dict[str, dict],
@@ -64,22 +71,17 @@ def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dic
         test = order[fold::FOLDS]
         train = np.setdiff1d(order, test)
         model = _fit(x[train], y[train])
-        threshold = _share_threshold(_predict(model, x[train], y[train]), large_share)
-        held_p[test] = _predict(model, x[test], y[train]) - threshold  # >= 0: large
-    to_large = held_p >= 0
+        threshold = _threshold(model, _predict(model, x[train]), y[train], large_share)
+        held_p[test] = _predict(model, x[test]) - threshold  # > 0: large
+    to_large = held_p > 0
     model = _fit(x, y)
-    threshold = _share_threshold(_predict(model, x, y), large_share)
+    threshold = _threshold(model, _predict(model, x), y, large_share)
     weights = np.zeros(encoder.dim) if model is None else model.coef_[0]
-    bias = float(np.log(y.mean() / (1 - y.mean()))) if model is None and 0 < y.mean() < 1 else \
-        (0.0 if model is None else float(model.intercept_[0]))
+    bias = 0.0 if model is None else float(model.intercept_[0])  # no weights: p = 0.5
     figures = routed_figures(s, g, to_large, [large[i].get("output_tokens", 0) for i in ids])
     router = Router(small_name, large_name, encoder.name, [float(w) for w in weights], bias, float(threshold),
                     large_share, {"items": len(ids), "large_better": int(y.sum()), **figures})
     return router, figures
-
-
-def _share_threshold(p: np.ndarray, large_share: float) -> float:
-    return float(np.quantile(p, 1 - large_share))
 
 
 def routed_figures(small: np.ndarray, large: np.ndarray, to_large: np.ndarray, large_tokens: list[int]) -> dict:

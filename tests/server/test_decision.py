@@ -112,7 +112,7 @@ def test_a_router_trained_from_scores_routes_the_items_the_large_model_wins(tmp_
         large[f"i{i}"] = {"id": f"i{i}", "score": 1.0, "output_tokens": 10}
     router, figures = train_router(PackagedEncoder(), prompts, small, large, "s", "l", large_share=0.5)
     assert figures["quality_routed"] == figures["quality_large"] == 1.0 and figures["recovered"] == 1.0
-    assert 0.5 <= figures["large_calls"] == figures["large_tokens_share"] <= 0.6  # per-fold quantiles
+    assert 0.4 <= figures["large_calls"] == figures["large_tokens_share"] <= 0.6  # per-fold quantiles
     vec = embed_texts(PackagedEncoder(), ["How do I sort a list?", "How do I bake bread?"])
     assert [router.choose(v) for v in vec] == ["l", "s"]
     items = tmp_path / "items.jsonl"
@@ -125,5 +125,8 @@ def test_a_router_trained_from_scores_routes_the_items_the_large_model_wins(tmp_
     main(["route-train", "--eval", str(eval_json), "--data", str(items), "--small", "small", "--large", "large",
           "--small-model", "s", "--large-model", "l", "--large-share", "0.5", "--out", str(out)])
     saved = Router.load(out)
+    tied = {k: dict(v, score=1.0) for k, v in small.items()}  # the small model is never beaten
+    never, figures = train_router(PackagedEncoder(), prompts, tied, large, "s", "l", large_share=0.5)
+    assert figures["large_calls"] == 0 and {never.choose(v) for v in vec} == {"s"}
     assert (saved.small, saved.large, saved.encoder) == ("s", "l", ENCODER)
     assert np.allclose(saved.weights, router.weights) and saved.trained_on["recovered"] == 1.0
