@@ -5,11 +5,11 @@ time with 100k entries in one scope, cross-tenant hits, and the time a hit takes
 
 1. Pairs (bench/semantic_cache_pairs.py): each pair's first question stored in a scope of its
    own, the second looked up, as the server does (its conversation's content words embedded by
-   the packaged WordLlama model, anchors compared, the threshold calibrated to 1% on the shipped
+   the packaged WordLlama model, guards compared, the threshold calibrated to 1% on the shipped
    calibration pairs). A trick that hits is a wrong hit; rates with 95% Clopper-Pearson intervals.
    The same for other error bounds (`--semantic-cache-error-bound`). Beside it, one global
    cosine threshold of 0.8 on the same model's embedding of the whole
-   text, no anchors (GPTCache's default threshold), on the same pairs.
+   text, no guards (GPTCache's default threshold), on the same pairs.
 2. Lookups: `--entries` synthetic questions in one scope (usearch index), then lookups of other
    questions; the index search and checks timed (p50, p99), the embedding apart. Then the same
    texts looked up under another tenant's scope: hits must be 0.
@@ -36,7 +36,7 @@ from semantic_cache_pairs import FAMILIES, bench_pairs  # noqa: E402
 
 from pyserve.embeddings.encoder import embed_texts  # noqa: E402
 from pyserve.embeddings.packaged import PackagedEncoder  # noqa: E402
-from pyserve.semantic_cache.anchors import anchors  # noqa: E402
+from pyserve.semantic_cache.guard import guard_of  # noqa: E402
 from pyserve.semantic_cache.calibration import calibrate_encoder  # noqa: E402
 from pyserve.semantic_cache.question import conversation_text, question_text  # noqa: E402
 from pyserve.semantic_cache.store import SemanticStore  # noqa: E402
@@ -66,8 +66,8 @@ def pair_rates(encoder, threshold: float) -> dict:
     tally: dict[str, list[int]] = {}
     baseline: dict[str, list[int]] = {}
     for i, p in enumerate(pairs):
-        store.insert(str(i), a[i], anchors(conversation(p["a"])), b"answer", "t", "m", threshold)
-        hit = store.lookup(str(i), b[i], anchors(conversation(p["b"]))).entry is not None
+        store.insert(str(i), a[i], guard_of(conversation(p["a"])), b"answer", "t", "m", threshold)
+        hit = store.lookup(str(i), b[i], guard_of(conversation(p["b"]))).entry is not None
         kinds = [p["kind"]] + (["tricks"] if p["kind"] in ("number", "name", "negation") else [])
         for kind in kinds:
             tally.setdefault(kind, [0, 0])
@@ -80,7 +80,7 @@ def pair_rates(encoder, threshold: float) -> dict:
     def table(counts):
         return {k: {"hits": h, "pairs": n, "rate": round(h / n, 4), "ci95": interval(h, n)} for k, (h, n) in counts.items()}
 
-    return {"pyserve": table(tally), "global_0.8_no_anchors": table(baseline), "families": len(FAMILIES)}
+    return {"pyserve": table(tally), "global_0.8_no_guard": table(baseline), "families": len(FAMILIES)}
 
 
 def synthetic_questions(count: int, seed: int) -> list[str]:
@@ -105,17 +105,17 @@ def lookups(encoder, entries: int, threshold: float) -> dict:
     store = SemanticStore(encoder.dim, ttl=1e9, max_entries=entries, max_bytes=1 << 40)
     began = time.perf_counter()
     for t, v in zip(stored, vectors):
-        store.insert("tenant-a", v, anchors(conversation(t)), b"x" * 200, "a", "m", threshold)
+        store.insert("tenant-a", v, guard_of(conversation(t)), b"x" * 200, "a", "m", threshold)
     insert_s = time.perf_counter() - began
     seconds, embed_one = [], []
     for t in asked:
         e0 = time.perf_counter()
         v = encoder.embed_ids(encoder.tokenize([question_text(conversation(t))]))[0]
         embed_one.append(time.perf_counter() - e0)
-        seconds.append(store.lookup("tenant-a", v, anchors(conversation(t))).seconds)
-    cross = sum(store.lookup("tenant-b", vectors[i], anchors(conversation(stored[i]))).entry is not None
+        seconds.append(store.lookup("tenant-a", v, guard_of(conversation(t))).seconds)
+    cross = sum(store.lookup("tenant-b", vectors[i], guard_of(conversation(stored[i]))).entry is not None
                 for i in range(0, entries, max(1, entries // 2000)))
-    own = sum(store.lookup("tenant-a", vectors[i], anchors(conversation(stored[i]))).entry is not None
+    own = sum(store.lookup("tenant-a", vectors[i], guard_of(conversation(stored[i]))).entry is not None
               for i in range(0, entries, max(1, entries // 2000)))
     ms = np.array(seconds) * 1e3
     return {"entries": entries, "embed_all_s": round(embed_s, 2), "insert_all_s": round(insert_s, 2),

@@ -1,6 +1,6 @@
 """The threshold for one encoder, from the shipped calibration pairs (calibration_set.py): the
-similarities of the negative pairs the anchors do not already tell apart, calibrated to the
-error bound (threshold.py); a negative told apart by its anchors can never hit."""
+similarities of the negative pairs the guards do not already tell apart, calibrated to the
+error bound (threshold.py); a negative its guards tell apart can never hit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pyserve.embeddings.encoder import Encoder
-from pyserve.semantic_cache.anchors import anchors
+from pyserve.semantic_cache.guard import guard_of
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.threshold import calibrate
 
@@ -27,13 +27,14 @@ class Calibration:
 
 
 def pair_similarities(encoder: Encoder, pairs: list[dict]) -> np.ndarray:
-    """Each pair's similarity as the cache sees it (NEVER where the anchors differ)."""
+    """Each pair's similarity as the cache sees it (NEVER where the guards tell them apart)."""
     def texts(side: str) -> list[str]:
         return [question_text(conversation_text([("user", p[side])])) for p in pairs]
 
     a, b = (encoder.embed_ids(encoder.tokenize(texts(side))) for side in ("a", "b"))
     sims = (a * b).sum(axis=1)
-    apart = np.array([anchors(p["a"]) != anchors(p["b"]) for p in pairs])
+    apart = np.array([not guard_of(conversation_text([("user", p["a"])])).admits(
+        guard_of(conversation_text([("user", p["b"])]))) for p in pairs])
     return np.where(apart, NEVER, sims)
 
 

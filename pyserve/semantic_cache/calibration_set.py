@@ -63,6 +63,30 @@ FAMILIES = [
                    "on {topic} terms?", "Tell me the {topic} price for a {n}-bedroom apartment."],
      "n": ["1", "2", "3", "4"], "topic": ["average", "maximum", "minimum"],
      "opposites": [("maximum", "minimum")]},
+    {"phrasings": ["How do I make {topic} without an oven?", "What's a way to cook {topic} with no oven?",
+                   "Can I prepare {topic} if I don't have an oven?"],
+     "topic": ["bread", "pizza", "a cake", "granola", "roast potatoes", "cookies"],
+     "opposites": [("without an oven", "with an oven")]},
+    {"phrasings": ["How far is {name} from {place}?", "What is the distance between {name} and {place}?",
+                   "How many kilometres separate {name} and {place}?"],
+     "name": ["Paris", "Berlin", "Madrid", "Rome", "Vienna"], "place": ["Lyon", "Munich", "Seville", "Milan"]},
+    {"phrasings": ["Which is heavier, a {topic} or a {thing}?", "Does a {topic} weigh more than a {thing}?",
+                   "Compare the weight of a {topic} and a {thing}."],
+     "topic": ["kilogram of feathers", "bowling ball", "watermelon", "laptop"],
+     "thing": ["brick", "cat", "bicycle", "textbook"],
+     "opposites": [("heavier", "lighter"), ("more", "less")]},
+    {"phrasings": ["What is the {n}th prime number?", "Tell me prime number number {n}.",
+                   "Which prime comes in position {n}?"],
+     "n": ["5", "10", "20", "50", "100", "12"]},
+    {"phrasings": ["How should I {topic} before a job interview?", "What's the best way to {topic} ahead of an "
+                   "interview?", "Any advice on how to {topic} before interviewing?"],
+     "negate": "Why shouldn't I {topic} before a job interview?",
+     "topic": ["prepare answers", "research the company", "dress", "practise coding", "calm my nerves"],
+     "opposites": [("before a job interview", "after a job interview")]},
+    {"phrasings": ["Translate '{topic}' into {name}.", "How do you say '{topic}' in {name}?",
+                   "What is '{topic}' in {name}?"],
+     "topic": ["good morning", "thank you", "where is the station", "I am hungry"],
+     "name": ["Spanish", "German", "Italian", "Portuguese", "Dutch"]},
     {"phrasings": ["Explain how {topic} works.", "How does {topic} work?", "Give me an explanation of {topic}.",
                    "Describe the workings of {topic}."],
      "negate": "Explain why {topic} does not work.",
@@ -70,7 +94,7 @@ FAMILIES = [
                "TCP congestion control", "a bloom filter", "photosynthesis", "compound interest"]},
 ]
 
-SLOTS = ("topic", "n", "m", "name")
+SLOTS = ("topic", "n", "m", "name", "place", "thing")
 
 
 def _fill(phrasing: str, slots: dict[str, str]) -> str:

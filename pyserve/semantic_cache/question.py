@@ -1,11 +1,11 @@
 """What the cache embeds of a conversation: every message but the system prompt (which is part
-of the exact scope instead), role by role, reduced to its content words (anchors.content_words).
+of the exact scope instead), role by role, reduced to its content words (guard.content_words).
 A static embedding averages its tokens, so framing words ("how do I", "show me") would otherwise
 outweigh the few words that carry the question."""
 
 from __future__ import annotations
 
-from pyserve.semantic_cache.anchors import content_words
+from pyserve.semantic_cache.guard import content_words
 
 
 def conversation_text(messages: list[tuple[str, str]]) -> str:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 from usearch.index import Index
 
-SEARCH_CANDIDATES = 4  # nearest entries checked for a hit (anchors may rule the nearest out)
+from pyserve.semantic_cache.guard import Guard
+
+SEARCH_CANDIDATES = 4  # nearest entries checked for a hit (guards may rule the nearest out)
 ENTRY_OVERHEAD_BYTES = 256  # bookkeeping per entry, beside its vector and response
 
 
@@ -24,7 +26,7 @@ class Entry:
     key: int
     scope: str
     vector: np.ndarray
-    anchors: tuple[str, ...]
+    guard: Guard
     response: bytes  # the answer to replay (the server's JSON of the choice's message and usage)
     tenant: str
     model: str
@@ -59,8 +61,8 @@ class SemanticStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, scope: str, vector: np.ndarray, anchors: tuple[str, ...]) -> Lookup:
-        """The nearest live entry of `scope` at or above its threshold with the same anchors."""
+    def lookup(self, scope: str, vector: np.ndarray, guard: Guard) -> Lookup:
+        """The nearest live entry of `scope` at or above its threshold whose guard admits this one."""
         began = time.perf_counter()
         index = self._indexes.get(scope)
         best, nearest = None, None
@@ -76,7 +78,7 @@ class SemanticStore:
                     continue
                 similarity = 1.0 - distance
                 nearest = similarity if nearest is None else max(nearest, similarity)
-                if similarity >= entry.threshold and entry.anchors == anchors:
+                if similarity >= entry.threshold and entry.guard.admits(guard):
                     best = entry
                     break
         if best is not None:
@@ -84,9 +86,9 @@ class SemanticStore:
             self._entries.move_to_end(best.key)
         return Lookup(best, nearest, time.perf_counter() - began)
 
-    def insert(self, scope: str, vector: np.ndarray, anchors: tuple[str, ...], response: bytes, tenant: str,
+    def insert(self, scope: str, vector: np.ndarray, guard: Guard, response: bytes, tenant: str,
                model: str, threshold: float) -> Entry:
-        entry = Entry(next(self._keys), scope, vector.astype(np.float32, copy=False), anchors, response, tenant,
+        entry = Entry(next(self._keys), scope, vector.astype(np.float32, copy=False), guard, response, tenant,
                       model, self._clock(), threshold)
         index = self._indexes.get(scope)
         if index is None:

@@ -5,7 +5,7 @@ lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`:
 stored; `no-store`: neither). Its exact scope is the tenant (a hash of the bearer key and the
 `X-Tenant` header), the model or adapter, the system prompt and every other field of the body
 but the messages and streaming; within it, the nearest stored conversation answers if it passes
-its threshold and has the same anchors. A miss stores the finished answer (a choice cut short by
+its threshold and its guard admits the request's (semantic_cache.guard). A miss stores the finished answer (a choice cut short by
 an error, a disconnect or, streamed, with tool calls is not stored). Hits and misses say so in
 the `x-pyserve-cache` header and `usage.pyserve_cache`; a streamed hit is replayed as SSE.
 """
@@ -24,7 +24,7 @@ import orjson
 from starlette.requests import Request
 
 from pyserve.embeddings.encoder import Encoder
-from pyserve.semantic_cache.anchors import anchors
+from pyserve.semantic_cache.guard import Guard, guard_of
 from pyserve.semantic_cache.calibration import Calibration
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.store import Entry, SemanticStore
@@ -46,7 +46,7 @@ class CachePlan:
     tenant: str
     model: str
     vector: np.ndarray
-    anchors: tuple[str, ...]
+    guard: Guard
     read: bool
     write: bool
 
@@ -72,7 +72,7 @@ class ChatCache:
         if not self.eligible(req):
             return None
         if not (read or write):
-            return CachePlan("", "", model, np.zeros(0, dtype=np.float32), (), False, False)
+            return CachePlan("", "", model, np.zeros(0, dtype=np.float32), guard_of(""), False, False)
         system = [m.text() for m in req.messages if m.role in ("system", "developer")]
         fields = req.model_dump(mode="json", exclude=UNSCOPED_FIELDS, exclude_none=True)
         tenant = tenant_of(request)
@@ -81,12 +81,12 @@ class ChatCache:
         ids = self.encoder.tokenize([question_text(text)])[:1]
         ids[0] = ids[0][: self.encoder.max_input_tokens]
         vector = (await asyncio.to_thread(self.encoder.embed_ids, ids))[0]
-        return CachePlan(scope, tenant, model, vector, anchors(text), read, write)
+        return CachePlan(scope, tenant, model, vector, guard_of(text), read, write)
 
     def lookup(self, plan: CachePlan) -> Entry | None:
         if not plan.read:
             return None
-        found = self.store.lookup(plan.scope, plan.vector, plan.anchors)
+        found = self.store.lookup(plan.scope, plan.vector, plan.guard)
         self.lookup_seconds.append(found.seconds)
         if found.entry is None:
             self.misses += 1
@@ -100,7 +100,7 @@ class ChatCache:
         if not plan.write or choice.get("finish_reason") not in ("stop", "length", "tool_calls", "function_call"):
             return
         answer = orjson.dumps({"choice": choice, "usage": body["usage"]})
-        self.store.insert(plan.scope, plan.vector, plan.anchors, answer, plan.tenant, plan.model,
+        self.store.insert(plan.scope, plan.vector, plan.guard, answer, plan.tenant, plan.model,
                           self.calibration.threshold)
         self.stores += 1
 

@@ -1,0 +1,93 @@
+"""What a paraphrase keeps and a different question changes, checked beside the embeddings, which
+hardly move when one number, name, negation or word changes. Two questions may share an answer
+only if their guards admit each other:
+
+- the same anchors: numbers in order, names in order, as many negations;
+- their content words (less function words and request framing) not one word apart: a single
+  word replaced by another ("weeks" for "days", "minimum" for "maximum", "uninstall" for
+  "install") is the mark of another question, which a rephrasing rarely is.
+
+The word lists are written here: stop-word lists of NLP libraries come as data downloads
+(nltk) or with a whole pipeline (spaCy), and none has the request-framing words."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+_WORD = re.compile(r"\d+(?:[.,]\d+)*|[A-Za-z][A-Za-z'’]*")
+_NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "nowhere"}
+_NUMBER_WORDS = {"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
+                 "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety", "hundred",
+                 "thousand", "million", "billion", "first", "second", "third", "half", "twice", "double"}
+_SENTENCE_END = re.compile(r"[.!?:\n]\s*$")
+_FUNCTION_WORDS = set("""
+a an the and or but if then so of to in on at by for with from into onto about as than that this these those
+is are was were be been being am do does did done doing have has had having will would shall should can could
+may might must i me my mine you your yours we us our it its they them their he him his she her what which who
+whom whose where when why how there here up out over under again very just also some any each every all
+please tell show give explain describe let know way ways get using use want need like help s t
+""".split())
+
+
+Anchors = tuple[tuple[str, ...], tuple[str, ...], int]  # numbers, names, negations
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    anchors: Anchors
+    words: tuple[tuple[str, int], ...]  # content words with their counts, sorted
+
+    def admits(self, other: Guard) -> bool:
+        if self.anchors != other.anchors:
+            return False
+        mine, theirs = Counter(dict(self.words)), Counter(dict(other.words))
+        return not (sum((mine - theirs).values()) == 1 and sum((theirs - mine).values()) == 1)
+
+
+def guard_of(text: str) -> Guard:
+    return Guard(anchors(text), tuple(sorted(Counter(content_words(text)).items())))
+
+
+def anchors(text: str) -> Anchors:
+    """The anchors of `text`: its numbers in order (digits as written, or number words), its
+    names in order (capitalized words that do not open a sentence, lowercased), and how many
+    negations it has (n't included). In order within each kind, because the embeddings do not
+    see order ("Celsius to Fahrenheit", "5 minus 3"); not across kinds, which a rephrasing
+    interleaves freely ("Hamlet in 5 sentences", "a 5-sentence summary of Hamlet")."""
+    numbers, names, negations = [], [], 0
+    for m in _WORD.finditer(text):
+        word = m.group()
+        lower = word.lower().replace("’", "'")
+        if word[0].isdigit():
+            numbers.append(word.replace(",", ""))
+        elif lower in _NUMBER_WORDS:
+            numbers.append(lower)
+        elif lower in _NEGATIONS or lower.endswith("n't"):
+            negations += 1
+        elif word[0].isupper() and not _opens_sentence(text, m.start()) and lower != "i":
+            names.append(lower)
+    return tuple(numbers), tuple(names), negations
+
+
+def content_words(text: str) -> list[str]:
+    """The words of `text` in order, less function words and request framing, lowercased, a
+    plural `s` trimmed; numbers and negations kept."""
+    words = []
+    for m in _WORD.finditer(text):
+        word = m.group().lower().replace("’", "'")
+        if word[0].isdigit():
+            words.append(word.replace(",", ""))
+            continue
+        word = "not" if word.endswith("n't") else word.split("'")[0]
+        if word in _FUNCTION_WORDS:
+            continue
+        words.append(word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word)
+    return words
+
+
+def _opens_sentence(text: str, start: int) -> bool:
+    before = text[:start]
+    return not before.strip() or bool(_SENTENCE_END.search(before)) or before.rstrip().endswith(("\"", "'", "("))
