@@ -19,7 +19,7 @@
       - name: routed            # the embedded pair (model: null), requests sent to a route:
         route: router.json      #   a router from pyserve route-train, or
         cascade: {min_logprob: -1.5}   # a cascade (small, large: served names, default the pair)
-        semantic_cache: true    # the server's semantic cache on (any local configuration)
+        semantic_cache: true    # the server's semantic cache on (chat items; any local configuration)
 
 A configuration is started on loopback with `pyserve serve` unless it names a `url`. Keys that
 are not listed here are refused, naming the configuration and the key.

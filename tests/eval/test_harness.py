@@ -68,7 +68,8 @@ def test_quick_run_of_the_example_and_a_failing_configuration(tmp_path):
     configs = tmp_path / "configs.yaml"
     example = (DATA / "embedded_configs.yaml").read_text()
     broken = "  - name: broken\n    model: embedded:target\n    quantization: int3\n"
-    configs.write_text(example + broken)
+    cascade = "  - name: cascade\n    cascade: {min_logprob: -3.0}\n"  # over the embedded pair
+    configs.write_text(example + cascade + broken)
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(DATA / "embedded.jsonl"),
                           "--configs", str(configs), "--out", str(out), "--limit", "6"],
@@ -77,7 +78,7 @@ def test_quick_run_of_the_example_and_a_failing_configuration(tmp_path):
     report = json.loads((out / "eval.json").read_text())
     rows = {c["name"]: c for c in report["configs"]}
     assert list(rows) == ["target", "target-int8", "target-int4", "draft", "target-ngram", "target-draft-spec",
-                          "target-docstrings", "target-cap-16", "broken"]
+                          "target-docstrings", "target-cap-16", "cascade", "broken"]
     assert rows["broken"]["status"] == "failed" and "quantization must be one of" in rows["broken"]["error"]
     for name, row in rows.items():
         if name == "broken":
