@@ -27,7 +27,7 @@ from pyserve.embeddings.encoder import Encoder
 from pyserve.semantic_cache.guard import Guard, guard_of
 from pyserve.semantic_cache.calibration import Calibration
 from pyserve.semantic_cache.question import conversation_text, question_text
-from pyserve.semantic_cache.store import Entry, SemanticStore
+from pyserve.semantic_cache.store import Entry, Lookup, SemanticStore
 from pyserve.server.schemas import ChatCompletionRequest
 
 HEADER = "x-pyserve-cache"
@@ -57,7 +57,6 @@ class ChatCache:
         self.encoder, self.calibration, self.sampled = encoder, calibration, sampled
         self.store = SemanticStore(encoder.dim, ttl, max_entries, max_bytes)
         self.hits = self.misses = self.stores = 0
-        self.lookup_seconds: list[float] = []  # drained by the metrics histogram
 
     def eligible(self, req: ChatCompletionRequest) -> bool:
         deterministic = req.temperature == 0 or req.seed is not None
@@ -83,16 +82,16 @@ class ChatCache:
         vector = (await asyncio.to_thread(self.encoder.embed_ids, ids))[0]
         return CachePlan(scope, tenant, model, vector, guard_of(text), read, write)
 
-    def lookup(self, plan: CachePlan) -> Entry | None:
+    def lookup(self, plan: CachePlan) -> Lookup | None:
+        """The store's answer (None for a plan that does not read), hits and misses counted."""
         if not plan.read:
             return None
         found = self.store.lookup(plan.scope, plan.vector, plan.guard)
-        self.lookup_seconds.append(found.seconds)
         if found.entry is None:
             self.misses += 1
         else:
             self.hits += 1
-        return found.entry
+        return found
 
     def save(self, plan: CachePlan, body: dict) -> None:
         """Stores a finished answer: its one choice and usage."""

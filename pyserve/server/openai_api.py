@@ -43,9 +43,11 @@ async def chat_completions(request: Request) -> Response:
     cache_plan = None
     if state.cache is not None:
         cache_plan = await state.cache.plan(request, req, req.model)
-        entry = None if cache_plan is None else state.cache.lookup(cache_plan)
-        if entry is not None:
-            return _cache_hit(state, req, entry)
+        found = None if cache_plan is None else state.cache.lookup(cache_plan)
+        if found is not None:
+            state.metrics.cache_lookup.observe(found.seconds)
+            if found.entry is not None:
+                return _cache_hit(state, req, found.entry)
     return await _chat_on(request, state, model, lora, req, cache_plan)
 
 
@@ -85,7 +87,6 @@ async def _chat_on(request: Request, state: ServerState, model: ServedModel, lor
 
 
 def _cache_hit(state: ServerState, req: ChatCompletionRequest, entry) -> Response:
-    state.metrics.cache_lookup.observe(state.cache.lookup_seconds.pop())
     headers = {HEADER: "hit"}
     if req.stream:
         include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
@@ -219,8 +220,6 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
     ctx = CompletionContext(kind, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
                             tools, echo, echo_only=echo is not None and max_tokens == 0)
     if cache_plan is not None:
-        if cache_plan.read:
-            state.metrics.cache_lookup.observe(state.cache.lookup_seconds.pop())
         ctx.cache_status = "miss" if cache_plan.read else "bypass"
         ctx.on_done = lambda body: state.cache.save(cache_plan, body)
     streams = []
