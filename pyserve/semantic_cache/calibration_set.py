@@ -98,7 +98,7 @@ SLOTS = ("topic", "n", "m", "name", "place", "thing")
 
 
 def _fill(phrasing: str, slots: dict[str, str]) -> str:
-    return phrasing.format(**{k: v for k, v in slots.items()})
+    return phrasing.format(**slots)
 
 
 def _slot_sets(family: dict, rng: random.Random, count: int) -> list[dict[str, str]]:

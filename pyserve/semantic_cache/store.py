@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from usearch.index import Index
 
 from pyserve.semantic_cache.guard import Guard
 
@@ -52,7 +51,7 @@ class SemanticStore:
         self.dim, self.ttl, self.max_entries, self.max_bytes = dim, ttl, max_entries, max_bytes
         self._clock = clock
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
-        self._indexes: dict[str, Index] = {}
+        self._indexes: dict = {}  # scope -> usearch.index.Index
         self._keys = itertools.count(1)
         self.bytes = 0
         self.evictions = 0
@@ -92,6 +91,8 @@ class SemanticStore:
                       model, self._clock(), threshold)
         index = self._indexes.get(scope)
         if index is None:
+            from usearch.index import Index  # imported with the first entry: the server binds its socket first
+
             index = self._indexes[scope] = Index(ndim=self.dim, metric="ip", dtype="f32")
         index.add(entry.key, entry.vector)
         self._entries[entry.key] = entry
