@@ -110,7 +110,7 @@ def lookups(encoder, entries: int, threshold: float) -> dict:
     seconds, embed_one = [], []
     for t in asked:
         e0 = time.perf_counter()
-        v = encoder.embed_ids(encoder.tokenize([question_text(conversation(t))]))[0]
+        v = embed_texts(encoder, [question_text(conversation(t))])[0]
         embed_one.append(time.perf_counter() - e0)
         seconds.append(store.lookup("tenant-a", v, guard_of(conversation(t))).seconds)
     cross = sum(store.lookup("tenant-b", vectors[i], guard_of(conversation(stored[i]))).entry is not None

@@ -109,14 +109,17 @@ def serve(args: argparse.Namespace) -> None:
 
     configure_logging()
     models = _served_models(args)
-    settings = ServerSettings(**from_args(ServerSettings, args, served_model_name=next(iter(models))))
     failures: list[BaseException] = []
 
     def load_failed(error: BaseException) -> None:
         failures.append(error)
         server.should_exit = True
 
-    app = build_app(models, settings, on_load_failure=load_failed)
+    try:  # settings, routes and router files, before any model loads
+        settings = ServerSettings(**from_args(ServerSettings, args, served_model_name=next(iter(models))))
+        app = build_app(models, settings, on_load_failure=load_failed)
+    except (ValueError, OSError) as e:
+        sys.exit(f"pyserve serve: {e}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
@@ -195,6 +198,7 @@ def route_train(args: argparse.Namespace) -> None:
 
     from pyserve.embeddings.load import load_encoder
     from pyserve.eval.items import EvalSetError, load_eval_set
+    from pyserve.routing.router import routed_text
     from pyserve.routing.train import eval_scores, train_router
 
     try:
@@ -204,7 +208,7 @@ def route_train(args: argparse.Namespace) -> None:
         if encoder is None:
             raise ValueError("--embedding-model: a router needs an embedding model")
         prompts = {i.id: i.prompt if i.prompt is not None else
-                   "\n".join(str(m.get("content", "")) for m in i.messages if m.get("role") != "system")
+                   routed_text([(str(m.get("role", "")), str(m.get("content", ""))) for m in i.messages])
                    for i in items}
         router, figures = train_router(encoder, prompts, small, large, args.small_model or args.small,
                                        args.large_model or args.large, args.large_share)

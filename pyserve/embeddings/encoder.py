@@ -24,7 +24,9 @@ class Encoder(Protocol):
 
 
 def embed_texts(encoder: Encoder, texts: list[str]) -> np.ndarray:
-    return encoder.embed_ids(encoder.tokenize(texts))
+    """The texts' vectors, each cut to the model's length (for the cache's and the routers'
+    queries; /v1/embeddings refuses an over-long input instead)."""
+    return encoder.embed_ids([ids[: encoder.max_input_tokens] for ids in encoder.tokenize(texts)])
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:

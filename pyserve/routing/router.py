@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 
 
+def routed_text(messages: list[tuple[str, str]]) -> str:
+    """What a router embeds of chat messages, (role, text) pairs: their texts but the system
+    prompt's, one per line (a completion's prompt is embedded as it is)."""
+    return "\n".join(text for role, text in messages if role not in ("system", "developer"))
+
+
 @dataclass(slots=True)
 class Router:
     small: str  # the served model names it chooses between

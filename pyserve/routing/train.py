@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyserve.embeddings.encoder import Encoder
+from pyserve.embeddings.encoder import Encoder, embed_texts
 from pyserve.routing.router import Router
 
 FOLDS = 5
@@ -60,7 +60,7 @@ def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dic
     ids = sorted(set(small) & set(large) & set(prompts))
     if len(ids) < 2 * FOLDS:
         raise ValueError(f"only {len(ids)} items were scored for both models; at least {2 * FOLDS} are needed")
-    x = encoder.embed_ids(encoder.tokenize([prompts[i] for i in ids]))
+    x = embed_texts(encoder, [prompts[i] for i in ids])
     s = np.array([float(small[i]["score"]) for i in ids])
     g = np.array([float(large[i]["score"]) for i in ids])
     y = (g > s).astype(int)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyserve.embeddings.encoder import Encoder
+from pyserve.embeddings.encoder import Encoder, embed_texts
 from pyserve.semantic_cache.guard import guard_of
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.threshold import calibrate
@@ -31,7 +31,7 @@ def pair_similarities(encoder: Encoder, pairs: list[dict]) -> np.ndarray:
     def texts(side: str) -> list[str]:
         return [question_text(conversation_text([("user", p[side])])) for p in pairs]
 
-    a, b = (encoder.embed_ids(encoder.tokenize(texts(side))) for side in ("a", "b"))
+    a, b = (embed_texts(encoder, texts(side)) for side in ("a", "b"))
     sims = (a * b).sum(axis=1)
     apart = np.array([not guard_of(conversation_text([("user", p["a"])])).admits(
         guard_of(conversation_text([("user", p["b"])]))) for p in pairs])

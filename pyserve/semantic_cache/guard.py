@@ -38,17 +38,16 @@ Anchors = tuple[tuple[str, ...], tuple[str, ...], int]  # numbers, names, negati
 @dataclass(frozen=True, slots=True)
 class Guard:
     anchors: Anchors
-    words: tuple[tuple[str, int], ...]  # content words with their counts, sorted
+    words: Counter[str]  # content words with their counts
 
     def admits(self, other: Guard) -> bool:
         if self.anchors != other.anchors:
             return False
-        mine, theirs = Counter(dict(self.words)), Counter(dict(other.words))
-        return not (sum((mine - theirs).values()) == 1 and sum((theirs - mine).values()) == 1)
+        return not (sum((self.words - other.words).values()) == 1 and sum((other.words - self.words).values()) == 1)
 
 
 def guard_of(text: str) -> Guard:
-    return Guard(anchors(text), tuple(sorted(Counter(content_words(text)).items())))
+    return Guard(anchors(text), Counter(content_words(text)))
 
 
 def anchors(text: str) -> Anchors:

@@ -5,8 +5,9 @@ lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`:
 stored; `no-store`: neither). Its exact scope is the tenant (a hash of the bearer key and the
 `X-Tenant` header), the model or adapter, the system prompt and every other field of the body
 but the messages and streaming; within it, the nearest stored conversation answers if it passes
-its threshold and its guard admits the request's (semantic_cache.guard). A miss stores the finished answer (a choice cut short by
-an error, a disconnect or, streamed, with tool calls is not stored). Hits and misses say so in
+its threshold and its guard admits the request's (semantic_cache.guard). A miss stores the
+finished answer (a choice cut short by an error, a disconnect or, streamed, with tool calls is
+not stored). Hits and misses say so in
 the `x-pyserve-cache` header and `usage.pyserve_cache`; a streamed hit is replayed as SSE.
 """
 
@@ -16,16 +17,15 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 from starlette.requests import Request
 
-from pyserve.embeddings.encoder import Encoder
-from pyserve.semantic_cache.guard import Guard, guard_of
+from pyserve.embeddings.encoder import Encoder, embed_texts
 from pyserve.semantic_cache.calibration import Calibration
+from pyserve.semantic_cache.guard import Guard, guard_of
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.store import Entry, Lookup, SemanticStore
 from pyserve.server.schemas import ChatCompletionRequest
@@ -77,9 +77,7 @@ class ChatCache:
         tenant = tenant_of(request)
         scope = hashlib.sha256(orjson.dumps([tenant, model, system, fields], option=orjson.OPT_SORT_KEYS)).hexdigest()
         text = conversation_text([(m.role, _message_text(m)) for m in req.messages])
-        ids = self.encoder.tokenize([question_text(text)])[:1]
-        ids[0] = ids[0][: self.encoder.max_input_tokens]
-        vector = (await asyncio.to_thread(self.encoder.embed_ids, ids))[0]
+        vector = (await asyncio.to_thread(embed_texts, self.encoder, [question_text(text)]))[0]
         return CachePlan(scope, tenant, model, vector, guard_of(text), read, write)
 
     def lookup(self, plan: CachePlan) -> Lookup | None:
@@ -111,29 +109,6 @@ def hit_body(entry: Entry, model: str) -> dict:
     answer = orjson.loads(entry.response)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [answer["choice"]], "usage": answer["usage"] | {"pyserve_cache": "hit"}}
-
-
-async def replay_sse(entry: Entry, model: str, include_usage: bool) -> AsyncIterator[bytes]:
-    """A stored answer as the chunks a streamed request gets: the role, the content (and tool
-    calls), the finish reason, the usage when asked, [DONE]."""
-    body = hit_body(entry, model)
-    choice = body["choices"][0]
-    message = choice["message"]
-    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": model}
-
-    def chunk(delta: dict, finish: str | None = None, logprobs=None) -> bytes:
-        return b"data: " + orjson.dumps(head | {"choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}) + b"\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]}, logprobs=choice.get("logprobs"))
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"])
-    if include_usage:
-        yield b"data: " + orjson.dumps(head | {"choices": [], "usage": body["usage"]}) + b"\n\n"
-    yield b"data: [DONE]\n\n"
 
 
 def _message_text(m) -> str:

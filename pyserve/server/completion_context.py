@@ -177,8 +177,7 @@ class CompletionContext:
                 self.outcome = "slow_client"
                 log.warning("slow_client_dropped", request_id=self.id, max_stream_buffer=self.state.settings.max_stream_buffer)
                 return
-            opts = self.req.stream_options
-            if opts is not None and opts.include_usage:
+            if self.req.wants_usage():
                 yield self._chunk([], usage=self._usage())
             yield b"data: [DONE]\n\n"
             if self.on_done is not None and self.tools is None:  # streamed calls' final message is not kept

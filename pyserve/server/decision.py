@@ -24,7 +24,7 @@ from starlette.responses import Response
 from pyserve.routing.router import Router
 from pyserve.server.body import json_response
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
-from pyserve.server.streaming import TimedStreamingResponse
+from pyserve.server.streaming import replayed
 
 CONFIDENCE_QUANTILE = 0.1
 MODEL_HEADER = "x-pyserve-model"
@@ -77,26 +77,6 @@ def confidence(body: dict) -> float:
     return float(np.quantile(values, CONFIDENCE_QUANTILE)) if values else float("-inf")
 
 
-def sse_of(body: dict, include_usage: bool) -> bytes:
-    """A finished body as the SSE stream of its choices (one chunk each, then finish, usage, [DONE])."""
-    chat = body["object"] == "chat.completion"
-    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
-    out = []
-    for c in body["choices"]:
-        if chat:
-            delta = {"role": "assistant", **{k: v for k, v in c["message"].items() if k != "role" and v is not None}}
-            out.append({"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": None})
-            out.append({"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]})
-        else:
-            out.append({"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                        "finish_reason": c["finish_reason"]})
-    frames = [b"data: " + orjson.dumps(head | {"choices": [choice]}) + b"\n\n" for choice in out]
-    if include_usage:
-        frames.append(b"data: " + orjson.dumps(head | {"choices": [], "usage": body["usage"]}) + b"\n\n")
-    return b"".join(frames) + b"data: [DONE]\n\n"
-
-
 async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callable[[], str], embed,
                         run: Callable[[ServedModel, object], Awaitable[Response]], metrics,
                         stream_timeout: float) -> Response:
@@ -125,14 +105,7 @@ async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callabl
             c["logprobs"] = None
     headers = {MODEL_HEADER: small.name, "x-pyserve-escalated": "no"}
     if req.stream:
-        include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
-        payload = sse_of(body, include_usage)
-
-        async def once():
-            yield payload
-
-        return TimedStreamingResponse(once(), stream_timeout, lambda: None, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", **headers})
+        return replayed(body, req.wants_usage(), stream_timeout, headers)
     return json_response(body, headers=headers)
 
 

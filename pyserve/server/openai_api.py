@@ -14,11 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.actors import EngineDeadError
+from pyserve.embeddings.encoder import embed_texts
 from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
+from pyserve.routing.router import routed_text
 from pyserve.server.body import json_body, json_response, validate
-from pyserve.server.chat_cache import HEADER, CachePlan, hit_body, replay_sse
+from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
@@ -29,7 +31,7 @@ from pyserve.server.state import ServerState
 from pyserve.server.tool_calls import ToolPlan, plan_tools
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.tools.formats import FORMATS, ToolFormat, detect
-from pyserve.server.streaming import TimedStreamingResponse
+from pyserve.server.streaming import TimedStreamingResponse, replayed
 
 
 async def chat_completions(request: Request) -> Response:
@@ -37,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
     req = validate(ChatCompletionRequest, await json_body(request))
     route = state.models.routes.get(req.model)
     if route is not None:
-        text = "\n".join(m.text() for m in req.messages if m.role not in ("system", "developer"))
+        text = routed_text([(m.role, m.text()) for m in req.messages])
         return await _decided(request, state, route, req, text, _chat_on)
     model, lora = state.models.resolve(req.model)
     cache_plan = None
@@ -55,8 +57,7 @@ async def _decided(request: Request, state: ServerState, route: RouteSpec, req: 
                    serve_on) -> Response:
     """A request naming a route or cascade, served on the model it picks (server.decision)."""
     async def embed(t: str):
-        encoder = state.encoder
-        return (await asyncio.to_thread(encoder.embed_ids, encoder.tokenize([t])[:1]))[0]
+        return (await asyncio.to_thread(embed_texts, state.encoder, [t]))[0]
 
     return await serve_decided(route, state.models, req, lambda: text, embed,
                                lambda model, r: serve_on(request, state, model, None, r), state.metrics,
@@ -87,13 +88,11 @@ async def _chat_on(request: Request, state: ServerState, model: ServedModel, lor
 
 
 def _cache_hit(state: ServerState, req: ChatCompletionRequest, entry) -> Response:
-    headers = {HEADER: "hit"}
+    """A stored answer, as one body or replayed as SSE."""
+    body, headers = hit_body(entry, req.model), {HEADER: "hit"}
     if req.stream:
-        include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
-        return TimedStreamingResponse(replay_sse(entry, req.model, include_usage), state.settings.stream_timeout,
-                                      lambda: None, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", **headers})
-    return json_response(hit_body(entry, req.model), headers=headers)
+        return replayed(body, req.wants_usage(), state.settings.stream_timeout, headers)
+    return json_response(body, headers=headers)
 
 
 def _tool_format(settings, chat_template: str | None) -> ToolFormat | None:

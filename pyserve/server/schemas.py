@@ -118,6 +118,10 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
 
+    def wants_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk (stream_options.include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:

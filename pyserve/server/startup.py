@@ -85,20 +85,20 @@ class Startup:
         self._on_failure = on_failure
         self._started: list[AsyncEngine] = []
         self._task: asyncio.Task | None = None
+        # read (router files loaded) before any model loads; checked against the models once built
+        self._routes = [*map(load_route, settings.route), *map(parse_cascade, settings.cascade)]
         if not self.in_background:
-            self._publish(self._state(({name: spec.engine for name, spec in models.items()}, *self._build_encoder())))
+            self._publish(self._state({name: spec.engine for name, spec in models.items()}, *self._build_encoder()))
 
     @property
     def in_background(self) -> bool:
         return any(callable(spec.engine) for spec in self._specs.values())
 
-    def _state(self, built: tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]) -> ServerState:
-        engines, encoder, cache = built
+    def _state(self, engines: dict[str, AsyncEngine], encoder: Encoder | None, cache: ChatCache | None) -> ServerState:
         models = ModelTable([ServedModel(name, engine, LoraRegistry(engine, self._settings.lora_root))
                              for name, engine in engines.items()])
-        routes = [*map(load_route, self._settings.route), *map(parse_cascade, self._settings.cascade)]
-        check_routes(routes, models, None if encoder is None else encoder.name)
-        models.routes = {r.name: r for r in routes}
+        check_routes(self._routes, models, None if encoder is None else encoder.name)
+        models.routes = {r.name: r for r in self._routes}
         return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
 
     def _build_all(self) -> tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]:
@@ -125,7 +125,7 @@ class Startup:
         publishes the ServerState and logs `server_ready` (seconds since the process started,
         and per phase)."""
         began = time.perf_counter()
-        state = self._state(await _in_thread(self._build_all)) if self.in_background else self._app.state.pyserve
+        state = self._state(*await _in_thread(self._build_all)) if self.in_background else self._app.state.pyserve
         built = time.perf_counter()
         for model in state.models:
             await model.engine.start()

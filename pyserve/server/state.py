@@ -45,9 +45,10 @@ class ServerMetrics:
 
         def per_model(name: str, help_text: str, key: str | None = None, *, counter: bool = False,
                       read=None, labels=None) -> None:
+            """One series per model: `read(engine)`, or the engine's stats()[key]."""
             gauge = reg.add(Gauge(name, help_text, kind="counter" if counter else "gauge"))
             for m in models:
-                fn = read(m.engine) if read else (lambda e=m.engine: e.stats()[key])
+                fn = (lambda e=m.engine: read(e)) if read else (lambda e=m.engine: e.stats()[key])
                 gauge.add_series({"model": m.name, **(labels(m.engine) if labels else {})}, fn)
 
         per_model("pyserve:num_requests_running", "Sequences in the running queue.", "num_requests_running")
@@ -56,11 +57,11 @@ class ServerMetrics:
         per_model("pyserve:kv_free_blocks", "KV blocks free (never used or evicted).", "kv_free_blocks")
         per_model("pyserve:kv_cached_blocks", "KV blocks unreferenced but kept for the prefix cache.",
                   "kv_cached_blocks")
-        per_model("pyserve:kv_total_blocks", "KV blocks in the pool.", read=lambda e: lambda: e.num_kv_blocks)
+        per_model("pyserve:kv_total_blocks", "KV blocks in the pool.", read=lambda e: e.num_kv_blocks)
         per_model("pyserve:weight_bytes", "Bytes of the served weights (as quantized, if they are).", "weight_bytes")
         per_model("pyserve:weight_quantization_info", "1, labelled with the served weights' quantization "
                   "method (none, int8, int4, gptq-int4, awq-int4, compressed-tensors-int4, ...).",
-                  read=lambda e: lambda: 1, labels=lambda e: {"method": str(e.stats()["quantization"])})
+                  read=lambda e: 1, labels=lambda e: {"method": str(e.stats()["quantization"])})
         for key, help_text in [
             ("prompt_tokens", "Prompt tokens received."),
             ("generation_tokens", "Tokens generated."),

@@ -1,11 +1,13 @@
 """SSE responses with a deadline per chunk, so a client that stopped reading cannot hold a
-request (and its KV blocks) forever."""
+request (and its KV blocks) forever; and a finished body replayed as SSE (a cache hit, a kept
+cascade answer)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 
 import anyio
+import orjson
 import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
@@ -43,3 +45,42 @@ class TimedStreamingResponse(StreamingResponse):
             log.warning("slow_client_dropped", send_timeout_s=self.send_timeout)
             self.on_timeout()
             await self.body_iterator.aclose()
+
+
+def finished_sse(body: dict, include_usage: bool) -> bytes:
+    """The SSE stream a streamed request gets for a finished chat or text completion body: per
+    choice, for chat the role, the content (with its logprobs), each tool call (indexed) and the
+    finish reason, for text one chunk; then the usage when asked; then [DONE]."""
+    chat = body["object"] == "chat.completion"
+    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+    chunks = []
+    for c in body["choices"]:
+        if not chat:
+            chunks.append([{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
+                            "finish_reason": c["finish_reason"]}])
+            continue
+        message, i = c["message"], c["index"]
+        deltas = [({"role": "assistant", "content": ""}, None, None)]
+        if message.get("content"):
+            deltas.append(({"content": message["content"]}, c.get("logprobs"), None))
+        deltas += [({"tool_calls": [{"index": k, **call}]}, None, None)
+                   for k, call in enumerate(message.get("tool_calls") or [])]
+        deltas.append(({}, None, c["finish_reason"]))
+        chunks += [[{"index": i, "delta": d, "logprobs": lp, "finish_reason": f}] for d, lp, f in deltas]
+    frames = [head | {"choices": choices} for choices in chunks]
+    if include_usage:
+        frames.append(head | {"choices": [], "usage": body["usage"]})
+    return b"".join(b"data: " + orjson.dumps(f) + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
+
+
+def replayed(body: dict, include_usage: bool, send_timeout: float,
+             headers: dict[str, str]) -> TimedStreamingResponse:
+    """A finished body sent as the SSE stream its request asked for."""
+    payload = finished_sse(body, include_usage)
+
+    async def once():
+        yield payload
+
+    return TimedStreamingResponse(once(), send_timeout, lambda: None, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", **headers})
