@@ -213,3 +213,28 @@ def decoder_layer(
     [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the
     index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
     at fault."""
+
+class ReplicaRouter:
+    """The data-parallel front's routing policy (rust/router): a prefix tree of the text sent to
+    each replica, their loads (requests in flight) and health."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        *,
+        policy: str = "cache_aware",
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 16,
+        balance_rel_threshold: float = 1.5,
+        max_tree_bytes: int = 64 << 20,
+    ) -> None: ...
+    def route(self, text: str, exclude: list[int] = ...) -> tuple[int, str, int] | None:
+        """(replica, reason, matched_bytes), counted in flight until finished(replica); None when
+        no replica is healthy and not excluded."""
+    def finished(self, replica: int) -> None: ...
+    def set_healthy(self, replica: int, healthy: bool) -> None: ...
+    def is_healthy(self, replica: int) -> bool: ...
+    def load(self, replica: int) -> int: ...
+    def tree_bytes(self, replica: int) -> int: ...
+    @property
+    def num_replicas(self) -> int: ...

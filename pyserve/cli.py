@@ -132,6 +132,34 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(3)  # what uvicorn.run exits with when the server never started
 
 
+def router(args: argparse.Namespace) -> None:
+    """`pyserve router --replica URL ...`: exits non-zero, naming the replica, when one answers and
+    is not a model server."""
+    import uvicorn
+
+    from pyserve.logs import configure_logging
+    from pyserve.options import from_args
+    from pyserve.replicas.front import build_router_app
+    from pyserve.replicas.settings import RouterSettings
+
+    configure_logging()
+    refused: list[Exception] = []
+    try:
+        settings = RouterSettings(**from_args(RouterSettings, args))
+    except ValueError as e:
+        sys.exit(f"pyserve router: {e}")
+    app = build_router_app(settings, on_refused=refused.append)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="critical",
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit when the lifespan fails
+        if refused:
+            sys.exit(f"pyserve router: {refused[0]}")
+        raise
+
+
 def batch(args: argparse.Namespace) -> None:
     from pyserve.logs import configure_logging
     from pyserve.server.batch import run_batch
@@ -150,6 +178,7 @@ def batch(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pyserve.options import add_flags
+    from pyserve.replicas.settings import RouterSettings
     from pyserve.server.settings import ServerSettings
 
     parser = argparse.ArgumentParser(prog="pyserve", description="LLM serving engine")
@@ -167,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML file of models to serve: name, model, kv_share, lora_modules, engine flags")
     add_flags(s, ServerSettings)
     s.set_defaults(func=serve)
+    rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    add_flags(rt, RouterSettings)
+    rt.set_defaults(func=router)
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
     _engine_args(b)
     b.add_argument("--input", required=True)

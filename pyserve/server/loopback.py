@@ -1,4 +1,4 @@
-"""`pyserve serve` as a child process on loopback: started on a free port (from a work directory,
+"""`pyserve serve` (or `pyserve router`) as a child process on loopback: started on a free port (from a work directory,
 so the installed package is imported, its log in a file there), stopped the way an operator stops
 it (SIGTERM: the server drains). Used by `pyserve eval` and by the tests and benchmarks."""
 
@@ -19,28 +19,43 @@ def start_server(model_dir: Path | None, *flags: str, workdir: Path) -> tuple[su
     It runs from `workdir`, outside the repository, so the installed package (with its native
     module) is imported, and logs to a file there: an unread pipe would fill up and block it.
     """
-    import httpx
+    model = [] if model_dir is None else [str(model_dir)]
+    return _start(["serve", *model], flags, workdir)
 
+
+def start_router(replicas: list[str], *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Starts `pyserve router --replica URL... FLAGS` as start_server starts a server; returns once
+    its /health answers 200 (a replica is up)."""
+    return _start(["router", *(f"--replica={url}" for url in replicas)], flags, workdir)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    model = [] if model_dir is None else [str(model_dir)]
-    cmd = [sys.executable, "-m", "pyserve.cli", "serve", *model, "--port", str(port), *flags]
-    log_path = Path(workdir) / f"server-{port}.log"
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], flags: tuple[str, ...], workdir: Path) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pyserve.cli", *args, "--port", str(port), *flags]
+    log_path = Path(workdir) / f"{args[0]}-{port}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
+            raise RuntimeError(f"{args[0]} exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     stop_server(proc)
-    raise RuntimeError("server did not start within 120 s")
+    raise RuntimeError(f"{args[0]} did not start within 120 s")
 
 
 def stop_server(proc: subprocess.Popen) -> int:

@@ -13,6 +13,7 @@ mod lora;
 mod openmp;
 mod output;
 mod projection;
+mod replica_router;
 mod scheduler;
 
 #[pymodule]
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<output::PySchedulerOutput>()?;
     m.add_class::<output::PyUpdateResult>()?;
+    m.add_class::<replica_router::PyReplicaRouter>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(lora::lora_add, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear, m)?)?;

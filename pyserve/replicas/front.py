@@ -1,0 +1,200 @@
+"""`pyserve router`'s Starlette app: the OpenAI routes forwarded to the chosen replica (streams
+passed through as they arrive), `/v1/models` and `/metrics` gathered from every healthy replica,
+`/health` up while one replica is.
+
+A request is retried on another replica only when it never reached one (the connection was
+refused or timed out): once sent, it may have run, so a failure after that is the client's to
+see (502; a stream ends with an error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import httpx
+import orjson
+import structlog
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pyserve.replicas.metrics_merge import merge_metrics
+from pyserve.replicas.pool import NotAReplica, Replica, ReplicaPool
+from pyserve.replicas.request_text import routing_text
+from pyserve.replicas.settings import RouterSettings
+from pyserve.server.body import json_response
+from pyserve.server.errors import error_body
+from pyserve.server.metrics import Counter, Gauge, Registry
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+
+log = structlog.get_logger("pyserve.router")
+
+REPLICA_HEADER = "x-pyserve-replica"
+FORWARDED_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
+               "proxy-authorization", "host", "content-length", "date", "server"}
+
+
+class RouterMetrics:
+    def __init__(self, pool: ReplicaPool):
+        self.registry = Registry()
+        self.requests = self.registry.add(Counter("pyserve_router:requests_total",
+                                                  "Requests sent to a replica, by the reason it was chosen."))
+        self.retries = self.registry.add(Counter("pyserve_router:retries_total",
+                                                 "Requests sent again elsewhere: the first replica was unreachable."))
+        self.failures = self.registry.add(Counter("pyserve_router:failures_total",
+                                                  "Requests that failed after reaching a replica (502 or a stream cut)."))
+        healthy = self.registry.add(Gauge("pyserve_router:replica_healthy", "1 while the replica is routed to."))
+        in_flight = self.registry.add(Gauge("pyserve_router:replica_in_flight", "Requests in flight on the replica."))
+        tree = self.registry.add(Gauge("pyserve_router:replica_tree_bytes",
+                                       "Bytes of routed text the router remembers for the replica."))
+        router = pool.router
+        for r in pool.replicas:
+            labels = {"replica": r.url}
+            healthy.add_series(labels, lambda i=r.index: float(router.is_healthy(i)))
+            in_flight.add_series(labels, lambda i=r.index: router.load(i))
+            tree.add_series(labels, lambda i=r.index: router.tree_bytes(i))
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
+
+
+class _PassThrough(StreamingResponse):
+    """Closes its body iterator whatever ends the response (a client gone included), so the
+    upstream request is closed and the replica sees the disconnect."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _forward(request: Request) -> Response:
+    pool: ReplicaPool = request.app.state.pool
+    metrics: RouterMetrics = request.app.state.metrics
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None  # the replica answers it with its own error
+    text = routing_text(request.url.path, body)
+    tried: list[int] = []
+    while True:
+        decision = pool.router.route(text, tried)
+        if decision is None:
+            why = "no replica is healthy" if not tried else f"no replica could be reached (tried {len(tried)})"
+            return Response(error_body(503, "service_unavailable", why), 503, media_type="application/json",
+                            headers={"Retry-After": "1"})
+        index, reason, _ = decision
+        replica = pool.replicas[index]
+        upstream_request = pool.client.build_request(
+            request.method, replica.url + request.url.path, params=request.url.query or None, content=raw,
+            headers=_forward_headers(request))
+        try:
+            upstream = await pool.client.send(upstream_request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            pool.router.finished(index)
+            pool.mark_down(replica, e)
+            metrics.retries.inc()
+            tried.append(index)
+            continue
+        except httpx.HTTPError as e:
+            pool.router.finished(index)
+            metrics.failures.inc(replica=replica.url)
+            log.warning("replica_request_failed", replica=replica.url, error=repr(e))
+            return Response(error_body(502, "bad_gateway", f"replica {replica.url} failed: {e!r}"), 502,
+                            media_type="application/json")
+        metrics.requests.inc(replica=replica.url, reason=reason)
+        return _pass_through(upstream, replica, pool, metrics)
+
+
+def _pass_through(upstream: httpx.Response, replica: Replica, pool: ReplicaPool, metrics: RouterMetrics) -> Response:
+    sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def body():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            metrics.failures.inc(replica=replica.url)
+            log.warning("replica_stream_cut", replica=replica.url, error=repr(e))
+            if sse:
+                message = f"replica {replica.url} failed mid-stream: {e!r}"
+                yield b"data: " + error_body(502, "bad_gateway", message) + b"\n\n"
+        finally:
+            await upstream.aclose()
+            pool.router.finished(replica.index)
+
+    headers = {k: v for k, v in upstream.headers.items() if k not in _HOP_BY_HOP}
+    headers[REPLICA_HEADER] = replica.url
+    return _PassThrough(body(), status_code=upstream.status_code, headers=headers)
+
+
+async def _gather(pool: ReplicaPool, path: str, request: Request) -> dict[str, httpx.Response]:
+    """GET `path` from every healthy replica (the client's Authorization passed on); those that
+    fail are left out."""
+    auth = {"Authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
+    healthy = pool.healthy()
+    answers = await asyncio.gather(*(pool.get(r, path, auth) for r in healthy), return_exceptions=True)
+    return {r.url: a for r, a in zip(healthy, answers) if isinstance(a, httpx.Response) and a.status_code == 200}
+
+
+async def list_models(request: Request) -> Response:
+    cards: dict[str, dict] = {}
+    for answer in (await _gather(request.app.state.pool, "/v1/models", request)).values():
+        for card in answer.json().get("data", []):
+            cards.setdefault(card.get("id"), card)
+    return json_response({"object": "list", "data": list(cards.values())})
+
+
+async def metrics(request: Request) -> Response:
+    texts = {url: a.text for url, a in (await _gather(request.app.state.pool, "/metrics", request)).items()}
+    own = request.app.state.metrics.registry.render()
+    return PlainTextResponse(own + merge_metrics(texts), media_type="text/plain; version=0.0.4")
+
+
+async def health(request: Request) -> Response:
+    pool: ReplicaPool = request.app.state.pool
+    up = len(pool.healthy())
+    body = {"status": "ok" if up else "unavailable", "replicas_healthy": up, "replicas": len(pool.replicas)}
+    return json_response(body, 200 if up else 503)
+
+
+def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica], None] | None = None) -> Starlette:
+    """The router over `settings.replica`; its lifespan checks them and starts the health checks.
+    A replica that answers and is not a model server fails the start (NotAReplica, also given
+    to `on_refused`)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(None, connect=settings.connect_timeout)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            pool = ReplicaPool(settings, client)
+            app.state.pool, app.state.metrics = pool, RouterMetrics(pool)
+            try:
+                await pool.start()
+            except NotAReplica as e:
+                if on_refused is not None:
+                    on_refused(e)
+                raise
+            log.info("router_ready", replicas=[r.url for r in pool.replicas],
+                     healthy=[r.url for r in pool.healthy()], policy=settings.policy)
+            try:
+                yield
+            finally:
+                await pool.stop()
+
+    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset({"/health"})))
+    routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
+    routes += [Route("/v1/models", list_models, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+               Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

@@ -1,0 +1,123 @@
+"""The replicas behind the router: their health, watched on a timer, and the routing policy's
+view of them (pyserve._core.ReplicaRouter, the one owner of loads, health and prefix trees).
+
+A replica is routed to once it is *verified* (its GET /v1/models answers an OpenAI model list)
+and while its /health answers 200 (or, for an OpenAI-compatible server without /health, its
+/v1/models does). A connection refused while forwarding marks it down at once; the next health
+check that passes brings it back, with an empty prefix tree (a restarted server's cache is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+import structlog
+
+from pyserve._core import ReplicaRouter
+from pyserve.replicas.settings import RouterSettings
+
+log = structlog.get_logger("pyserve.router")
+
+
+class NotAReplica(Exception):
+    """A URL that answers HTTP but is not a pyserve or OpenAI-compatible server."""
+
+
+@dataclass(slots=True)
+class Replica:
+    index: int
+    url: str
+    verified: bool = False
+    refused: str | None = None  # why it can never be used (not OpenAI-compatible)
+
+
+class ReplicaPool:
+    def __init__(self, settings: RouterSettings, client: httpx.AsyncClient):
+        self.settings, self.client = settings, client
+        self.replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(settings.replica)]
+        self.router = ReplicaRouter(
+            len(self.replicas), policy=settings.policy, cache_threshold=settings.cache_threshold,
+            balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold, max_tree_bytes=settings.max_tree_bytes)
+        for r in self.replicas:
+            self.router.set_healthy(r.index, False)
+        self._task: asyncio.Task | None = None
+        self._auth = ({"Authorization": f"Bearer {settings.key_for_replicas}"}
+                      if settings.key_for_replicas else {})
+
+    async def start(self) -> None:
+        """Checks every replica once (NotAReplica when one answers and is not a model server),
+        then keeps checking them in the background."""
+        await asyncio.gather(*(self._check(r) for r in self.replicas))
+        refused = [r for r in self.replicas if r.refused]
+        if refused:
+            raise NotAReplica("; ".join(f"replica {r.url}: {r.refused}" for r in refused))
+        self._task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if self.router.is_healthy(r.index)]
+
+    def mark_down(self, replica: Replica, error: BaseException) -> None:
+        if self.router.is_healthy(replica.index):
+            log.warning("replica_down", replica=replica.url, error=repr(error))
+        self.router.set_healthy(replica.index, False)
+
+    async def get(self, replica: Replica, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        return await self.client.get(replica.url + path, headers={**self._auth, **(headers or {})},
+                                     timeout=self.settings.health_timeout * 4)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            await asyncio.gather(*(self._check(r) for r in self.replicas if not r.refused))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            up = await self._is_up(replica)
+        except NotAReplica as e:
+            replica.refused = str(e)
+            log.error("replica_refused", replica=replica.url, reason=str(e))
+            up = False
+        except httpx.HTTPError as e:
+            if self.router.is_healthy(replica.index):
+                log.warning("replica_down", replica=replica.url, error=repr(e))
+            up = False
+        if up and not self.router.is_healthy(replica.index):
+            log.info("replica_up", replica=replica.url)
+        self.router.set_healthy(replica.index, up)
+
+    async def _is_up(self, replica: Replica) -> bool:
+        """/health 200 (verified once), 503 (loading, stalled or dead: down); anything else, e.g.
+        404 from an OpenAI-compatible server without /health: up if its /v1/models answers."""
+        r = await self.client.get(replica.url + "/health", timeout=self.settings.health_timeout)
+        if r.status_code == 503:
+            return False
+        if r.status_code != 200 or not replica.verified:
+            return await self._verify(replica)
+        return True
+
+    async def _verify(self, replica: Replica) -> bool:
+        """True once its /v1/models answers a model list; False while it answers 5xx; NotAReplica
+        for any other answer."""
+        r = await self.get(replica, "/v1/models")
+        if r.status_code >= 500:
+            return False
+        what = f"GET /v1/models answered {r.status_code} {r.headers.get('content-type', '')}".strip()
+        if r.status_code == 401:
+            raise NotAReplica(f"{what}: it needs an API key (give --replica-api-key)")
+        try:
+            body = r.json()
+        except ValueError:
+            raise NotAReplica(f"{what} that is not JSON: not a pyserve or OpenAI-compatible server") from None
+        if r.status_code != 200 or not isinstance(body, dict) or body.get("object") != "list" \
+                or not isinstance(body.get("data"), list):
+            raise NotAReplica(f"{what} without an OpenAI model list: not a pyserve or OpenAI-compatible server")
+        replica.verified = True
+        return True

@@ -1,0 +1,164 @@
+"""`pyserve router` over two `pyserve serve` replicas on loopback: routing by prefix, streams
+passed through, /v1/models and /metrics gathered, retries, a replica killed (mid-stream too), and
+servers that are not replicas refused."""
+
+from __future__ import annotations
+
+import http.server
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pyserve.replicas.front import REPLICA_HEADER
+from pyserve.server.loopback import free_port, start_router
+from pyserve.testing import parse_metrics, start_server, stop_server
+
+MODEL = "tiny"
+
+
+def start_replica(model_dir) -> tuple[subprocess.Popen, str]:
+    return start_server(model_dir, "--served-model-name", MODEL, "--block-size", "4", "--num-kv-blocks", "256",
+                        "--embedding-model", "none", workdir=model_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dirs):
+    started = [start_replica(model_dirs["llama"]) for _ in range(2)]
+    yield started
+    for proc, _ in started:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def router(replicas, model_dirs):
+    proc, base = start_router([url for _, url in replicas], "--health-interval", "0.1",
+                              workdir=model_dirs["llama"].parent)
+    yield base
+    stop_server(proc)
+
+
+def chat(base: str, messages: list[dict], **kw) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, **kw}
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_conversation_stays_on_the_replica_holding_its_prefix(router, replicas):
+    urls = {url for _, url in replicas}
+    system = {"role": "system", "content": "You answer in Python. " * 8}
+    seen = {}
+    for conv in ("parse a date", "sort a list", "read a file", "count words"):
+        history = [system, {"role": "user", "content": conv}]
+        picks = []
+        for turn in range(3):
+            r = chat(router, history)
+            assert r.status_code == 200, r.text
+            picks.append(r.headers[REPLICA_HEADER])
+            history += [r.json()["choices"][0]["message"], {"role": "user", "content": f"and then {turn}"}]
+        assert len(set(picks)) == 1, picks  # every turn where the conversation's prefix is cached
+        seen[conv] = picks[0]
+    assert set(seen.values()) <= urls
+    series = parse_metrics(httpx.get(router + "/metrics").text)
+    # Every follow-up turn was routed by its cached prefix.
+    assert sum(v for k, v in series.items() if k.startswith("pyserve_router:requests_total")
+               and 'reason="cache_match"' in k) >= 8
+
+
+def test_streams_pass_through_unchanged(router, replicas):
+    direct = openai.OpenAI(base_url=replicas[0][1] + "/v1", api_key="x", max_retries=0)
+    routed = openai.OpenAI(base_url=router + "/v1", api_key="x", max_retries=0)
+    kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0, stream=True,
+              stream_options={"include_usage": True})
+    want = list(direct.completions.create(**kw))
+    got = list(routed.completions.create(**kw))
+    assert "".join(c.choices[0].text for c in got if c.choices) == "".join(c.choices[0].text for c in want if c.choices)
+    assert got[-1].usage.completion_tokens == want[-1].usage.completion_tokens == 12
+
+
+def test_errors_come_back_as_the_replica_sent_them(router):
+    r = chat(router, [{"role": "user", "content": "hi"}], max_tokens=-1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(router + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400
+
+
+def test_models_and_metrics_gather_every_replica(router, replicas):
+    models = httpx.get(router + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    text = httpx.get(router + "/metrics").text
+    for _, url in replicas:
+        assert f'pyserve:num_requests_running{{replica="{url}",model="{MODEL}"}} 0' in text
+        assert f'pyserve_router:replica_healthy{{replica="{url}"}} 1' in text
+    assert text.count("# TYPE pyserve:num_requests_running ") == 1
+
+
+def test_unreachable_replica_is_retried_elsewhere(replicas, model_dirs):
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = replicas[1][1]
+    proc, base = start_router([dead, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent)
+    try:
+        health = httpx.get(base + "/health").json()
+        assert health == {"status": "ok", "replicas_healthy": 1, "replicas": 2}
+        for i in range(4):
+            r = chat(base, [{"role": "user", "content": f"q{i}"}])
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
+    finally:
+        stop_server(proc)
+
+
+class _NotAModelServer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"<html>hello</html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_is_not_a_replica_is_refused(model_dirs):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAModelServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        done = subprocess.run([sys.executable, "-m", "pyserve.cli", "router", "--replica", url, "--port",
+                               str(free_port())], capture_output=True, text=True, timeout=60,
+                              cwd=model_dirs["llama"].parent)
+    finally:
+        httpd.shutdown()
+    assert done.returncode != 0
+    assert f"replica {url}: GET /v1/models answered 200 text/html that is not JSON" in done.stderr
+
+
+def test_a_killed_replica_ends_its_streams_and_loses_its_traffic(router, replicas):
+    """Last in the module: it kills the replica a stream lands on."""
+    procs = dict((url, proc) for proc, url in replicas)
+    body = {"model": MODEL, "prompt": "def kill(me):", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    lines = []
+    with httpx.Client(timeout=60) as client, client.stream("POST", router + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        victim = r.headers[REPLICA_HEADER]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+            if len(lines) == 3:
+                procs[victim].send_signal(signal.SIGKILL)
+    assert len(lines) > 3 and '"error"' in lines[-1] and "failed mid-stream" in lines[-1]
+    killed_at = time.monotonic()
+    while httpx.get(router + "/health").json()["replicas_healthy"] != 1:
+        assert time.monotonic() - killed_at < 1.0, "the router kept the dead replica for over a second"
+        time.sleep(0.05)
+    survivor = next(url for url in procs if url != victim)
+    for i in range(4):
+        r = chat(router, [{"role": "user", "content": f"after {i}"}])
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == survivor
