@@ -108,6 +108,10 @@ def serve(args: argparse.Namespace) -> None:
     from pyserve.server.settings import ServerSettings
 
     configure_logging()
+    if args.data_parallel_size < 1:
+        sys.exit(f"pyserve serve: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        return _serve_data_parallel(args)
     models = _served_models(args)
     failures: list[BaseException] = []
 
@@ -132,22 +136,43 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(3)  # what uvicorn.run exits with when the server never started
 
 
-def router(args: argparse.Namespace) -> None:
-    """`pyserve router --replica URL ...`: exits non-zero, naming the replica, when one answers and
-    is not a model server."""
-    import uvicorn
+def _serve_data_parallel(args: argparse.Namespace) -> None:
+    """N replicas of this same command behind `pyserve router` on --host/--port, with the
+    router's defaults; the replicas' API key is the router's."""
+    from pyserve.replicas.local import LocalReplicas
+    from pyserve.replicas.settings import RouterSettings
 
+    replicas = LocalReplicas(args.argv, args.data_parallel_size)
+    settings = RouterSettings(replica=replicas.urls, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    replicas.start()
+    try:
+        _run_router(settings, args)
+    finally:
+        replicas.stop(args.shutdown_timeout)
+
+
+def router(args: argparse.Namespace) -> None:
+    """`pyserve router --replica URL ...`."""
     from pyserve.logs import configure_logging
     from pyserve.options import from_args
-    from pyserve.replicas.front import build_router_app
     from pyserve.replicas.settings import RouterSettings
 
     configure_logging()
-    refused: list[Exception] = []
     try:
         settings = RouterSettings(**from_args(RouterSettings, args))
     except ValueError as e:
         sys.exit(f"pyserve router: {e}")
+    _run_router(settings, args)
+
+
+def _run_router(settings, args: argparse.Namespace) -> None:
+    """Serves the router on args.host/port; exits non-zero, naming the replica, when one answers
+    and is not a model server."""
+    import uvicorn
+
+    from pyserve.replicas.front import build_router_app
+
+    refused: list[Exception] = []
     app = build_router_app(settings, on_refused=refused.append)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="critical",
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
@@ -194,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one more model served under NAME (repeatable; see pyserve.server.model_specs)")
     s.add_argument("--models-config", default=None, metavar="FILE",
                    help="a YAML file of models to serve: name, model, kv_share, lora_modules, engine flags")
+    s.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N replicas of this command, each its own process, behind a router on --host/--port "
+                   "that sends each request where its prefix is cached (see pyserve router)")
     add_flags(s, ServerSettings)
     s.set_defaults(func=serve)
     rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix")
@@ -289,7 +317,9 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     args.func(args)
 
 

@@ -1,0 +1,47 @@
+"""`pyserve serve --data-parallel-size N`: N replica processes behind the router."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from pyserve.replicas.front import REPLICA_HEADER
+from pyserve.replicas.local import replica_argv
+from pyserve.testing import start_server, stop_server
+
+
+def test_the_front_keeps_its_own_flags():
+    argv = ["serve", "m", "--port", "9", "--data-parallel-size=2", "--host", "0.0.0.0", "--api-key", "k",
+            "--data-parallel-size", "2"]
+    assert replica_argv(argv) == ["serve", "m", "--api-key", "k"]
+
+
+def test_two_local_replicas_serve_behind_one_port(model_dirs):
+    model = model_dirs["llama"]
+    proc, base = start_server(model, "--data-parallel-size", "2", "--served-model-name", "tiny", "--embedding-model",
+                              "none", "--api-key", "k", workdir=model.parent)
+    auth = {"Authorization": "Bearer k"}
+    try:
+        deadline = time.monotonic() + 120
+        while httpx.get(base + "/health").json()["replicas_healthy"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+        seen = set()
+        for i in range(6):
+            body = {"model": "tiny", "prompt": f"{i} is a new prompt", "max_tokens": 3, "temperature": 0}
+            r = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            seen.add(r.headers[REPLICA_HEADER])
+        assert len(seen) == 2  # cold prompts go where the least is cached: both replicas serve
+        text = httpx.get(base + "/metrics", headers=auth).text
+        assert all(f'pyserve:num_requests_running{{replica="{url}",model="tiny"}} 0' in text for url in seen)
+    finally:
+        assert stop_server(proc) == 0
+    for url in seen:  # the replicas went with the front
+        try:
+            httpx.get(url + "/health", timeout=2)
+            raise AssertionError(f"replica {url} still answers")
+        except httpx.ConnectError:
+            pass
