@@ -192,16 +192,25 @@ class ActorSystem:
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_ended(running.task), running.loop))
         self._running.clear()
 
+    def fail_threadsafe(self, error: BaseException) -> None:
+        """Fails the system from any thread, as an actor crashing with `error` would (something
+        the actors depend on broke outside them)."""
+        if self._home is not None and not self._home.is_closed():
+            self._home.call_soon_threadsafe(self._fail, error, "external")
+
     def _on_done(self, actor: Actor, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
         exc = task.exception()
         if exc is None:
             exc = EngineDeadError(f"actor {actor.name} stopped unexpectedly")
+        self._fail(exc, actor.name)
+
+    def _fail(self, exc: BaseException, source: str) -> None:
         if self.error is not None:
             return
         self.error = exc
-        log.error("actor_crashed", actor=actor.name, error=repr(exc))
+        log.error("actor_crashed", actor=source, error=repr(exc))
         for listener in self._failure_listeners:
             listener(exc)
         for running in self._running:

@@ -97,6 +97,8 @@ class AsyncEngine:
             speculative=spec is not None,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_timeout=config.distributed_timeout,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
@@ -130,6 +132,7 @@ class AsyncEngine:
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
         self.system.on_failure(self._fail_pending_adds)
+        self.system.on_failure(self.worker.abort_group)
         self._ids = itertools.count()
         self.loras: dict[int, str] = {}  # adapter id -> path, loaded in the worker
         self._lora_locks: dict[int, asyncio.Lock] = {}
@@ -149,6 +152,7 @@ class AsyncEngine:
         if self.own_thread:
             self._engine_thread = LoopThread("pyserve-engine")
         self.system.start(self.engine_core, thread=self._engine_thread)
+        self.worker.on_failure(self.system.fail_threadsafe)  # a tensor-parallel rank that dies
         # What exists now lives as long as the engine (modules, tokenizer, imported libraries:
         # ~400k objects): out of the collector's sight, a full collection while serving scans
         # only what requests create instead of pausing the steps for ~0.3 s. Unfrozen when the
@@ -157,6 +161,7 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         await self.system.stop()
+        self.worker.close()
         self.grammar_matchers.close()
         if self._engine_thread is not None:
             self._engine_thread.close()

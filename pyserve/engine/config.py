@@ -32,6 +32,11 @@ class EngineConfig:
         "(a scale and zero point per group of inputs) or fp8 (e4m3, one scale per output channel; CUDA "
         "compute capability 8.9+)", type=str)
     quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
+    tensor_parallel_size: int = option(
+        1, "ranks the model is split over (heads, MLP features and vocabulary), each a process on this machine "
+        "(on CUDA one device each; on CPUs torch.distributed's gloo)")
+    distributed_timeout: float = option(
+        60.0, "seconds a tensor-parallel collective may wait on a rank before the engine is failed")
     gpu_memory_fraction: float = 0.85
     kv_cache_share: float = 1.0  # of the automatic KV budget, for servers of several models (server/model_specs.py)
     attention_backend: str | None = None
@@ -69,5 +74,9 @@ class EngineConfig:
             raise ValueError(f"max_inter_token_latency must be >= 0 seconds or None, got {self.max_inter_token_latency}")
         if self.watchdog_timeout is not None and not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be positive or None, got {self.watchdog_timeout}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")

@@ -194,6 +194,8 @@ class CausalLM(nn.Module):
         self.cpu_ops = False  # set by use_cpu_ops
         self.layer_kernel = False  # every layer can run as one kernel call (use_cpu_ops)
         self.checkpoint_quantization: str | None = None  # a pre-quantized checkpoint's method (the loader's)
+        # Rank 0 of a tensor-parallel group: announces each call for the other ranks to replay.
+        self.lockstep = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -205,6 +207,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.lockstep is not None:
+            self.lockstep.announce_forward(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions)
         fused = self.cpu_ops and x.shape[0] <= FEW_ROWS
@@ -241,4 +245,6 @@ class CausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lockstep is not None:
+            self.lockstep.announce_logits(hidden)
         return self.lm_head(hidden).float()

@@ -27,11 +27,28 @@ from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows, token_logprobs
 from pyserve.model.step_buffers import StepBuffers
 from pyserve.model.token_masks import apply_token_masks
+from pyserve.parallel.launch import Followers, RankSpec
+from pyserve.parallel.layers import check_divisible, local_config, shard_model
+from pyserve.parallel.lockstep import Lockstep
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device, max_loras: int) -> None:
+    """ValueError naming the field when the model cannot be served over `size` ranks here."""
+    check_divisible(cfg, size)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size {size} is more ranks than this machine's "
+                         f"{torch.cuda.device_count()} CUDA devices")
+    if max_loras:
+        raise ValueError("enable_lora: LoRA adapters are not split over tensor-parallel ranks yet "
+                         "(serve them with tensor_parallel_size 1)")
+    if torch.distributed.is_initialized():
+        raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
+                         "(one tensor-parallel model per process)")
 PROMPT_LOGPROB_ROWS = 256  # prompt rows scored at once: a [rows, vocab] f32 block at a time
 
 
@@ -56,6 +73,20 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return DTYPES[dtype]
 
 
+def finish_model(model, device: torch.device, dtype: torch.dtype, *, fuse: bool, quantization: str | None,
+                 group_size: int) -> None:
+    """A loaded model made ready to serve, in place: q/k/v and gate/up fused (`fuse`: no LoRA
+    wraps them), quantized (after LoRA wrapped its base projections: those are quantized too),
+    and on fp32 CPUs given the CPU kernels (after both: every projection is replaced)."""
+    if fuse:
+        model.fuse_projections()
+    if quantization is not None:
+        quantize_linears(model, quantization, group_size)
+    if can_use(device, dtype):
+        use_cpu_linears(model)
+        model.use_cpu_ops()
+
+
 class ModelWorker:
     def __init__(
         self,
@@ -78,37 +109,48 @@ class ModelWorker:
         speculative: bool = False,
         quantization: str | None = None,
         quantization_group_size: int = 64,
+        tensor_parallel_size: int = 1,
+        distributed_timeout: float = 60.0,
     ):
         check_method(quantization, quantization_group_size)
         self.device = resolve_device(device)
         check_device(quantization, self.device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.config = cfg
+        backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.followers = self.group = None
+        if tensor_parallel_size > 1:
+            check_parallel(cfg, tensor_parallel_size, self.device, max_loras)
+            spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
+                            max_model_len, seed, quantization, quantization_group_size, backend)
+            self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device, distributed_timeout)
         torch.manual_seed(seed)
         self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
         if quantization is not None and self.model.checkpoint_quantization is not None:
             raise ValueError(f"quantization: the checkpoint is already quantized "
                              f"({self.model.checkpoint_quantization}); leave quantization unset")
         self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
+        kv_cfg = cfg
+        if self.group is not None:
+            shard_model(self.model, self.group)
+            kv_cfg = local_config(cfg, tensor_parallel_size)
         if num_kv_blocks is None:
-            num_kv_blocks = auto_num_blocks(cfg, block_size, self.dtype, self.device,
+            num_kv_blocks = auto_num_blocks(kv_cfg, block_size, self.dtype, self.device,
                                             gpu_memory_fraction, kv_cache_share)
         self.num_kv_blocks = num_kv_blocks
-        self.kv_caches = allocate_kv_cache(cfg, num_kv_blocks, block_size, self.dtype, self.device)
-        backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if self.group is not None:  # every rank holds as many blocks (of its own heads)
+            self.group.broadcast(torch.tensor([num_kv_blocks], dtype=torch.int64, device=self.device))
+        self.kv_caches = allocate_kv_cache(kv_cfg, num_kv_blocks, block_size, self.dtype, self.device)
         self.backend = make_backend(backend)
         # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
         # path's kernels take the step's own arrays.
         self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
         self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
         self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
-        if self.lora is None:
-            self.model.fuse_projections()
-        if quantization is not None:  # after LoRA wrapped its base projections: those are quantized too
-            quantize_linears(self.model, quantization, quantization_group_size)
-        if can_use(self.device, self.dtype):
-            use_cpu_linears(self.model)  # after LoRA wrapped its base projections: those are replaced too
-            self.model.use_cpu_ops()
+        finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=quantization,
+                     group_size=quantization_group_size)
+        if self.group is not None:
+            self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend)
         if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
             self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
             if self.lora is not None:
@@ -125,6 +167,29 @@ class ModelWorker:
         self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)
         if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
             self.verifier.warm_up()
+
+    def on_failure(self, listener) -> None:
+        """`listener(error)` is called (from another thread) if a tensor-parallel rank dies."""
+        if self.followers is not None:
+            self.followers.on_failure(listener)
+
+    def abort_group(self, error: BaseException) -> None:
+        """The engine failed: the tensor-parallel ranks are stopped at once (none may be left
+        waiting in a collective)."""
+        if self.followers is not None:
+            self.followers.kill(error)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks (nothing to do for one rank)."""
+        if self.group is None:
+            return
+        try:
+            if self.followers.failed is None:
+                self.model.lockstep.stop()
+        finally:
+            self.group.close()
+            self.followers.stop()
+            self.group = None
 
     def add_lora(self, adapter_id: int, path: str) -> None:
         """Loads and validates a PEFT adapter on the CPU (a LoraError says why it was refused);
@@ -151,6 +216,8 @@ class ModelWorker:
         dev = self.device
         if out.block_copies.size:
             pairs = torch.from_numpy(out.block_copies).to(dev)
+            if self.model.lockstep is not None:
+                self.model.lockstep.announce_copy_blocks(pairs)
             copy_blocks(self.kv_caches, pairs)
             if self.proposer is not None:
                 self.proposer.copy_blocks(pairs)

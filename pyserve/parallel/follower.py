@@ -1,0 +1,70 @@
+"""A follower rank of a tensor-parallel group: `python -m pyserve.parallel.follower`, started by
+rank 0 (parallel.launch) or by torchrun through `pyserve serve` on ranks other than 0. It joins
+the group, builds its shard of the model and its KV cache (as many blocks as rank 0 says), then
+replays rank 0's calls until told to stop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import torch
+
+from pyserve.model.attention import make_backend
+from pyserve.model.config import ModelConfig
+from pyserve.model.kv_cache import allocate_kv_cache
+from pyserve.model.loader import load_model
+from pyserve.model.worker import DTYPES, finish_model
+from pyserve.parallel.group import TensorParallelGroup
+from pyserve.parallel.launch import RankSpec
+from pyserve.parallel.layers import local_config, shard_model
+from pyserve.parallel.lockstep import Lockstep
+
+# A follower waits on rank 0 for as long as the server is idle; rank 0's own timeout bounds every
+# collective of a step, and rank 0 kills the group when it gives up.
+IDLE_TIMEOUT = 7 * 24 * 3600.0
+
+
+def _exit_with_parent() -> None:
+    """Rank 0 started this process: when it is gone, so is the group."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def run(rank: int, size: int, init_method: str, device: torch.device, spec: RankSpec) -> None:
+    group = TensorParallelGroup.join(rank, size, init_method, device, IDLE_TIMEOUT)
+    cfg = ModelConfig.from_dir(spec.model_dir)
+    dtype = DTYPES[spec.dtype]
+    torch.manual_seed(spec.seed)
+    model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len)
+    shard_model(model, group)
+    finish_model(model, device, dtype, fuse=True, quantization=spec.quantization,
+                 group_size=spec.quantization_group_size)
+    num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device)).item())
+    kv_caches = allocate_kv_cache(local_config(cfg, size), num_blocks, spec.block_size, dtype, device)
+    try:
+        Lockstep(group, model, kv_caches, make_backend(spec.attention_backend)).follow()
+    finally:
+        group.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m pyserve.parallel.follower")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    args = ap.parse_args()
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    device = torch.device("cuda", args.rank) if args.device == "cuda" else torch.device("cpu")
+    run(args.rank, args.size, args.init_method, device, RankSpec(**json.loads(args.spec)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Tensor parallelism over two gloo ranks on the CPU (one thread each): the same greedy tokens as
+transformers and as one rank, through chunked prefill, prefix reuse, forked samples (KV block
+copies) and n-gram speculation; bad sizes refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyserve import LLM, SamplingParams
+from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_transformers_greedy_tokens(arch, model_dirs):
+    ps = prompts(300)
+    want = hf_greedy(model_dirs[arch], ps)
+    with LLM(str(model_dirs[arch]), tensor_parallel_size=2, block_size=4, num_kv_blocks=256,
+             max_num_batched_tokens=16) as llm:  # chunked prefill
+        first = llm.generate(ps, GREEDY, use_tqdm=False)
+        assert_parity([o.outputs[0].token_ids for o in first], want)
+        again = llm.generate(ps, GREEDY, use_tqdm=False)  # from the prefix cache
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+        assert llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_forks_and_speculation_match_one_rank(model_dirs):
+    ps = prompts(300, seed=3)
+    forked = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    results = {}
+    for size in (1, 2):
+        with LLM(str(model_dirs["llama"]), tensor_parallel_size=size, block_size=4, num_kv_blocks=256,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+            outs = llm.generate(ps, forked, use_tqdm=False)
+            results[size] = [[c.token_ids for c in o.outputs] for o in outs]
+    assert results[2] == results[1]
+    assert all(a == b for a, b in results[2])  # both greedy samples of a prompt agree
+
+
+@pytest.mark.parametrize("size, field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
+def test_a_size_that_does_not_divide_the_model_is_refused(size, field, model_dirs):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {size} does not divide the model's {field}"):
+        LLM(str(model_dirs["llama"]), tensor_parallel_size=size)
+
+
+def test_lora_with_two_ranks_is_refused_naming_the_field(model_dirs):
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(model_dirs["llama"]), tensor_parallel_size=2, enable_lora=True)
