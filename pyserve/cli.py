@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -108,6 +109,10 @@ def serve(args: argparse.Namespace) -> None:
     from pyserve.server.settings import ServerSettings
 
     configure_logging()
+    if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:  # a torchrun rank but the first
+        from pyserve.parallel.follower import follow_torchrun
+
+        return follow_torchrun(_engine_config(args))
     if args.data_parallel_size < 1:
         sys.exit(f"pyserve serve: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:

@@ -283,10 +283,11 @@ class AsyncEngine:
             self.engine_core.post(Abort(internal_id))
 
     def stats(self) -> dict[str, float | int | str]:
-        """The EngineCore's counters and gauges, and the served weights: their bytes and the
-        quantization method ("none" for full precision)."""
+        """The EngineCore's counters and gauges, the served weights (their bytes and the
+        quantization method, "none" for full precision) and, over several ranks, the
+        tensor-parallel size and rank 0's seconds in collectives."""
         return {**self.engine_core.stats(), "weight_bytes": self.worker.weight_bytes,
-                "quantization": self.worker.quantization or "none"}
+                "quantization": self.worker.quantization or "none", **self.worker.parallel_stats}
 
     def health(self) -> EngineHealth:
         if self.system.error is not None:

@@ -27,6 +27,7 @@ from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows, token_logprobs
 from pyserve.model.step_buffers import StepBuffers
 from pyserve.model.token_masks import apply_token_masks
+from pyserve.parallel.group import torchrun_rank
 from pyserve.parallel.launch import Followers, RankSpec
 from pyserve.parallel.layers import check_divisible, local_config, shard_model
 from pyserve.parallel.lockstep import Lockstep
@@ -123,7 +124,12 @@ class ModelWorker:
             check_parallel(cfg, tensor_parallel_size, self.device, max_loras)
             spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
                             max_model_len, seed, quantization, quantization_group_size, backend)
-            self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device, distributed_timeout)
+            if torchrun_rank() is not None:
+                self.followers, self.group = Followers.join_torchrun(tensor_parallel_size, self.device,
+                                                                     distributed_timeout)
+            else:
+                self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device,
+                                                             distributed_timeout)
         torch.manual_seed(seed)
         self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
         if quantization is not None and self.model.checkpoint_quantization is not None:
@@ -172,6 +178,14 @@ class ModelWorker:
         """`listener(error)` is called (from another thread) if a tensor-parallel rank dies."""
         if self.followers is not None:
             self.followers.on_failure(listener)
+
+    @property
+    def parallel_stats(self) -> dict[str, float]:
+        """Tensor-parallel figures (empty for one rank): the group's size and rank 0's seconds in
+        collectives (broadcasts of the step's inputs, all-reduces, all-gathers)."""
+        if self.group is None:
+            return {}
+        return {"tensor_parallel_size": self.group.size, "tensor_parallel_comm_seconds": self.group.comm_seconds}
 
     def abort_group(self, error: BaseException) -> None:
         """The engine failed: the tensor-parallel ranks are stopped at once (none may be left

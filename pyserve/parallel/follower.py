@@ -18,7 +18,7 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
 from pyserve.model.worker import DTYPES, finish_model
-from pyserve.parallel.group import TensorParallelGroup
+from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 from pyserve.parallel.launch import RankSpec
 from pyserve.parallel.layers import local_config, shard_model
 from pyserve.parallel.lockstep import Lockstep
@@ -51,6 +51,25 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
         Lockstep(group, model, kv_caches, make_backend(spec.attention_backend)).follow()
     finally:
         group.close()
+
+
+def follow_torchrun(config) -> None:
+    """A rank other than 0 of `pyserve serve` under torchrun: the shard `config` (an EngineConfig)
+    asks for, resolved as rank 0 resolves it."""
+    from pyserve.engine.async_engine import DEFAULT_MAX_MODEL_LEN
+    from pyserve.model.worker import resolve_device, resolve_dtype
+
+    rank, size = torchrun_rank()
+    cfg = ModelConfig.from_dir(config.model)
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    dtype = resolve_dtype(config.dtype, cfg, device)
+    spec = RankSpec(config.model, next(k for k, v in DTYPES.items() if v == dtype), config.block_size,
+                    config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN), config.seed,
+                    config.quantization, config.quantization_group_size,
+                    config.attention_backend or ("triton" if device.type == "cuda" else "torch"))
+    run(rank, size, "env://", device, spec)
 
 
 def main() -> None:

@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when torchrun (or its environment variables) started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 JOIN_TIMEOUT = 300.0  # seconds for every rank to start (import torch, load its shard) and join
@@ -16,6 +24,7 @@ JOIN_TIMEOUT = 300.0  # seconds for every rank to start (import torch, load its 
 class TensorParallelGroup:
     def __init__(self, rank: int, size: int, device: torch.device, group):
         self.rank, self.size, self.device, self.group = rank, size, device, group
+        self.comm_seconds = 0.0  # spent in this rank's collectives (waiting on peers included)
 
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, device: torch.device, timeout: float) -> TensorParallelGroup:
@@ -35,27 +44,31 @@ class TensorParallelGroup:
     @staticmethod
     def from_torchrun() -> tuple[int, int] | None:
         """(rank, world size) when torchrun (or its environment variables) started this process."""
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return None
+        return torchrun_rank()
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dimension, in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
+        start = time.perf_counter()
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.comm_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype on all)."""
+        start = time.perf_counter()
         dist.broadcast(x, src=0, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
         return x
 
     def close(self) -> None:

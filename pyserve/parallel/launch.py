@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from pyserve.parallel.group import TensorParallelGroup
+from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 
 log = structlog.get_logger("pyserve.parallel")
 
@@ -73,6 +73,16 @@ class Followers:
             log.info("tensor_parallel_group_formed", size=size, backend="nccl" if device.type == "cuda" else "gloo",
                      pids=[p.pid for p in procs])
         return followers, group
+
+    @classmethod
+    def join_torchrun(cls, size: int, device: torch.device, timeout: float) -> tuple[Followers, TensorParallelGroup]:
+        """Rank 0 of a group torchrun started (its environment variables say where to meet): the
+        other ranks are torchrun's to supervise."""
+        rank, world = torchrun_rank()
+        if world != size or rank != 0:
+            raise ValueError(f"tensor_parallel_size {size}: torchrun started rank {rank} of {world}; serve with "
+                             f"--tensor-parallel-size {world} (rank 0 serves, the others follow)")
+        return cls([]), TensorParallelGroup.join(0, size, "env://", device, timeout)
 
     def on_failure(self, listener: Callable[[BaseException], None]) -> None:
         self._listeners.append(listener)
