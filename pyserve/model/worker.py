@@ -9,6 +9,7 @@ it (the layers, the kernels, the verifier, the draft model, the LoRA slots).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -120,59 +121,62 @@ class ModelWorker:
         self.config = cfg
         backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.followers = self.group = None
-        if tensor_parallel_size > 1:
-            check_parallel(cfg, tensor_parallel_size, self.device, max_loras)
-            spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
-                            max_model_len, seed, quantization, quantization_group_size, backend)
-            if torchrun_rank() is not None:
-                self.followers, self.group = Followers.join_torchrun(tensor_parallel_size, self.device,
-                                                                     distributed_timeout)
-            else:
-                self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device,
-                                                             distributed_timeout)
-        torch.manual_seed(seed)
-        self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
-        if quantization is not None and self.model.checkpoint_quantization is not None:
-            raise ValueError(f"quantization: the checkpoint is already quantized "
-                             f"({self.model.checkpoint_quantization}); leave quantization unset")
-        self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
-        kv_cfg = cfg
-        if self.group is not None:
-            shard_model(self.model, self.group)
-            kv_cfg = local_config(cfg, tensor_parallel_size)
-        if num_kv_blocks is None:
-            num_kv_blocks = auto_num_blocks(kv_cfg, block_size, self.dtype, self.device,
-                                            gpu_memory_fraction, kv_cache_share)
-        self.num_kv_blocks = num_kv_blocks
-        if self.group is not None:  # every rank holds as many blocks (of its own heads)
-            self.group.broadcast(torch.tensor([num_kv_blocks], dtype=torch.int64, device=self.device))
-        self.kv_caches = allocate_kv_cache(kv_cfg, num_kv_blocks, block_size, self.dtype, self.device)
-        self.backend = make_backend(backend)
-        # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
-        # path's kernels take the step's own arrays.
-        self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
-        self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
-        self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
-        finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=quantization,
-                     group_size=quantization_group_size)
-        if self.group is not None:
-            self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend)
-        if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
-            self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
-            if self.lora is not None:
-                self.lora.warm_up()
-        self.max_lora_rank = max_lora_rank
-        self.proposer: ModelProposer | None = None
-        if draft_model is not None:
-            self.proposer = DraftModelProposer(
-                draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
-                block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
-                quantization=quantization, quantization_group_size=quantization_group_size,
-            )
-        self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
-        self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)
-        if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
-            self.verifier.warm_up()
+        with contextlib.ExitStack() as undo:  # a worker that fails to build leaves no rank behind
+            if tensor_parallel_size > 1:
+                check_parallel(cfg, tensor_parallel_size, self.device, max_loras)
+                spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
+                                max_model_len, seed, quantization, quantization_group_size, backend)
+                if torchrun_rank() is not None:
+                    self.followers, self.group = Followers.join_torchrun(tensor_parallel_size, self.device,
+                                                                         distributed_timeout)
+                else:
+                    self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device,
+                                                                 distributed_timeout)
+                undo.callback(self._discard_group)
+            torch.manual_seed(seed)
+            self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
+            if quantization is not None and self.model.checkpoint_quantization is not None:
+                raise ValueError(f"quantization: the checkpoint is already quantized "
+                                 f"({self.model.checkpoint_quantization}); leave quantization unset")
+            self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
+            kv_cfg = cfg
+            if self.group is not None:
+                shard_model(self.model, self.group, quantization, quantization_group_size)
+                kv_cfg = local_config(cfg, tensor_parallel_size)
+            if num_kv_blocks is None:
+                num_kv_blocks = auto_num_blocks(kv_cfg, block_size, self.dtype, self.device,
+                                                gpu_memory_fraction, kv_cache_share)
+            self.num_kv_blocks = num_kv_blocks
+            if self.group is not None:  # every rank holds as many blocks (of its own heads)
+                self.group.broadcast(torch.tensor([num_kv_blocks], dtype=torch.int64, device=self.device))
+            self.kv_caches = allocate_kv_cache(kv_cfg, num_kv_blocks, block_size, self.dtype, self.device)
+            self.backend = make_backend(backend)
+            # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
+            # path's kernels take the step's own arrays.
+            self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
+            self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
+            self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
+            finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=quantization,
+                         group_size=quantization_group_size)
+            if self.group is not None:
+                self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend)
+            if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
+                self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
+                if self.lora is not None:
+                    self.lora.warm_up()
+            self.max_lora_rank = max_lora_rank
+            self.proposer: ModelProposer | None = None
+            if draft_model is not None:
+                self.proposer = DraftModelProposer(
+                    draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
+                    block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
+                    quantization=quantization, quantization_group_size=quantization_group_size,
+                )
+            self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
+            self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)
+            if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
+                self.verifier.warm_up()
+            undo.pop_all()  # built: the group stays
 
     def on_failure(self, listener) -> None:
         """`listener(error)` is called (from another thread) if a tensor-parallel rank dies."""
@@ -192,6 +196,12 @@ class ModelWorker:
         waiting in a collective)."""
         if self.followers is not None:
             self.followers.kill(error)
+
+    def _discard_group(self) -> None:
+        self.followers.kill(RuntimeError("the model worker failed to build"))
+        self.group.close()
+        self.followers.stop()
+        self.group = None
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (nothing to do for one rank)."""

@@ -42,7 +42,7 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
     dtype = DTYPES[spec.dtype]
     torch.manual_seed(spec.seed)
     model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len)
-    shard_model(model, group)
+    shard_model(model, group, spec.quantization, spec.quantization_group_size)
     finish_model(model, device, dtype, fuse=True, quantization=spec.quantization,
                  group_size=spec.quantization_group_size)
     num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device)).item())

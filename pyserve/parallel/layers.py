@@ -22,6 +22,7 @@ from torch import nn
 
 from pyserve.model.config import ModelConfig
 from pyserve.model.decoder import CausalLM
+from pyserve.model.quantized_linear import Fp8Linear, Int8Linear
 from pyserve.parallel.group import TensorParallelGroup
 
 
@@ -98,18 +99,32 @@ def _column(layer: nn.Module, parts: int, rank: int, name: str) -> nn.Linear:
     return _linear(_rows(layer.weight, lo, hi), None if layer.bias is None else _rows(layer.bias, lo, hi))
 
 
-def _row(layer: nn.Module, parts: int, rank: int, name: str, group: TensorParallelGroup) -> RowParallel:
+def _row(layer: nn.Module, parts: int, rank: int, name: str, group: TensorParallelGroup,
+         quantization: str | None, group_size: int) -> RowParallel:
+    """Rank `rank`'s input columns of `layer`. Per-channel 8-bit weights are quantized whole
+    first, so every rank scales by the full row's scale (one rank's sums, split); 4-bit groups
+    must not straddle two ranks."""
     if not isinstance(layer, nn.Linear):
         raise ValueError(f"tensor_parallel_size: {name} is a {type(layer).__name__}; pre-quantized checkpoints "
                          "are not split over ranks (quantize at load with --quantization instead)")
     step = layer.in_features // parts
-    weight = layer.weight[:, rank * step:(rank + 1) * step].contiguous()
+    cols = slice(rank * step, (rank + 1) * step)
     bias = None if layer.bias is None else (layer.bias.clone() if rank == 0 else torch.zeros_like(layer.bias))
-    return RowParallel(_linear(weight, bias), group)
+    if quantization in ("int8", "fp8"):
+        kind = Int8Linear if quantization == "int8" else Fp8Linear
+        qweight, scales = kind.quantize(layer.weight)
+        return RowParallel(kind(qweight[:, cols].contiguous(), scales, bias), group)
+    if quantization == "int4" and step % group_size:
+        raise ValueError(f"quantization_group_size {group_size} does not divide {name}'s {step} input features per "
+                         f"rank (tensor_parallel_size {parts}): a group would straddle two ranks")
+    return RowParallel(_linear(layer.weight[:, cols].contiguous(), bias), group)
 
 
-def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
-    """Splits a loaded (unfused, unquantized) model in place for `group.rank` of `group.size`."""
+def shard_model(model: CausalLM, group: TensorParallelGroup, quantization: str | None = None,
+                group_size: int = 64) -> None:
+    """Splits a loaded (unfused, unquantized) model in place for `group.rank` of `group.size`;
+    with `quantization` (done at load after this) the row-parallel layers are split so that the
+    ranks' sums are one rank's (see _row)."""
     cfg, n, r = model.config, group.size, group.rank
     check_divisible(cfg, n)
     with torch.no_grad():
@@ -119,11 +134,11 @@ def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
             attn.q_proj = _column(attn.q_proj, n, r, f"{prefix}.self_attn.q_proj")
             attn.k_proj = _column(attn.k_proj, n, r, f"{prefix}.self_attn.k_proj")
             attn.v_proj = _column(attn.v_proj, n, r, f"{prefix}.self_attn.v_proj")
-            attn.o_proj = _row(attn.o_proj, n, r, f"{prefix}.self_attn.o_proj", group)
+            attn.o_proj = _row(attn.o_proj, n, r, f"{prefix}.self_attn.o_proj", group, quantization, group_size)
             attn.num_heads, attn.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
             mlp.gate_proj = _column(mlp.gate_proj, n, r, f"{prefix}.mlp.gate_proj")
             mlp.up_proj = _column(mlp.up_proj, n, r, f"{prefix}.mlp.up_proj")
-            mlp.down_proj = _row(mlp.down_proj, n, r, f"{prefix}.mlp.down_proj", group)
+            mlp.down_proj = _row(mlp.down_proj, n, r, f"{prefix}.mlp.down_proj", group, quantization, group_size)
         vocab = cfg.vocab_size
         per_rank = -(-vocab // n)
         lo, hi = r * per_rank, min((r + 1) * per_rank, vocab)

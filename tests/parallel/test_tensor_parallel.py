@@ -47,3 +47,21 @@ def test_a_size_that_does_not_divide_the_model_is_refused(size, field, model_dir
 def test_lora_with_two_ranks_is_refused_naming_the_field(model_dirs):
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(str(model_dirs["llama"]), tensor_parallel_size=2, enable_lora=True)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_shards_give_one_ranks_quantized_tokens(method, model_dirs):
+    ps = prompts(300, seed=5)
+    got = {}
+    for size in (1, 2):
+        with LLM(str(model_dirs["llama"]), tensor_parallel_size=size, quantization=method,
+                 quantization_group_size=32) as llm:
+            assert llm.stats()["quantization"] == method
+            got[size] = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert got[2] == got[1]
+
+
+def test_an_int4_group_across_two_ranks_is_refused(model_dirs):
+    # o_proj has 64 inputs: 32 per rank, fewer than a group of 64
+    with pytest.raises(ValueError, match="quantization_group_size 64 does not divide model.layers.0.self_attn.o_proj"):
+        LLM(str(model_dirs["llama"]), tensor_parallel_size=2, quantization="int4", quantization_group_size=64)
