@@ -27,6 +27,7 @@ from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
+from pyserve.server.stats_api import server_stats
 from pyserve.server.tokenize_api import detokenize, tokenize
 from pyserve.server.state import ServerState
 
@@ -122,7 +123,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             await startup.stop()
             log.info("server_stopped")
 
-    public = {"/health", "/openapi.json"} | ({"/metrics"} if settings.public_metrics else set())
+    public = {"/health", "/openapi.json"} | ({"/metrics", "/v1/stats"} if settings.public_metrics else set())
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
@@ -139,6 +140,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/stats", server_stats, methods=["GET"]),
             Route("/version", version_info, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),

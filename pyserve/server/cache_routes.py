@@ -22,12 +22,7 @@ def _cache(state: ServerState) -> ChatCache:
 
 
 async def cache_info(request: Request) -> Response:
-    cache = _cache(request.app.state.pyserve)
-    store = cache.store
-    return json_response({"entries": len(store), "bytes": store.bytes, "hits": cache.hits, "misses": cache.misses,
-                          "stores": cache.stores, "evictions": store.evictions, "expirations": store.expirations,
-                          "threshold": cache.calibration.threshold, "ttl": store.ttl,
-                          "max_entries": store.max_entries, "max_bytes": store.max_bytes})
+    return json_response(_cache(request.app.state.pyserve).figures())
 
 
 async def invalidate(request: Request) -> Response:

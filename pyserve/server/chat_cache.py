@@ -58,6 +58,14 @@ class ChatCache:
         self.store = SemanticStore(encoder.dim, ttl, max_entries, max_bytes)
         self.hits = self.misses = self.stores = 0
 
+    def figures(self) -> dict:
+        """Entries, bytes, hits, misses, stores, evictions, expirations, the threshold and the bounds."""
+        store = self.store
+        return {"entries": len(store), "bytes": store.bytes, "hits": self.hits, "misses": self.misses,
+                "stores": self.stores, "evictions": store.evictions, "expirations": store.expirations,
+                "threshold": self.calibration.threshold, "ttl": store.ttl, "max_entries": store.max_entries,
+                "max_bytes": store.max_bytes}
+
     def eligible(self, req: ChatCompletionRequest) -> bool:
         deterministic = req.temperature == 0 or req.seed is not None
         return req.n == 1 and (deterministic or self.sampled)

@@ -37,6 +37,10 @@ class Counter:
         key = tuple(sorted(labels.items()))
         self.values[key] = self.values.get(key, 0.0) + amount
 
+    def value(self, **labels: str) -> float:
+        """The series with exactly these labels (0 if never incremented)."""
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
         if not self.values:

@@ -60,6 +60,12 @@ async def test_a_route_sends_each_request_to_the_model_its_router_picks(model_di
         metrics = parse_metrics((await http.get("/metrics")).text)
         assert metrics['pyserve:route_requests_total{model="large",route="auto"}'] == 2
         assert metrics['pyserve:route_requests_total{model="small",route="auto"}'] == 1
+        stats = (await http.get("/v1/stats")).json()
+        assert stats["routes"]["auto"] == {"kind": "route", "small": "small", "large": "large",
+                                           "requests": {"small": 1, "large": 2}, "escalations": 0,
+                                           "large_share": 2 / 3}
+        assert set(stats["models"]) == {"small", "large"}
+        assert stats["models"]["large"]["generation_tokens"] > 0 and stats["semantic_cache"] is None
 
 
 async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(model_dirs):
@@ -84,6 +90,10 @@ async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(m
         metrics = parse_metrics((await http.get("/metrics")).text)
         assert metrics['pyserve:cascade_escalations_total{route="escalate"}'] == 2
         assert 'pyserve:cascade_escalations_total{route="keep"}' not in metrics
+        routes = (await http.get("/v1/stats")).json()["routes"]
+        assert (routes["escalate"]["escalations"], routes["escalate"]["requests"]) == (2, {"small": 0, "large": 2})
+        assert (routes["keep"]["escalations"], routes["keep"]["large_share"]) == (0, 0.0)
+        assert routes["keep"]["kind"] == "cascade"
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -113,3 +113,7 @@ async def test_invalidation_needs_the_key_and_drops_only_the_callers_tenant(serv
     assert (r.status_code, r.json()["error"]["param"]) == (400, "tenant")
     info = (await served.get("/v1/cache")).json()
     assert info["entries"] == 2 and 0.5 < info["threshold"] < 1
+    stats = (await served.get("/v1/stats")).json()
+    assert stats["semantic_cache"] == info and stats["semantic_cache"]["hits"] >= 1
+    r = await served.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
