@@ -29,6 +29,7 @@ from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
 from pyserve.server.stats_api import server_stats
 from pyserve.server.tokenize_api import detokenize, tokenize
+from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 from pyserve.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ async def list_models(request: Request) -> Response:
     cards = state.models.cards()
     if state.encoder is not None:
         cards.append({"id": state.encoder.name, "object": "model", "created": 0, "owned_by": "pyserve",
-                      "root": state.encoder.source, "parent": None, "max_model_len": state.encoder.max_input_tokens})
+                      "root": state.encoder.source, "parent": None, "max_model_len": state.encoder.max_input_tokens,
+                      "pyserve_kind": "embedding"})
     return json_response({"object": "list", "data": cards})
 
 
@@ -123,11 +125,12 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             await startup.stop()
             log.info("server_stopped")
 
-    public = {"/health", "/openapi.json"} | ({"/metrics", "/v1/stats"} if settings.public_metrics else set())
+    public = {"/health", "/openapi.json", *PUBLIC_PATHS} | ({"/metrics", "/v1/stats"} if settings.public_metrics
+                                                           else set())
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
-    middleware.append(Middleware(LoadingGate, open_paths=frozenset({"/health"})))
+    middleware.append(Middleware(LoadingGate, open_paths=frozenset({"/health", *PUBLIC_PATHS})))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -141,6 +144,8 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/stats", server_stats, methods=["GET"]),
+            *(Route(path, page, methods=["GET"]) for path in PAGES),
+            Route("/web/{name}", asset, methods=["GET"]),
             Route("/version", version_info, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),

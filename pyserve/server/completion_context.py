@@ -41,6 +41,7 @@ class CompletionContext:
         self.echo, self.echo_only = echo, echo_only
         self.arrival, self.created = arrival, created
         self.lora = lora
+        state.metrics.requests.inc(model=model.name, adapter="" if lora is None else lora.lora_name)
         if lora is not None:
             model.loras.started(lora.lora_name)
             state.metrics.lora_requests.inc(adapter=lora.lora_name)

@@ -87,6 +87,11 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def snapshot(self) -> dict:
+        """Upper bounds, the count in each bucket (not cumulative; the last is above every bound),
+        the total count and sum."""
+        return {"le": list(self.buckets), "counts": list(self.counts), "count": self.count, "sum": self.sum}
+
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         cumulative = 0

@@ -98,6 +98,10 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
                             "content": _json(_model_schema(EmbeddingRequest, components, embedding_models))},
             "responses": {"200": {"description": "one vector per input", "content": object_},
                           **_errors("400", *auth, "404", "413")}}},
+        "/v1/stats": {"get": {"summary": "The server's figures as JSON: engine stats per model, requests per model "
+                                         "and adapter, latency histograms, routes, the semantic cache",
+                              **({"security": []} if settings.public_metrics else {}),
+                              "responses": {"200": {"description": "figures", "content": object_}, **_errors(*auth)}}},
         "/openapi.json": {"get": {"summary": "This document", "security": [],
                                   "responses": {"200": {"description": "OpenAPI 3.1", "content": object_}}}},
     }

@@ -22,6 +22,7 @@ class ServerMetrics:
     e2e: Histogram
     outcomes: Counter
     lora_requests: Counter
+    requests: Counter
     embedding_inputs: Counter
     cache_lookup: Histogram
     route_requests: Counter
@@ -86,6 +87,8 @@ class ServerMetrics:
             e2e=reg.add(Histogram("pyserve:e2e_request_latency_seconds", "Request latency, arrival to finish.")),
             outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
             lora_requests=reg.add(Counter("pyserve:lora_requests_total", "Requests per LoRA adapter.")),
+            requests=reg.add(Counter("pyserve:requests_total", "Requests per served model and adapter (adapter "
+                                     "\"\" for the base model).")),
             embedding_inputs=reg.add(Counter("pyserve:embedding_inputs_total", "Inputs embedded by /v1/embeddings.")),
             route_requests=reg.add(Counter("pyserve:route_requests_total", "Requests to a route or cascade, by the "
                                            "model that answered.")),

@@ -1,6 +1,8 @@
 """GET /v1/stats: the server's figures as JSON, what `LLM.stats()` is offline, for dashboards and
-scripts: each served model's engine stats(), each route or cascade's requests by the model that
-answered and its escalations, the semantic cache's figures and the inputs embedded. Behind the
+scripts: each served model's engine stats(), requests per model and adapter ("" = the base), the
+latency histograms (TTFT, inter-token, end to end: bucket bounds and per-bucket counts), each
+route or cascade's requests by the model that answered and its escalations, the semantic cache's
+figures and the inputs embedded. Behind the
 API key like /metrics (and opened with it by --public-metrics)."""
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ def route_figures(state: ServerState) -> dict[str, dict]:
 
 async def server_stats(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
+    requests: dict[str, dict[str, float]] = {}
+    for key, n in state.metrics.requests.values.items():
+        labels = dict(key)
+        requests.setdefault(labels["model"], {})[labels["adapter"]] = n
     return json_response({
         "models": {m.name: m.engine.stats() for m in state.models},
+        "requests": requests,
+        "latency": {"ttft": state.metrics.ttft.snapshot(), "itl": state.metrics.itl.snapshot(),
+                    "e2e": state.metrics.e2e.snapshot()},
         "routes": route_figures(state),
         "semantic_cache": state.cache.figures() if state.cache is not None else None,
         "embedding_inputs": state.metrics.embedding_inputs.value(),

@@ -1,0 +1,247 @@
+// The playground: a chat with one served model (or adapter), streamed, with the knobs that
+// matter. Everything the model writes is put in the page as text (textContent), never as markup.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const DEFAULT_SPECS = {
+  json_schema: JSON.stringify({
+    type: "object",
+    properties: {answer: {type: "string", maxLength: 80}, confidence: {type: "integer", minimum: 0, maximum: 10}},
+    required: ["answer", "confidence"], additionalProperties: false}, null, 2),
+  tools: JSON.stringify([{type: "function", function: {
+    name: "get_weather", description: "The weather in a city",
+    parameters: {type: "object", properties: {city: {type: "string", maxLength: 40}}, required: ["city"],
+      additionalProperties: false}}}], null, 2),
+};
+const chat = {history: [], controller: null, cards: []};
+
+function showError(message) {
+  const el = $("error");
+  el.textContent = message;
+  el.hidden = !message;
+}
+
+// Text with ``` fences as paragraphs and code blocks, built from text nodes only.
+function render(target, text) {
+  target.replaceChildren();
+  text.split("```").forEach((part, i) => {
+    if (i % 2 === 1) {
+      const pre = document.createElement("pre");
+      const code = document.createElement("code");
+      const newline = part.indexOf("\n");
+      const language = newline > 0 ? part.slice(0, newline).trim() : "";
+      code.textContent = /^[\w+#.-]+$/.test(language) ? part.slice(newline + 1) : part;
+      if (language) code.dataset.language = language;
+      pre.appendChild(code);
+      target.appendChild(pre);
+    } else if (part) {
+      const p = document.createElement("p");
+      p.textContent = part;
+      target.appendChild(p);
+    }
+  });
+}
+
+function addMessage(role, text) {
+  const box = document.createElement("article");
+  box.className = "message " + role;
+  const who = document.createElement("h2");
+  who.textContent = role;
+  const body = document.createElement("div");
+  body.className = "body";
+  const stats = document.createElement("p");
+  stats.className = "stats";
+  box.append(who, body, stats);
+  $("messages").appendChild(box);
+  if (text) render(body, text);
+  box.scrollIntoView({block: "end"});
+  return {box, body, stats};
+}
+
+async function loadModels() {
+  const response = await api("/v1/models");
+  if (!response.ok) return showError("GET /v1/models: " + await errorText(response));
+  chat.cards = (await response.json()).data.filter((c) => c.pyserve_kind !== "embedding");
+  const models = $("model");
+  models.replaceChildren();
+  for (const card of chat.cards.filter((c) => !c.parent)) {
+    const option = document.createElement("option");
+    option.value = option.textContent = card.id;
+    models.appendChild(option);
+  }
+  fillAdapters();
+}
+
+function fillAdapters() {
+  const adapters = $("adapter");
+  adapters.replaceChildren(new Option("(base model)", ""));
+  for (const card of chat.cards.filter((c) => c.parent === $("model").value)) {
+    adapters.appendChild(new Option(card.id, card.id));
+  }
+}
+
+function number(id) {
+  const value = $(id).value.trim();
+  return value === "" ? null : Number(value);
+}
+
+// The request body, or a thrown Error naming the field at fault.
+function requestBody() {
+  const body = {
+    model: $("adapter").value || $("model").value,
+    messages: [],
+    temperature: number("temperature"),
+    top_p: number("top-p"),
+    max_tokens: number("max-tokens"),
+    stream: true,
+    stream_options: {include_usage: true},
+  };
+  const seed = number("seed");
+  if (seed !== null) body.seed = seed;
+  const system = $("system").value.trim();
+  if (system) body.messages.push({role: "system", content: system});
+  body.messages.push(...chat.history);
+  const mode = $("mode").value;
+  if (mode !== "text") {
+    let spec;
+    try {
+      spec = JSON.parse($("mode-spec").value);
+    } catch (e) {
+      throw new Error((mode === "tools" ? "Tools" : "Schema") + " is not valid JSON: " + e.message);
+    }
+    if (mode === "json_schema") body.response_format = {type: "json_schema", json_schema: {name: "answer", schema: spec}};
+    else Object.assign(body, {tools: spec, tool_choice: "auto"});
+  }
+  return body;
+}
+
+async function speculation(model) {
+  try {
+    const response = await api("/v1/stats");
+    if (!response.ok) return null;
+    const stats = (await response.json()).models[model];
+    return stats ? [stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens] : null;
+  } catch (e) {
+    return null;
+  }
+}
+
+// Reads an SSE body, calling onChunk with each parsed data object.
+async function readEvents(response, onChunk) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, {stream: true});
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data: ") && line !== "data: [DONE]") onChunk(JSON.parse(line.slice(6)));
+      }
+    }
+  }
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+async function send() {
+  const text = $("prompt").value.trim();
+  if (!text || chat.controller) return;
+  let body;
+  try {
+    body = requestBody();
+  } catch (e) {
+    return showError(e.message);
+  }
+  body.messages.push({role: "user", content: text});
+  showError("");
+  $("prompt").value = "";
+  chat.history.push({role: "user", content: text});
+  addMessage("user", text);
+  const answer = addMessage("assistant", "");
+  answer.box.dataset.state = "streaming";
+  const controller = new AbortController();
+  chat.controller = controller;
+  setBusy(true);
+  const before = await speculation($("model").value);
+  const started = performance.now();
+  let first = null, content = "", usage = null, outcome = "done";
+  const calls = [];
+  try {
+    const response = await api("/v1/chat/completions", {
+      method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body),
+      signal: controller.signal});
+    if (!response.ok) throw new Error(await errorText(response));
+    await readEvents(response, (chunk) => {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta || {};
+        if (delta.content) content += delta.content;
+        for (const call of delta.tool_calls || []) {
+          const slot = calls[call.index] = calls[call.index] || {name: "", arguments: ""};
+          if (call.function && call.function.name) slot.name += call.function.name;
+          if (call.function && call.function.arguments) slot.arguments += call.function.arguments;
+        }
+        if ((delta.content || delta.tool_calls) && first === null) first = performance.now();
+      }
+      const shown = calls.length ? content + calls.map((c) => "```json\n" + c.name + "(" + c.arguments + ")\n```").join("") : content;
+      render(answer.body, shown);
+    });
+  } catch (e) {
+    if (e.name === "AbortError") outcome = "stopped";
+    else { outcome = "error"; showError(e.message); }
+  } finally {
+    chat.controller = null;
+    setBusy(false);
+  }
+  const ended = performance.now();
+  answer.box.dataset.state = outcome;
+  chat.history.push({role: "assistant", content});
+  const after = await speculation($("model").value);
+  const figures = [];
+  if (first !== null) figures.push("TTFT " + (first - started).toFixed(0) + " ms");
+  if (usage && first !== null && ended > first) {
+    figures.push((usage.completion_tokens / ((ended - first) / 1000)).toFixed(1) + " tok/s");
+  }
+  if (usage) figures.push((usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0) +
+    " cached prompt tokens");
+  if (before && after && after[0] > before[0]) {
+    figures.push("acceptance " + ((after[1] - before[1]) / (after[0] - before[0])).toFixed(2) +
+      " (server-wide during the answer)");
+  }
+  if (outcome === "stopped") figures.push("stopped");
+  answer.stats.textContent = figures.join(" · ");
+}
+
+function stop() {
+  if (chat.controller) chat.controller.abort();
+}
+
+function showMode() {
+  const mode = $("mode").value;
+  const spec = $("mode-spec");
+  $("mode-spec-label").hidden = spec.hidden = mode === "text";
+  $("mode-spec-label").textContent = mode === "tools" ? "Tools (JSON)" : "Schema (JSON)";
+  if (mode !== "text") spec.value = DEFAULT_SPECS[mode];
+}
+
+$("ask").addEventListener("submit", (event) => { event.preventDefault(); send(); });
+$("stop").addEventListener("click", stop);
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); send(); }
+  if (event.key === "Escape") stop();
+});
+$("model").addEventListener("change", fillAdapters);
+$("mode").addEventListener("change", showMode);
+$("clear").addEventListener("click", () => { chat.history = []; $("messages").replaceChildren(); showError(""); });
+$("forget-key").addEventListener("click", () => { clearKey(); loadModels(); });
+window.pyservePlayground = {render};
+loadModels();
