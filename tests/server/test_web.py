@@ -6,6 +6,7 @@ screenshots are also written there (the README's come from such a run)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from pyserve.testing import parse_metrics, start_server, stop_server
@@ -196,6 +198,31 @@ def test_the_adapter_picked_serves_the_request(server, browser):
     assert console_errors(browser) == []
 
 
+def test_json_schema_and_tool_modes_constrain_the_answer(server, browser):
+    from selenium.webdriver.support.ui import Select
+
+    open_playground(browser, server)
+    fill(browser, "temperature", "0")
+    fill(browser, "max-tokens", "200")
+    Select(by_id(browser, "mode")).select_by_value("json_schema")
+    schema = json.loads(by_id(browser, "mode-spec").get_attribute("value"))
+    fill(browser, "prompt", "Answer in JSON: what does len() return?")
+    by_id(browser, "send").click()
+    wait_for(lambda: last_answer(browser).get_attribute("data-state") == "done", what="the JSON answer")
+    answer = json.loads(last_answer(browser).find_element("css selector", ".body").text)
+    jsonschema.validate(answer, schema)
+    Select(by_id(browser, "mode")).select_by_value("tools")
+    Select(by_id(browser, "tool-choice")).select_by_value("required")
+    fill(browser, "prompt", "What is the weather in Paris?")
+    by_id(browser, "send").click()
+    wait_for(lambda: last_answer(browser).get_attribute("data-state") == "done", what="the tool answer")
+    call = last_answer(browser).find_element("css selector", ".body pre code").text
+    assert call.startswith("get_weather(") and call.endswith(")")
+    assert set(json.loads(call[len("get_weather("):-1])) == {"city"}
+    assert console_errors(browser) == []
+    Select(by_id(browser, "mode")).select_by_value("text")
+
+
 def test_model_text_is_shown_as_text_never_as_markup(server, browser):
     open_playground(browser, server)
     hostile = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">\n```html\n<b>bold</b>\n```"
@@ -248,6 +275,8 @@ def test_pages_work_at_a_phones_width(server, browser):
         assert browser.execute_script("return document.documentElement.scrollWidth") <= 390
         browser.get(server + "/dashboard")
         assert browser.execute_script("return document.documentElement.scrollWidth") <= 390
+        fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert fetched and all(url.startswith(server + "/") for url in fetched)  # nothing from elsewhere
     finally:
         browser.set_window_size(1280, 900)
     assert console_errors(browser) == []

@@ -110,7 +110,7 @@ function requestBody() {
       throw new Error((mode === "tools" ? "Tools" : "Schema") + " is not valid JSON: " + e.message);
     }
     if (mode === "json_schema") body.response_format = {type: "json_schema", json_schema: {name: "answer", schema: spec}};
-    else Object.assign(body, {tools: spec, tool_choice: "auto"});
+    else Object.assign(body, {tools: spec, tool_choice: $("tool-choice").value});
   }
   return body;
 }
@@ -229,6 +229,7 @@ function showMode() {
   const mode = $("mode").value;
   const spec = $("mode-spec");
   $("mode-spec-label").hidden = spec.hidden = mode === "text";
+  $("tool-choice-label").hidden = $("tool-choice").hidden = mode !== "tools";
   $("mode-spec-label").textContent = mode === "tools" ? "Tools (JSON)" : "Schema (JSON)";
   if (mode !== "text") spec.value = DEFAULT_SPECS[mode];
 }
