@@ -53,6 +53,7 @@ def main() -> None:
             if n_threads is not None:
                 torch.set_num_threads(n_threads)
             engines[name] = LLM(str(model_dir), tensor_parallel_size=size, max_model_len=256)
+        torch.set_num_threads(threads)  # rank 0 of the group took its share; the header reports the process's
         head = harness.header(__file__)
         harness.print_header(head)
         results: dict[str, dict[int, list]] = {name: {b: [] for b in args.batches} for name in configs}

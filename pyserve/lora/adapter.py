@@ -29,6 +29,7 @@ class LoraAdapter:
     rank: int
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    path: str = ""  # where it was loaded from (tensor-parallel ranks load it from there too)
 
 
 def load_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layers: int,
@@ -81,4 +82,4 @@ def load_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layer
         weights[(layer, module)] = (ab["A"], ab["B"])
     if not weights:
         raise LoraError("adapter_model.safetensors holds no LoRA weights")
-    return LoraAdapter(rank, scaling, weights)
+    return LoraAdapter(rank, scaling, weights, str(path))

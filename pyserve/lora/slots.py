@@ -15,6 +15,9 @@ from torch import nn
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref, segments
 from pyserve.lora.adapter import TARGETS, LoraAdapter
 from pyserve.model.quantized_linear import QUANTIZED
+from pyserve.parallel.layers import RowParallel
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns under tensor parallelism
 
 
 @dataclass(slots=True)
@@ -64,8 +67,13 @@ class LoraLinear(nn.Module):
 
 
 class LoraSlots:
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, use_triton: bool):
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, use_triton: bool,
+                 shard: tuple[int, int] = (0, 1)):
+        """`shard`: (rank, size) of a tensor-parallel group whose split model this is: each
+        projection's adapter is split as its base is (B's rows for column-parallel projections,
+        A's columns for row-parallel ones, whose partial sums the all-reduce adds up)."""
         self.num_slots = num_slots
+        self.rank, self.size = shard
         self.batch = LoraBatch()
         self.layers: list[dict[str, LoraLinear]] = []
         embedding = model.model.embed_tokens.weight  # the serving dtype and device
@@ -73,13 +81,17 @@ class LoraSlots:
             mods = {}
             for parent in (layer.self_attn, layer.mlp):
                 for name in TARGETS:
-                    if isinstance(getattr(parent, name, None), (nn.Linear, *QUANTIZED)):
-                        wrapped = LoraLinear(getattr(parent, name), num_slots, max_rank, self.batch, use_triton,
+                    owner, attr = parent, name
+                    if isinstance(getattr(parent, name, None), RowParallel):  # wrap the rank's partial product
+                        owner, attr = getattr(parent, name), "inner"
+                    if isinstance(getattr(owner, attr, None), (nn.Linear, *QUANTIZED)):
+                        wrapped = LoraLinear(getattr(owner, attr), num_slots, max_rank, self.batch, use_triton,
                                              embedding.dtype, embedding.device)
-                        setattr(parent, name, wrapped)
+                        setattr(owner, attr, wrapped)
                         mods[name] = wrapped
             self.layers.append(mods)
         self.use_triton = use_triton
+        self.applied: list[tuple[int, str | None]] = []  # the last prepare_step's changes: (id, path or None)
         self.adapters: dict[int, LoraAdapter] = {}  # loaded adapters (CPU), by adapter id
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapters, least recent first
         # Adapters queued to be added (or None: removed) by the next step, on the engine's thread,
@@ -96,12 +108,14 @@ class LoraSlots:
                      device: torch.device) -> None:
         """Applies the queued changes, then maps the step's tokens to slots: `adapter_ids` per
         scheduled request (0 = the base model), each with its `num_scheduled_tokens`."""
+        self.applied = []
         while self._changes:
             adapter_id, adapter = self._changes.pop(0)
             if adapter is None:
                 self.remove(adapter_id)
             else:
                 self.add(adapter_id, adapter)
+            self.applied.append((adapter_id, None if adapter is None else adapter.path))
         if adapter_ids is None or not adapter_ids.any():
             self.set_tokens(None, device)
             return
@@ -135,8 +149,21 @@ class LoraSlots:
                      mod.scaling, slots, ranks=mod.ranks)
 
     def shapes(self) -> dict[str, tuple[int, int]]:
-        """Target module -> (in_features, out_features) of the base model."""
-        return {name: (m.base.in_features, m.base.out_features) for name, m in self.layers[0].items()}
+        """Target module -> (in_features, out_features) of the base model (whole, not a rank's)."""
+        def whole(name: str, m: LoraLinear) -> tuple[int, int]:
+            k, n = m.base.in_features, m.base.out_features
+            return (k * self.size, n) if name in ROW_PARALLEL else (k, n * self.size)
+        return {name: whole(name, m) for name, m in self.layers[0].items()}
+
+    def _rank_part(self, name: str, mod: LoraLinear, a: torch.Tensor, b: torch.Tensor):
+        """This rank's part of an adapter's (A, B) for projection `name`."""
+        if self.size == 1:
+            return a, b
+        if name in ROW_PARALLEL:
+            k = mod.base.in_features
+            return a[:, self.rank * k:(self.rank + 1) * k], b
+        n = mod.base.out_features
+        return a, b[self.rank * n:(self.rank + 1) * n]
 
     def add(self, adapter_id: int, adapter: LoraAdapter) -> None:
         self.remove(adapter_id)
@@ -176,6 +203,7 @@ class LoraSlots:
                 mod.scaling[slot] = adapter.scaling if ab is not None else 0.0
                 mod.ranks[slot] = r if ab is not None else 0
                 if ab is not None:
-                    mod.lora_a[slot, :r].copy_(ab[0])
-                    mod.lora_b[slot, :, :r].copy_(ab[1])
+                    a, b = self._rank_part(name, mod, *ab)
+                    mod.lora_a[slot, :r].copy_(a)
+                    mod.lora_b[slot, :, :r].copy_(b)
                 mod.slot_written(slot)

@@ -39,15 +39,12 @@ from pyserve.speculative.verify import Verifier
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def check_parallel(cfg: ModelConfig, size: int, device: torch.device, max_loras: int) -> None:
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device) -> None:
     """ValueError naming the field when the model cannot be served over `size` ranks here."""
     check_divisible(cfg, size)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size {size} is more ranks than this machine's "
                          f"{torch.cuda.device_count()} CUDA devices")
-    if max_loras:
-        raise ValueError("enable_lora: LoRA adapters are not split over tensor-parallel ranks yet "
-                         "(serve them with tensor_parallel_size 1)")
     if torch.distributed.is_initialized():
         raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
                          "(one tensor-parallel model per process)")
@@ -123,9 +120,10 @@ class ModelWorker:
         self.followers = self.group = None
         with contextlib.ExitStack() as undo:  # a worker that fails to build leaves no rank behind
             if tensor_parallel_size > 1:
-                check_parallel(cfg, tensor_parallel_size, self.device, max_loras)
+                check_parallel(cfg, tensor_parallel_size, self.device)
                 spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
-                                max_model_len, seed, quantization, quantization_group_size, backend)
+                                max_model_len, seed, quantization, quantization_group_size, backend, max_loras,
+                                max_lora_rank)
                 if torchrun_rank() is not None:
                     self.followers, self.group = Followers.join_torchrun(tensor_parallel_size, self.device,
                                                                          distributed_timeout)
@@ -155,13 +153,16 @@ class ModelWorker:
             # path's kernels take the step's own arrays.
             self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
             self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
-            self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton") if max_loras else None
+            shard = (self.group.rank, self.group.size) if self.group is not None else (0, 1)
+            self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton", shard) if max_loras \
+                else None
             finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=quantization,
                          group_size=quantization_group_size)
             if self.group is not None:
-                self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend)
+                self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend, self.lora,
+                                               max_lora_rank)
             if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
-                self.backend.warm_up(*self.kv_caches[0], cfg.num_heads)
+                self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
                 if self.lora is not None:
                     self.lora.warm_up()
             self.max_lora_rank = max_lora_rank
@@ -247,6 +248,10 @@ class ModelWorker:
                 self.proposer.copy_blocks(pairs)
         if self.lora is not None:
             self.lora.prepare_step(adapter_ids, out.num_scheduled_tokens, dev)
+            if self.model.lockstep is not None:  # the other ranks apply the same changes and map
+                for adapter_id, path in self.lora.applied:
+                    self.model.lockstep.announce_lora(adapter_id, path)
+                self.model.lockstep.adapter_ids = adapter_ids
         if self.step_buffers is not None and self.lora is None and len(out.input_ids) == out.num_reqs \
                 and len(rows.requests) == out.num_reqs and prompt_rows is None:  # a decode step, on the fixed buffers
             input_ids, positions, meta, _ = self.step_buffers.stage(out)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache
@@ -43,12 +44,20 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
     torch.manual_seed(spec.seed)
     model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len)
     shard_model(model, group, spec.quantization, spec.quantization_group_size)
-    finish_model(model, device, dtype, fuse=True, quantization=spec.quantization,
+    triton = spec.attention_backend == "triton"
+    lora = LoraSlots(model, spec.max_loras, spec.max_lora_rank, triton, (rank, size)) if spec.max_loras else None
+    finish_model(model, device, dtype, fuse=lora is None, quantization=spec.quantization,
                  group_size=spec.quantization_group_size)
     num_blocks = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device)).item())
-    kv_caches = allocate_kv_cache(local_config(cfg, size), num_blocks, spec.block_size, dtype, device)
+    local = local_config(cfg, size)
+    kv_caches = allocate_kv_cache(local, num_blocks, spec.block_size, dtype, device)
+    backend = make_backend(spec.attention_backend)
+    if triton and device.type == "cuda":  # compile every kernel variant now, as rank 0 does
+        backend.warm_up(*kv_caches[0], local.num_heads)
+        if lora is not None:
+            lora.warm_up()
     try:
-        Lockstep(group, model, kv_caches, make_backend(spec.attention_backend)).follow()
+        Lockstep(group, model, kv_caches, backend, lora, spec.max_lora_rank).follow()
     finally:
         group.close()
 
@@ -68,7 +77,8 @@ def follow_torchrun(config) -> None:
     spec = RankSpec(config.model, next(k for k, v in DTYPES.items() if v == dtype), config.block_size,
                     config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN), config.seed,
                     config.quantization, config.quantization_group_size,
-                    config.attention_backend or ("triton" if device.type == "cuda" else "torch"))
+                    config.attention_backend or ("triton" if device.type == "cuda" else "torch"),
+                    config.max_loras if config.enable_lora else 0, config.max_lora_rank)
     run(rank, size, "env://", device, spec)
 
 

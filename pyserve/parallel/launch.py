@@ -37,6 +37,8 @@ class RankSpec:
     quantization: str | None
     quantization_group_size: int
     attention_backend: str
+    max_loras: int = 0
+    max_lora_rank: int = 64
 
 
 def _free_port() -> int:

@@ -1,13 +1,14 @@
 """Tensor parallelism over two gloo ranks on the CPU (one thread each): the same greedy tokens as
 transformers and as one rank, through chunked prefill, prefix reuse, forked samples (KV block
-copies) and n-gram speculation; bad sizes refused naming the field."""
+copies), n-gram speculation, LoRA adapters and weights quantized at load; bad sizes refused
+naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from pyserve import LLM, SamplingParams
-from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
+from pyserve import LLM, LoRARequest, SamplingParams
+from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, make_adapter, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -44,9 +45,23 @@ def test_a_size_that_does_not_divide_the_model_is_refused(size, field, model_dir
         LLM(str(model_dirs["llama"]), tensor_parallel_size=size)
 
 
-def test_lora_with_two_ranks_is_refused_naming_the_field(model_dirs):
-    with pytest.raises(ValueError, match="enable_lora"):
-        LLM(str(model_dirs["llama"]), tensor_parallel_size=2, enable_lora=True)
+def test_adapters_split_over_two_ranks_give_one_ranks_tokens(model_dirs, tmp_path):
+    base = model_dirs["llama"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [LoRARequest(f"a{i}", i, str(make_adapter(base, tmp_path / f"a{i}", 4 * i, targets, seed=i)))
+                for i in (1, 2)]
+    ps = prompts(300, seed=7)
+    per_prompt = [adapters[i % 2] if i % 3 else None for i in range(len(ps))]  # both adapters and the base, batched
+    got = {}
+    for size in (1, 2):
+        with LLM(str(base), tensor_parallel_size=size, enable_lora=True, max_loras=2, block_size=4,
+                 num_kv_blocks=256) as llm:
+            got[size] = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, lora_request=per_prompt,
+                                                                       use_tqdm=False)]
+    assert got[2] == got[1]
+    with LLM(str(base), block_size=4, num_kv_blocks=256) as llm:  # the adapters change the answers
+        plain = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert sum(a != b for a, b in zip(plain, got[2])) >= 3
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
