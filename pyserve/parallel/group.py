@@ -41,15 +41,6 @@ class TensorParallelGroup:
         group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout))
         return cls(rank, size, device, group)
 
-    @staticmethod
-    def from_torchrun() -> tuple[int, int] | None:
-        """(rank, world size) when torchrun (or its environment variables) started this process."""
-        return torchrun_rank()
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         dist.all_reduce(x, group=self.group)

@@ -20,6 +20,8 @@ from pyserve.replicas.settings import RouterSettings
 
 log = structlog.get_logger("pyserve.router")
 
+GET_TIMEOUT = 5.0  # seconds for a replica's /v1/models or /metrics
+
 
 class NotAReplica(Exception):
     """A URL that answers HTTP but is not a pyserve or OpenAI-compatible server."""
@@ -70,8 +72,9 @@ class ReplicaPool:
         self.router.set_healthy(replica.index, False)
 
     async def get(self, replica: Replica, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        """GET `path` from `replica` with the router's key (or `headers`'), within GET_TIMEOUT."""
         return await self.client.get(replica.url + path, headers={**self._auth, **(headers or {})},
-                                     timeout=self.settings.health_timeout * 4)
+                                     timeout=GET_TIMEOUT)
 
     async def _watch(self) -> None:
         while True:

@@ -4,6 +4,7 @@ server.startup: the engine may still be loading when the socket answers)."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from pyserve.batches.routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
+                                    retrieve_batch, retrieve_file, upload_file)
 from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
 
 log = structlog.get_logger("pyserve.server")
+
+UPLOAD_ENVELOPE_BYTES = 64 << 10  # a multipart upload's parts and headers beside the file itself
 
 
 async def list_models(request: Request) -> Response:
@@ -127,9 +132,13 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
 
     public = {"/health", "/openapi.json", *PUBLIC_PATHS} | ({"/metrics", "/v1/stats"} if settings.public_metrics
                                                            else set())
-    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
+    upload_limit = settings.batch_max_file_bytes + UPLOAD_ENVELOPE_BYTES
+    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                             path_limits={"/v1/files": upload_limit})]
+    internal_key = secrets.token_hex(16)  # what the batch runner's in-process requests present
     if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public)))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public),
+                                     internal_key=internal_key))
     middleware.append(Middleware(LoadingGate, open_paths=frozenset({"/health", *PUBLIC_PATHS})))
     app = Starlette(
         routes=[
@@ -139,6 +148,15 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             *([Route("/v1/cache", cache_info, methods=["GET"]),
                Route("/v1/cache/invalidate", invalidate, methods=["POST"])] if settings.semantic_cache else []),
+            Route("/v1/files", upload_file, methods=["POST"]),
+            Route("/v1/files", list_files, methods=["GET"]),
+            Route("/v1/files/{file_id}", retrieve_file, methods=["GET"]),
+            Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+            Route("/v1/batches", create_batch, methods=["POST"]),
+            Route("/v1/batches", list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
@@ -157,4 +175,5 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
     )
     startup = Startup(app, dict(models), settings, on_load_failure)
     app.state.startup = startup
+    app.state.internal_headers = {"Authorization": f"Bearer {internal_key}"} if settings.api_key else {}
     return app

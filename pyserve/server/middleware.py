@@ -21,9 +21,11 @@ async def _send_error(send, status: int, type_: str, message: str, extra_headers
 
 
 class APIKeyMiddleware:
-    def __init__(self, app, api_key: str, public_paths: frozenset[str]):
+    def __init__(self, app, api_key: str, public_paths: frozenset[str], internal_key: str | None = None):
+        """`internal_key`: a second key, for the server's own in-process requests (batch lines)."""
         self.app = app
         self.expected = api_key.encode()
+        self.internal = internal_key.encode() if internal_key else None
         self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send):
@@ -36,7 +38,9 @@ class APIKeyMiddleware:
                 if scheme.lower() != b"bearer":
                     given = b""
                 break
-        if not given or not hmac.compare_digest(given, self.expected):
+        known = hmac.compare_digest(given, self.expected) or (
+            self.internal is not None and hmac.compare_digest(given, self.internal))
+        if not given or not known:
             return await _send_error(send, 401, "authentication_error", "invalid or missing API key",
                                      [(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
@@ -49,22 +53,27 @@ class BodyTooLarge(Exception):
 class BodyLimitMiddleware:
     """Refuses bodies over `max_bytes` with 413, from Content-Length or while streaming."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, path_limits: dict[str, int] | None = None):
+        """`path_limits`: paths with a limit of their own (file uploads)."""
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_max = max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        return await self._limited(scope, receive, send, self.path_limits.get(scope["path"], self.default_max))
+
+    async def _limited(self, scope, receive, send, max_bytes: int):
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    too_big = int(value) > max_bytes
                 except ValueError:
                     return await _send_error(send, 400, "invalid_request_error", "invalid Content-Length")
                 if too_big:
                     return await _send_error(send, 413, "invalid_request_error",
-                                             f"request body exceeds {self.max_bytes} bytes")
+                                             f"request body exceeds {max_bytes} bytes")
         seen = 0
         started = False
 
@@ -73,7 +82,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     raise BodyTooLarge
             return message
 
@@ -87,7 +96,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await _send_error(send, 413, "invalid_request_error", f"request body exceeds {self.max_bytes} bytes")
+                await _send_error(send, 413, "invalid_request_error", f"request body exceeds {max_bytes} bytes")
 
 
 class LoadingGate:

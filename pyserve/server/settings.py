@@ -43,6 +43,12 @@ class ServerSettings:
         help="NAME=SMALL,LARGE,MIN_LOGPROB: a served name answered by SMALL, escalated to LARGE when the 10th "
         "percentile of the answer's token logprobs is below MIN_LOGPROB (repeatable)",
         default_factory=list, action="append", type=str)
+    data_dir: str | None = option(
+        None, "directory for the Batch API's files and job state (SQLite); /v1/files and /v1/batches are off "
+        "without it", type=str)
+    batch_max_file_bytes: int = option(200 << 20, "largest file /v1/files accepts (413 beyond)")
+    batch_max_lines: int = option(50_000, "most lines a batch input file may have")
+    batch_max_in_flight: int = option(16, "batch lines in the engine at once (interactive requests go first)")
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
@@ -54,5 +60,8 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
+        for name in ("batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_stream_buffer < 1:
             raise ValueError(f"max_stream_buffer must be at least 1, got {self.max_stream_buffer}")

@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from pyserve.batches.runner import BatchRunner
+from pyserve.batches.service import BatchService
+from pyserve.batches.store import BatchStore
 from pyserve.embeddings.load import load_encoder
 from pyserve.semantic_cache.calibration import calibrate_encoder
 from pyserve.server.chat_cache import ChatCache
 from pyserve.server.decision import check_routes, load_route, parse_cascade
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
+from pyserve.server.errors import NotFound
 from pyserve.server.settings import ServerSettings
 from pyserve.server.state import ServerMetrics, ServerState
 
@@ -135,11 +139,29 @@ class Startup:
                 if state.models.is_taken(name):
                     raise ValueError(f"lora_modules: {name!r} is already a served model or adapter")
                 await model.loras.add(name, path)
+        if self._settings.data_dir is not None:
+            state.batches = self._batch_service(state)
+            state.batches.runner.start()
         self._publish(state)
         log.info("server_ready", models=[m.name for m in state.models],
                  max_model_len={m.name: m.engine.max_model_len for m in state.models},
                  kv_blocks=sum(m.engine.num_kv_blocks for m in state.models), seconds=round(process_seconds(), 3),
                  load_seconds=round(built - began, 3), start_seconds=round(time.perf_counter() - built, 3))
+
+    def _batch_service(self, state: ServerState) -> BatchService:
+        s = self._settings
+
+        def model_served(name: str) -> bool:
+            try:
+                state.models.resolve(name)
+            except NotFound:
+                return False
+            return True
+
+        store = BatchStore(s.data_dir)
+        runner = BatchRunner(store, self._app, self._app.state.internal_headers, model_served,
+                             s.batch_max_in_flight, s.batch_max_lines)
+        return BatchService(store, runner, s.batch_max_file_bytes)
 
     def begin(self) -> None:
         """run() as a task of the running loop; a failure is logged (`server_load_failed`) and
@@ -165,5 +187,8 @@ class Startup:
         state: ServerState | None = getattr(self._app.state, "pyserve", None)
         if state is not None:
             state.draining = True
+            if state.batches is not None:  # lines in flight run again after a restart
+                await state.batches.runner.stop()
+                state.batches.store.close()
         for engine in self._started:
             await engine.stop()

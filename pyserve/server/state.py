@@ -10,6 +10,7 @@ from pyserve.server.models import ModelTable
 from pyserve.server.settings import ServerSettings
 
 if TYPE_CHECKING:
+    from pyserve.batches.service import BatchService
     from pyserve.embeddings.encoder import Encoder
     from pyserve.server.chat_cache import ChatCache
 
@@ -106,4 +107,5 @@ class ServerState:
     metrics: ServerMetrics
     encoder: Encoder | None = None  # /v1/embeddings, the semantic cache, the router
     cache: ChatCache | None = None
+    batches: BatchService | None = None  # the Batch API, with --data-dir
     draining: bool = False

@@ -1,0 +1,174 @@
+"""Runs batch jobs beside interactive traffic, one job at a time, oldest first.
+
+Each line is a request to this same server, in process (through its app: the same validation and
+answers as over HTTP), at BATCH_PRIORITY, the lowest: the scheduler serves interactive requests
+first and preempts batch lines when KV blocks run short. At most `max_in_flight` lines are in
+the engine at once, so waiting interactive requests never queue behind a whole file. Lines are
+sent sorted by their prompt's text, so that lines sharing a prefix run together (one prefill,
+then prefix-cache hits) and similar lengths batch together.
+
+Status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; failed
+when the file cannot be a batch input; cancelling -> cancelled; expired past the completion
+window (the lines answered by then are kept). A restart carries on from the stored rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+import structlog
+
+from pyserve.batches.lines import Line, check_lines, error_record
+from pyserve.batches.store import BatchStore
+
+log = structlog.get_logger("pyserve.batches")
+
+BATCH_PRIORITY = 1_000_000  # the scheduler serves lower values first; interactive requests default to 0
+POLL_SECONDS = 0.2  # how often an idle runner looks for work, and a running one for cancels and expiry
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, app, internal_headers: dict[str, str], model_served: Callable[[str], bool],
+                 max_in_flight: int, max_lines: int):
+        self.store, self.app, self.headers = store, app, internal_headers
+        self.model_served, self.max_in_flight, self.max_lines = model_served, max_in_flight, max_lines
+        self.wake = asyncio.Event()  # set when a job is created or cancelled
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pyserve-batches")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://pyserve.batches", timeout=None,
+                                     headers=self.headers) as client:
+            while True:
+                jobs = self.store.active_batches()
+                for _, batch in jobs:
+                    try:
+                        await self._carry_on(client, batch)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - one job's fault must not stop the others
+                        log.error("batch_failed", batch_id=batch["id"], error=repr(e))
+                        self._set(batch, "failed", errors=_errors("internal_error", repr(e)))
+                if not jobs:
+                    self.wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), POLL_SECONDS * 5)
+
+    def _set(self, batch: dict, status: str, **fields) -> None:
+        batch.update(fields, status=status)
+        batch[f"{status}_at"] = int(time.time())
+        self.store.save_batch(batch)
+        log.info("batch_status", batch_id=batch["id"], status=status)
+
+    async def _carry_on(self, client: httpx.AsyncClient, batch: dict) -> None:
+        batch = self.store.batch(batch["id"])  # as it stands now (a cancel may have come meanwhile)
+        if batch["status"] == "validating":
+            content = self.store.content(batch["input_file_id"])
+            try:
+                good, bad = check_lines(content, batch["endpoint"], self.model_served, self.max_lines)
+            except ValueError as e:
+                self._set(batch, "failed", errors=_errors("invalid_file", str(e), "input_file_id"))
+                return
+            for n, record in bad:
+                self.store.add_result(batch["id"], n, False, record)
+            batch["request_counts"]["total"] = len(good) + len(bad)
+            self._set(batch, "in_progress")
+        if batch["status"] == "in_progress":
+            await self._answer(client, batch)
+            if not self._should_stop(batch):  # every line answered
+                self._set(batch, "finalizing")
+        if batch["status"] == "cancelling":
+            self._finish(batch, "cancelled")
+        elif batch["status"] == "finalizing":
+            self._finish(batch, "expired" if time.time() >= batch["expires_at"] else "completed")
+
+    async def _answer(self, client: httpx.AsyncClient, batch: dict) -> None:
+        """Runs the job's unanswered lines until none is left, the job is cancelled or it expires
+        (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
+        good, _ = check_lines(self.store.content(batch["input_file_id"]), batch["endpoint"], self.model_served,
+                              self.max_lines)
+        done = self.store.answered(batch["id"])
+        todo = sorted((ln for ln in good if ln.number not in done), key=_prompt_text)
+        in_flight: set[asyncio.Task] = set()
+        for line in todo:
+            while len(in_flight) >= self.max_in_flight:
+                _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS,
+                                                  return_when=asyncio.FIRST_COMPLETED)
+                if self._should_stop(batch):
+                    return await _abandon(in_flight)
+            if self._should_stop(batch):
+                return await _abandon(in_flight)
+            in_flight.add(asyncio.create_task(self._one(client, batch, line)))
+        while in_flight:
+            _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS)
+            if self._should_stop(batch):
+                return await _abandon(in_flight)
+
+    def _should_stop(self, batch: dict) -> bool:
+        """A cancel (the stored status says so) or the window's end."""
+        stored = self.store.batch(batch["id"])
+        if stored["status"] == "cancelling":
+            batch.update(status="cancelling", cancelling_at=stored["cancelling_at"])
+            return True
+        if time.time() >= batch["expires_at"]:
+            self._set(batch, "finalizing")
+            return True
+        return False
+
+    async def _one(self, client: httpx.AsyncClient, batch: dict, line: Line) -> None:
+        body = {**line.body, "priority": BATCH_PRIORITY}
+        try:
+            response = await client.post(batch["endpoint"], json=body)
+            payload = response.json()
+        except Exception as e:  # noqa: BLE001 - recorded as the line's error
+            self.store.add_result(batch["id"], line.number, False, error_record(line.custom_id, "internal_error",
+                                                                                repr(e)))
+            return
+        record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+                  "response": {"status_code": response.status_code,
+                               "request_id": payload.get("id") if response.status_code == 200 else None,
+                               "body": payload}, "error": None}
+        if response.status_code != 200:
+            err = payload.get("error") or {}
+            record["error"] = {"code": err.get("code") or err.get("type"), "message": err.get("message")}
+        self.store.add_result(batch["id"], line.number, response.status_code == 200, record)
+
+    def _finish(self, batch: dict, status: str) -> None:
+        """Writes the output and error files from the stored rows, then the final status."""
+        owner = self.store.owner(batch["id"])
+        for ok, field, name in ((True, "output_file_id", "output"), (False, "error_file_id", "errors")):
+            rows = self.store.results(batch["id"], ok)
+            if rows and batch.get(field) is None:
+                record = self.store.add_file(owner, "batch_output", f"{batch['id']}_{name}.jsonl",
+                                             ("\n".join(rows) + "\n").encode())
+                batch[field] = record.id
+        self._set(batch, status)
+
+def _prompt_text(line: Line) -> str:
+    body = line.body
+    return json.dumps(body.get("messages") if "messages" in body else body.get("prompt"))
+
+
+async def _abandon(tasks: set[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _errors(code: str, message: str, param: str | None = None) -> dict:
+    return {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": None}]}

@@ -1,0 +1,35 @@
+import json
+
+import pytest
+
+from pyserve.batches.lines import check_lines
+
+URL = "/v1/chat/completions"
+
+
+def line(custom_id="a", url=URL, method="POST", body=None) -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url,
+                       "body": {"model": "m", "messages": []} if body is None else body})
+
+
+def test_each_bad_line_is_reported_with_its_custom_id_and_the_rest_run():
+    content = "\n".join([
+        line("ok1"), "{not json", line("ok1"), line("u", url="/v1/embeddings"), line("g", method="GET"),
+        line("nm", body={"model": "nope"}), line("s", body={"model": "m", "stream": True}), json.dumps([1]),
+        line(""), "", line("ok2"),
+    ]).encode()
+    good, bad = check_lines(content, URL, lambda m: m == "m", max_lines=100)
+    assert [(g.number, g.custom_id) for g in good] == [(0, "ok1"), (9, "ok2")]
+    assert [(n, r["custom_id"], r["error"]["code"]) for n, r in bad] == [
+        (1, None, "invalid_json"), (2, "ok1", "duplicate_custom_id"), (3, "u", "invalid_url"),
+        (4, "g", "invalid_method"), (5, "nm", "model_not_found"), (6, "s", "invalid_request"),
+        (7, None, "invalid_request"), (8, "", "invalid_request")]
+    assert all(r["response"] is None and r["id"].startswith("batch_req_") for _, r in bad)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe", "not UTF-8"), (b"\n \n", "no lines"), (("\n".join([line(str(i)) for i in range(4)])).encode(),
+                                                          "4 lines; a batch takes at most 3")])
+def test_a_file_that_cannot_be_an_input_is_refused_naming_it(content, message):
+    with pytest.raises(ValueError, match=message):
+        check_lines(content, URL, lambda m: True, max_lines=3)
