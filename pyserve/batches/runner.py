@@ -105,19 +105,25 @@ class BatchRunner:
         done = self.store.answered(batch["id"])
         todo = sorted((ln for ln in good if ln.number not in done), key=_prompt_text)
         in_flight: set[asyncio.Task] = set()
-        for line in todo:
-            while len(in_flight) >= self.max_in_flight:
-                _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS,
-                                                  return_when=asyncio.FIRST_COMPLETED)
+        try:
+            for line in todo:
+                while len(in_flight) >= self.max_in_flight:
+                    _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS,
+                                                      return_when=asyncio.FIRST_COMPLETED)
+                    if self._should_stop(batch):
+                        return
                 if self._should_stop(batch):
-                    return await _abandon(in_flight)
-            if self._should_stop(batch):
-                return await _abandon(in_flight)
-            in_flight.add(asyncio.create_task(self._one(client, batch, line)))
-        while in_flight:
-            _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS)
-            if self._should_stop(batch):
-                return await _abandon(in_flight)
+                    return
+                in_flight.add(asyncio.create_task(self._one(client, batch, line)))
+            while in_flight:
+                _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS)
+                if self._should_stop(batch):
+                    return
+        finally:  # stopped, cancelled or the server shutting down: the lines in flight are abandoned
+            for task in in_flight:
+                task.cancel()
+            if in_flight:
+                await asyncio.wait(in_flight)
 
     def _should_stop(self, batch: dict) -> bool:
         """A cancel (the stored status says so) or the window's end."""
@@ -162,12 +168,6 @@ class BatchRunner:
 def _prompt_text(line: Line) -> str:
     body = line.body
     return json.dumps(body.get("messages") if "messages" in body else body.get("prompt"))
-
-
-async def _abandon(tasks: set[asyncio.Task]) -> None:
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _errors(code: str, message: str, param: str | None = None) -> dict:

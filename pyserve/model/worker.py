@@ -121,7 +121,7 @@ class ModelWorker:
         with contextlib.ExitStack() as undo:  # a worker that fails to build leaves no rank behind
             if tensor_parallel_size > 1:
                 check_parallel(cfg, tensor_parallel_size, self.device)
-                spec = RankSpec(str(model_dir), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
+                spec = RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
                                 max_model_len, seed, quantization, quantization_group_size, backend, max_loras,
                                 max_lora_rank)
                 if torchrun_rank() is not None:

@@ -18,7 +18,7 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
-JOIN_TIMEOUT = 300.0  # seconds for every rank to start (import torch, load its shard) and join
+JOIN_TIMEOUT = 120.0  # seconds for every rank to start (import torch, load its shard) and join
 
 
 class TensorParallelGroup:

@@ -111,6 +111,37 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
             paths[path] = {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(LORA_REQUEST)},
                                     "responses": {"200": {"description": "done", "content": object_},
                                                   **_errors("400", *auth, "404", "413")}}}
+    if settings.data_dir:
+        file_part = {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["file", "purpose"],
+            "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string",
+                                                                                      "enum": ["batch"]}}}}}
+        batch_create = _json({"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+                              "additionalProperties": False,
+                              "properties": {"input_file_id": {"type": "string"},
+                                             "endpoint": {"type": "string",
+                                                          "enum": ["/v1/chat/completions", "/v1/completions"]},
+                                             "completion_window": {"type": "string", "pattern": "^[0-9]+[smh]$"},
+                                             "metadata": {"type": "object",
+                                                          "additionalProperties": {"type": "string"}}}})
+        done = {"200": {"description": "done", "content": object_}}
+        paths["/v1/files"] = {
+            "post": {"summary": "Upload a batch input file", "requestBody": {"required": True, "content": file_part},
+                     "responses": {**done, **_errors("400", *auth, "413")}},
+            "get": {"summary": "The caller's files", "responses": {**done, **_errors(*auth)}}}
+        paths["/v1/files/{file_id}"] = {
+            "get": {"summary": "A file", "responses": {**done, **_errors(*auth, "404")}},
+            "delete": {"summary": "Delete a file", "responses": {**done, **_errors(*auth, "404")}}}
+        paths["/v1/files/{file_id}/content"] = {"get": {"summary": "A file's bytes",
+                                                        "responses": {**done, **_errors(*auth, "404")}}}
+        paths["/v1/batches"] = {
+            "post": {"summary": "Create a batch job", "requestBody": {"required": True, "content": batch_create},
+                     "responses": {**done, **_errors("400", *auth, "404", "413")}},
+            "get": {"summary": "The caller's batch jobs", "responses": {**done, **_errors("400", *auth)}}}
+        paths["/v1/batches/{batch_id}"] = {"get": {"summary": "A batch job",
+                                                   "responses": {**done, **_errors(*auth, "404")}}}
+        paths["/v1/batches/{batch_id}/cancel"] = {"post": {"summary": "Cancel a batch job",
+                                                           "responses": {**done, **_errors("400", *auth, "404")}}}
     if settings.semantic_cache:
         forbidden = {"403": {"description": "the server has no API key",
                              "content": _json({"$ref": REF.format(model="Error")})}}

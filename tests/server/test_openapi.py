@@ -43,3 +43,11 @@ def test_lora_admin_routes_appear_only_with_a_lora_root():
     doc = openapi_document(ServerSettings(served_model_name="m", lora_root="/tmp"), ["m"], [])
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
     assert "security" not in doc
+
+
+def test_batch_routes_appear_only_with_a_data_dir():
+    assert "/v1/batches" not in openapi_document(ServerSettings(served_model_name="m"), ["m"], [])["paths"]
+    doc = openapi_document(ServerSettings(served_model_name="m", data_dir="/tmp/x"), ["m"], [])
+    assert {"/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+            "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"} <= set(doc["paths"])
+
