@@ -5,6 +5,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+BACKGROUND_PRIORITY: int
+"""Requests of this priority or more are background work: scheduled only in steps that compute
+no other request's prompt."""
+
 class ConfigError(ValueError): ...
 class InvalidRequestError(ValueError):
     field: str  # the request field at fault, e.g. 'prompt_token_ids', 'max_tokens'

@@ -1,11 +1,12 @@
 """Runs batch jobs beside interactive traffic, one job at a time, oldest first.
 
 Each line is a request to this same server, in process (through its app: the same validation and
-answers as over HTTP), at BATCH_PRIORITY, the lowest: the scheduler serves interactive requests
-first and preempts batch lines when KV blocks run short. At most `max_in_flight` lines are in
-the engine at once, so waiting interactive requests never queue behind a whole file. Lines are
-sent sorted by their prompt's text, so that lines sharing a prefix run together (one prefill,
-then prefix-cache hits) and similar lengths batch together.
+answers as over HTTP), at BATCH_PRIORITY, the scheduler's background priority: interactive
+requests are scheduled first, a step that computes an interactive prompt runs no batch line, and
+batch lines are preempted when KV blocks run short. At most `max_in_flight` lines are in the
+engine at once, so that sequence slots stay free for interactive requests. Lines are
+sent grouped by how their prompt begins, so that lines sharing a prefix run together (one
+prefill, then prefix-cache hits), and by length within a group, so similar lengths batch together.
 
 Status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; failed
 when the file cannot be a batch input; cancelling -> cancelled; expired past the completion
@@ -24,13 +25,17 @@ from collections.abc import Callable
 import httpx
 import structlog
 
+from pyserve._core import BACKGROUND_PRIORITY
 from pyserve.batches.lines import Line, check_lines, error_record
 from pyserve.batches.store import BatchStore
 
 log = structlog.get_logger("pyserve.batches")
 
-BATCH_PRIORITY = 1_000_000  # the scheduler serves lower values first; interactive requests default to 0
+# Background work for the scheduler: after every other request, and never in a step that computes
+# another request's prompt (interactive requests default to priority 0).
+BATCH_PRIORITY = BACKGROUND_PRIORITY
 POLL_SECONDS = 0.2  # how often an idle runner looks for work, and a running one for cancels and expiry
+PREFIX_CHARS = 256  # lines whose prompts begin alike (a shared system prompt) are sent together
 
 
 class BatchRunner:
@@ -103,7 +108,7 @@ class BatchRunner:
         good, _ = check_lines(self.store.content(batch["input_file_id"]), batch["endpoint"], self.model_served,
                               self.max_lines)
         done = self.store.answered(batch["id"])
-        todo = sorted((ln for ln in good if ln.number not in done), key=_prompt_text)
+        todo = sorted((ln for ln in good if ln.number not in done), key=_order)
         in_flight: set[asyncio.Task] = set()
         try:
             for line in todo:
@@ -165,9 +170,11 @@ class BatchRunner:
                 batch[field] = record.id
         self._set(batch, status)
 
-def _prompt_text(line: Line) -> str:
+def _order(line: Line) -> tuple[str, int]:
+    """Lines sharing the first PREFIX_CHARS of their prompt together, shortest first among them."""
     body = line.body
-    return json.dumps(body.get("messages") if "messages" in body else body.get("prompt"))
+    text = json.dumps(body.get("messages") if "messages" in body else body.get("prompt"))
+    return text[:PREFIX_CHARS], len(text)
 
 
 def _errors(code: str, message: str, param: str | None = None) -> dict:

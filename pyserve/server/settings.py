@@ -48,7 +48,8 @@ class ServerSettings:
         "without it", type=str)
     batch_max_file_bytes: int = option(200 << 20, "largest file /v1/files accepts (413 beyond)")
     batch_max_lines: int = option(50_000, "most lines a batch input file may have")
-    batch_max_in_flight: int = option(16, "batch lines in the engine at once (interactive requests go first)")
+    batch_max_in_flight: int = option(
+        128, "batch lines in the engine at once (keep it under max-num-seqs: the rest are interactive requests' slots)")
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 

@@ -19,6 +19,11 @@ mod step;
 
 pub(crate) type QueueKey = (i32, i64);
 
+/// Requests of this priority or more are background work (pyserve's batch jobs): a step that
+/// computes a foreground request's prompt schedules no background request, so background work
+/// never slows a first token; otherwise they are scheduled as usual, after the foreground.
+pub const BACKGROUND_PRIORITY: i32 = 1_000_000;
+
 /// One request's share of the step in flight, with its `num_computed_tokens` before the step.
 type Planned = (Slot, ScheduledRequest, usize);
 

@@ -5,6 +5,7 @@ mod common;
 use common::{next_token, reference_output, Driver};
 use pyserve_core::{
     CoreError, FinishReason, Namespace, NewRequest, RequestStatus, Scheduler, SchedulerConfig,
+    BACKGROUND_PRIORITY,
 };
 
 fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
@@ -95,6 +96,53 @@ fn preemption_takes_lowest_priority_then_newest_and_requeues_at_head() {
     for (id, (tokens, _)) in &d.finished {
         assert!(!tokens.is_empty(), "request {id}");
     }
+}
+
+#[test]
+fn background_requests_pause_while_a_foreground_prompt_is_computed() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    for id in [1, 2] {
+        let mut r = req(id, vec![id as u32; 4], 20);
+        r.priority = BACKGROUND_PRIORITY;
+        d.add(r).unwrap();
+    }
+    d.step(no_drafts);
+    assert_eq!(d.step(no_drafts).req_ids, vec![1, 2], "background decodes run when nothing else does");
+    d.add(req(3, vec![7; 6], 3)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.req_ids, vec![3], "the foreground prompt runs alone");
+    let out = d.step(no_drafts);
+    assert_eq!(out.req_ids, vec![3, 1, 2], "decoding, the foreground request shares steps again, first");
+    d.run_to_end(100, no_drafts);
+    assert_eq!(d.finished.len(), 3);
+}
+
+#[test]
+fn a_foreground_request_preempts_background_work_for_blocks() {
+    // 12 usable blocks of 2 tokens; two background requests grow to 6 blocks each.
+    let mut c = config(13, 2, 64);
+    c.enable_prefix_caching = false;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    for id in [1, 2] {
+        let mut r = req(id, vec![id as u32; 4], 8);
+        r.priority = BACKGROUND_PRIORITY;
+        d.add(r).unwrap();
+    }
+    for _ in 0..5 {
+        d.step(no_drafts); // 9 tokens each: 5 blocks each, 2 left
+    }
+    d.add(req(3, vec![9; 8], 2)).unwrap(); // needs 4 blocks, then a fifth to decode
+    let mut preempted = Vec::new();
+    for _ in 0..4 {
+        preempted.extend(d.step(no_drafts).preempted_req_ids);
+        if d.finished.contains_key(&3) {
+            break;
+        }
+    }
+    assert!(d.finished.contains_key(&3), "the foreground request finished first");
+    assert!(!preempted.is_empty() && preempted.iter().all(|&id| id != 3));
+    d.run_to_end(200, no_drafts);
+    assert_eq!(d.finished.len(), 3, "the background work finished after it");
 }
 
 #[test]

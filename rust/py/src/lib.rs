@@ -19,6 +19,7 @@ mod scheduler;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
+    m.add("BACKGROUND_PRIORITY", pyserve_core::BACKGROUND_PRIORITY)?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<output::PySchedulerOutput>()?;
     m.add_class::<output::PyUpdateResult>()?;

@@ -3,7 +3,7 @@
 
 use std::ops::Bound::{Excluded, Unbounded};
 
-use super::{insert_sorted, Planned, QueueKey, Scheduler};
+use super::{insert_sorted, Planned, QueueKey, Scheduler, BACKGROUND_PRIORITY};
 use crate::error::{step_err, Result};
 use crate::output::{ScheduledRequest, SchedulerOutput, UpdateResult};
 use crate::request::RequestStatus;
@@ -38,99 +38,120 @@ impl Scheduler {
         let mut copies = Vec::new();
         let mut out = SchedulerOutput { step: self.stats.num_steps, ..Default::default() };
 
-        // Running requests, in queue order; victims are taken from the back.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let slot = self.running[i].1;
-            let req = &self.requests[slot];
-            let start = req.num_computed_tokens;
-            let decoding = req.is_decoding();
-            let cap = if decoding { budget } else { budget.min(prompt_budget) };
-            let num_new = (req.compute_limit() - start).min(cap);
-            if num_new == 0 || !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
-                i += 1;
-                continue;
+        // Foreground requests first (running ones in queue order, victims taken from the back,
+        // then waiting ones); background requests (priority >= BACKGROUND_PRIORITY) only in a
+        // step that computes no foreground prompt, so that they never slow a first token.
+        let mut foreground_prompt = false;
+        for background in [false, true] {
+            if background && foreground_prompt {
+                break;
             }
-            let reaches_end = start + num_new >= req.num_tokens();
-            let slots = start + num_new + if reaches_end { lookahead } else { 0 };
-            let mut scheduled = true;
-            while !self.kv.allocate_slots(&mut self.requests[slot], &[], slots, &mut copies) {
-                let (_, victim) = self.running.pop().expect("the request itself is running");
-                out.preempted_req_ids.push(self.requests[victim].id);
-                self.preempt(victim);
-                if victim == slot {
-                    scheduled = false;
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let (key, slot) = self.running[i];
+                if (key.0 >= BACKGROUND_PRIORITY) != background {
+                    i += 1;
+                    continue;
+                }
+                let req = &self.requests[slot];
+                let start = req.num_computed_tokens;
+                let decoding = req.is_decoding();
+                let cap = if decoding { budget } else { budget.min(prompt_budget) };
+                let num_new = (req.compute_limit() - start).min(cap);
+                if num_new == 0 || !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
+                    i += 1;
+                    continue;
+                }
+                let reaches_end = start + num_new >= req.num_tokens();
+                let slots = start + num_new + if reaches_end { lookahead } else { 0 };
+                let mut scheduled = true;
+                while !self.kv.allocate_slots(&mut self.requests[slot], &[], slots, &mut copies) {
+                    let &(victim_key, victim) = self.running.last().expect("the request itself is running");
+                    if background && victim_key.0 < BACKGROUND_PRIORITY {
+                        scheduled = false; // a background request never preempts a foreground one
+                        break;
+                    }
+                    self.running.pop();
+                    out.preempted_req_ids.push(self.requests[victim].id);
+                    self.preempt(victim);
+                    if victim == slot {
+                        scheduled = false;
+                        break;
+                    }
+                }
+                if !scheduled {
                     break;
                 }
+                let req = &mut self.requests[slot];
+                let num_spec = (start + num_new).saturating_sub(req.num_tokens());
+                req.spec_token_ids.truncate(num_spec);
+                let num_logits = if reaches_end { 1 + num_spec } else { 0 };
+                let s =
+                    ScheduledRequest { id: req.id, num_tokens: num_new, num_spec_tokens: num_spec, num_logits };
+                plan.push((slot, s, start));
+                add_lora(&mut loras, req.namespace.adapter_id);
+                budget -= num_new;
+                if !decoding {
+                    prompt_budget -= num_new;
+                    foreground_prompt |= !background;
+                }
+                i += 1;
             }
-            if !scheduled {
-                break;
-            }
-            let req = &mut self.requests[slot];
-            let num_spec = (start + num_new).saturating_sub(req.num_tokens());
-            req.spec_token_ids.truncate(num_spec);
-            let num_logits = if reaches_end { 1 + num_spec } else { 0 };
-            let s =
-                ScheduledRequest { id: req.id, num_tokens: num_new, num_spec_tokens: num_spec, num_logits };
-            plan.push((slot, s, start));
-            add_lora(&mut loras, req.namespace.adapter_id);
-            budget -= num_new;
-            if !decoding {
+            // Waiting requests of this class, only when nothing had to be preempted.
+            let mut cursor: Option<QueueKey> = None;
+            while out.preempted_req_ids.is_empty()
+                && budget.min(prompt_budget) > 0
+                && self.running.len() < self.config.max_num_seqs
+            {
+                let next = match cursor {
+                    None => self.waiting.iter().next(),
+                    Some(c) => self.waiting.range((Excluded(c), Unbounded)).next(),
+                };
+                let Some((&key, &slot)) = next else { break };
+                if (key.0 >= BACKGROUND_PRIORITY) != background {
+                    break; // the queue is in key order: foreground first
+                }
+                cursor = Some(key);
+                let req = &mut self.requests[slot];
+                if !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
+                    continue;
+                }
+                let hits = self.kv.match_prefix(req);
+                let cached = hits.len() * self.config.block_size;
+                // A held request's limit is at least `cached`: the last prompt token is never a hit.
+                let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
+                let reaches_end = cached + num_new >= req.num_tokens();
+                let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
+                if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
+                    break;
+                }
+                req.num_computed_tokens = cached;
+                if !req.admitted_once {
+                    req.admitted_once = true;
+                    req.num_cached_tokens = cached;
+                    self.stats.prefix_cache_queries += req.num_tokens() as u64;
+                    self.stats.prefix_cache_hits += cached as u64;
+                }
+                req.status = RequestStatus::Running;
+                add_lora(&mut loras, req.namespace.adapter_id);
+                self.waiting.remove(&key);
+                insert_sorted(&mut self.running, (key, slot));
+                if num_new == 0 {
+                    // Held at its fork point by the cached prefix alone: running, nothing to compute.
+                    self.fork_ready.push(req.id);
+                    continue;
+                }
+                let s = ScheduledRequest {
+                    id: req.id,
+                    num_tokens: num_new,
+                    num_spec_tokens: 0,
+                    num_logits: usize::from(reaches_end),
+                };
+                plan.push((slot, s, cached));
+                budget -= num_new;
                 prompt_budget -= num_new;
+                foreground_prompt |= !background;
             }
-            i += 1;
-        }
-
-        // Waiting requests, only when nothing had to be preempted.
-        let mut cursor: Option<QueueKey> = None;
-        while out.preempted_req_ids.is_empty()
-            && budget.min(prompt_budget) > 0
-            && self.running.len() < self.config.max_num_seqs
-        {
-            let next = match cursor {
-                None => self.waiting.iter().next(),
-                Some(c) => self.waiting.range((Excluded(c), Unbounded)).next(),
-            };
-            let Some((&key, &slot)) = next else { break };
-            cursor = Some(key);
-            let req = &mut self.requests[slot];
-            if !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
-                continue;
-            }
-            let hits = self.kv.match_prefix(req);
-            let cached = hits.len() * self.config.block_size;
-            // A held request's limit is at least `cached`: the last prompt token is never a hit.
-            let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
-            let reaches_end = cached + num_new >= req.num_tokens();
-            let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
-            if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
-                break;
-            }
-            req.num_computed_tokens = cached;
-            if !req.admitted_once {
-                req.admitted_once = true;
-                req.num_cached_tokens = cached;
-                self.stats.prefix_cache_queries += req.num_tokens() as u64;
-                self.stats.prefix_cache_hits += cached as u64;
-            }
-            req.status = RequestStatus::Running;
-            add_lora(&mut loras, req.namespace.adapter_id);
-            self.waiting.remove(&key);
-            insert_sorted(&mut self.running, (key, slot));
-            if num_new == 0 {
-                // Held at its fork point by the cached prefix alone: running, nothing to compute.
-                self.fork_ready.push(req.id);
-                continue;
-            }
-            let s = ScheduledRequest {
-                id: req.id,
-                num_tokens: num_new,
-                num_spec_tokens: 0,
-                num_logits: usize::from(reaches_end),
-            };
-            plan.push((slot, s, cached));
-            budget -= num_new;
-            prompt_budget -= num_new;
         }
 
         self.build_arrays(&mut out, &plan);
