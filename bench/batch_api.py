@@ -84,12 +84,13 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--interactive", type=int, default=40)
-    ap.add_argument("--in-flight", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--in-flight", type=int, nargs="+", default=[128, 16])
     args = ap.parse_args()
     head = harness.header(__file__)
     harness.print_header(head)
     report = {**head, "runs": args.runs, "lines": args.lines, "tokens": args.tokens, "settings": []}
     offline = LLM()
+    offline.generate(["warm up"] * 64, SamplingParams(max_tokens=8), use_tqdm=False)  # compiled, packed, warm
     with tempfile.TemporaryDirectory() as tmp:
         for in_flight in args.in_flight:
             work = Path(tmp) / f"if{in_flight}"

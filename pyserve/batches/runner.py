@@ -4,7 +4,8 @@ Each line is a request to this same server, in process (through its app: the sam
 answers as over HTTP), at BATCH_PRIORITY, the scheduler's background priority: interactive
 requests are scheduled first, a step that computes an interactive prompt runs no batch line, and
 batch lines are preempted when KV blocks run short. At most `max_in_flight` lines are in the
-engine at once, so that sequence slots stay free for interactive requests. Lines are
+engine at once: each running line still adds its decode rows to the steps that interactive
+requests decode in, and its output to the server's loop. Lines are
 sent grouped by how their prompt begins, so that lines sharing a prefix run together (one
 prefill, then prefix-cache hits), and by length within a group, so similar lengths batch together.
 
