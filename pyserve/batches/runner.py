@@ -1,7 +1,7 @@
 """Runs batch jobs beside interactive traffic, one job at a time, oldest first.
 
 Each line is a request to this same server, in process (through its app: the same validation and
-answers as over HTTP), at BATCH_PRIORITY, the scheduler's background priority: interactive
+answers as over HTTP), at the scheduler's background priority (BACKGROUND_PRIORITY): interactive
 requests are scheduled first, a step that computes an interactive prompt runs no batch line, and
 batch lines are preempted when KV blocks run short. At most `max_in_flight` lines are in the
 engine at once: each running line still adds its decode rows to the steps that interactive
@@ -26,15 +26,11 @@ from collections.abc import Callable
 import httpx
 import structlog
 
-from pyserve._core import BACKGROUND_PRIORITY
 from pyserve.batches.lines import Line, check_lines, error_record
 from pyserve.batches.store import BatchStore
 
 log = structlog.get_logger("pyserve.batches")
 
-# Background work for the scheduler: after every other request, and never in a step that computes
-# another request's prompt (interactive requests default to priority 0).
-BATCH_PRIORITY = BACKGROUND_PRIORITY
 POLL_SECONDS = 0.2  # how often an idle runner looks for work, and a running one for cancels and expiry
 PREFIX_CHARS = 256  # lines whose prompts begin alike (a shared system prompt) are sent together
 
@@ -46,6 +42,11 @@ class BatchRunner:
         self.model_served, self.max_in_flight, self.max_lines = model_served, max_in_flight, max_lines
         self.wake = asyncio.Event()  # set when a job is created or cancelled
         self._task: asyncio.Task | None = None
+        from pyserve._core import BACKGROUND_PRIORITY  # with the engine, not with the server's modules
+
+        # Background work for the scheduler: after every other request, and never in a step that
+        # computes another request's prompt (interactive requests default to priority 0).
+        self.priority = BACKGROUND_PRIORITY
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pyserve-batches")
@@ -143,7 +144,7 @@ class BatchRunner:
         return False
 
     async def _one(self, client: httpx.AsyncClient, batch: dict, line: Line) -> None:
-        body = {**line.body, "priority": BATCH_PRIORITY}
+        body = {**line.body, "priority": self.priority}
         try:
             response = await client.post(batch["endpoint"], json=body)
             payload = response.json()

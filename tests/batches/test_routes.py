@@ -120,8 +120,9 @@ def test_a_job_past_its_window_expires_with_its_partial_output(server):
 
 def test_interactive_requests_go_before_queued_batch_lines(server):
     """Two sequences at a time and eight batch lines in the engine (two running, six waiting): an
-    interactive request is served as soon as a sequence frees, before the waiting lines, so at
-    most the two lines running when it came (and one admitted as it arrived) finish meanwhile."""
+    interactive request is served as soon as a sequence frees, before the waiting lines, so the
+    two lines running when it came finish meanwhile, and perhaps two more around the edges (lines
+    ending between the polls and the request); served in arrival order it would wait for six."""
     api = client(server)
     f = upload(api, lines(24, max_tokens=100, ignore_eos=True, prefix="p"))
     batch = api.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -130,7 +131,7 @@ def test_interactive_requests_go_before_queued_batch_lines(server):
     before = api.batches.retrieve(batch.id).request_counts.completed
     api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     after = api.batches.retrieve(batch.id).request_counts.completed
-    assert after - before <= 3, (before, after)
+    assert after - before <= 4, (before, after)
     api.batches.cancel(batch.id)
     wait(api, batch.id, timeout=30)
 
