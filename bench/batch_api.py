@@ -74,11 +74,6 @@ def ttfts(base: str, rng: random.Random, n: int) -> list[float]:
     return out
 
 
-def p99(values: list[float]) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
-
-
 def main() -> None:
     ap = harness.parser(__doc__, "batch_api", runs=2)
     ap.add_argument("--lines", type=int, default=400)
@@ -128,11 +123,11 @@ def main() -> None:
             setting = {
                 "batch_max_in_flight": in_flight, "per_run": rows,
                 "idle_ttft_p50_ms": statistics.median(harness.median(r["idle_ttft_ms"]) for r in rows),
-                "idle_ttft_p99_ms": statistics.median(p99(r["idle_ttft_ms"]) for r in rows),
+                "idle_ttft_p99_ms": statistics.median(harness.p99(r["idle_ttft_ms"]) for r in rows),
                 "busy_ttft_p50_ms": statistics.median(harness.median(r["busy_ttft_ms"]) for r in rows),
-                "busy_ttft_p99_ms": statistics.median(p99(r["busy_ttft_ms"]) for r in rows),
-                "ttft_p99_ratio": harness.median_ratio([p99(r["busy_ttft_ms"]) for r in rows],
-                                                       [p99(r["idle_ttft_ms"]) for r in rows]),
+                "busy_ttft_p99_ms": statistics.median(harness.p99(r["busy_ttft_ms"]) for r in rows),
+                "ttft_p99_ratio": harness.median_ratio([harness.p99(r["busy_ttft_ms"]) for r in rows],
+                                                       [harness.p99(r["idle_ttft_ms"]) for r in rows]),
                 "throughput_ratio": harness.median_ratio([r["job_tok_s"] for r in rows],
                                                          [r["generate_tok_s"] for r in rows]),
                 "job_tok_s": statistics.median(r["job_tok_s"] for r in rows),

@@ -58,6 +58,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+def p99(values: Iterable[float]) -> float:
+    """The 99th percentile by rank: the value at index int(0.99 n) of the sorted values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
     """The median of the per-round ratios: each round's two sides shared that round's noise."""
     return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))

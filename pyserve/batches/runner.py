@@ -84,19 +84,19 @@ class BatchRunner:
 
     async def _carry_on(self, client: httpx.AsyncClient, batch: dict) -> None:
         batch = self.store.batch(batch["id"])  # as it stands now (a cancel may have come meanwhile)
-        if batch["status"] == "validating":
+        if batch["status"] in ("validating", "in_progress"):
             content = self.store.content(batch["input_file_id"])
             try:
                 good, bad = check_lines(content, batch["endpoint"], self.model_served, self.max_lines)
-            except ValueError as e:
+            except ValueError as e:  # only while validating: a job in progress passed these checks
                 self._set(batch, "failed", errors=_errors("invalid_file", str(e), "input_file_id"))
                 return
-            for n, record in bad:
-                self.store.add_result(batch["id"], n, False, record)
-            batch["request_counts"]["total"] = len(good) + len(bad)
-            self._set(batch, "in_progress")
-        if batch["status"] == "in_progress":
-            await self._answer(client, batch)
+            if batch["status"] == "validating":
+                for n, record in bad:
+                    self.store.add_result(batch["id"], n, False, record)
+                batch["request_counts"]["total"] = len(good) + len(bad)
+                self._set(batch, "in_progress")
+            await self._answer(client, batch, good)
             if not self._should_stop(batch):  # every line answered
                 self._set(batch, "finalizing")
         if batch["status"] == "cancelling":
@@ -104,11 +104,9 @@ class BatchRunner:
         elif batch["status"] == "finalizing":
             self._finish(batch, "expired" if time.time() >= batch["expires_at"] else "completed")
 
-    async def _answer(self, client: httpx.AsyncClient, batch: dict) -> None:
-        """Runs the job's unanswered lines until none is left, the job is cancelled or it expires
-        (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
-        good, _ = check_lines(self.store.content(batch["input_file_id"]), batch["endpoint"], self.model_served,
-                              self.max_lines)
+    async def _answer(self, client: httpx.AsyncClient, batch: dict, good: list[Line]) -> None:
+        """Runs the job's unanswered lines of `good` until none is left, the job is cancelled or it
+        expires (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
         done = self.store.answered(batch["id"])
         todo = sorted((ln for ln in good if ln.number not in done), key=_order)
         in_flight: set[asyncio.Task] = set()

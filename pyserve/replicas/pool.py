@@ -89,9 +89,8 @@ class ReplicaPool:
             log.error("replica_refused", replica=replica.url, reason=str(e))
             up = False
         except httpx.HTTPError as e:
-            if self.router.is_healthy(replica.index):
-                log.warning("replica_down", replica=replica.url, error=repr(e))
-            up = False
+            self.mark_down(replica, e)
+            return
         if up and not self.router.is_healthy(replica.index):
             log.info("replica_up", replica=replica.url)
         self.router.set_healthy(replica.index, up)
