@@ -136,8 +136,8 @@ def load_model(
         raise WeightsError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
     model.model.rotary.reset()
     model.checkpoint_quantization = None if quantized is None else quantized.method
-    seconds = time.perf_counter() - start
+    seconds = max(round(time.perf_counter() - start, 6), 1e-6)  # the rate is of the seconds logged
     if structlog.is_configured():  # by the server (pyserve.logs); an offline LLM's stdout stays clean
         log.info("weights_loaded", path=str(model_dir), tensors=num_tensors, bytes=num_bytes, in_place=in_place,
-                 seconds=round(seconds, 4), gb_per_s=round(num_bytes / seconds / 1e9, 2))
+                 seconds=seconds, gb_per_s=round(num_bytes / seconds / 1e9, 2))
     return model.eval()
