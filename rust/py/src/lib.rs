@@ -7,6 +7,7 @@ mod arrays;
 mod attention;
 mod decoder_layer;
 mod error;
+mod greedy_decode;
 mod layer_ops;
 mod linear;
 mod lora;
@@ -30,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear::linear_q8, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear_q4, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(greedy_decode::greedy_decode, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::silu_mul, m)?)?;
