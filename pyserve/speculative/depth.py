@@ -5,25 +5,40 @@ or overhead-bound on a CPU) and the guesses are good; at a large batch every ver
 nearly as much as a generated one and speculation must switch itself off. So the controller
 measures instead of assuming, separately for each batch-size bucket (powers of two):
 
-- the step's cost as a line in the number of draft tokens it verifies, seconds = a + b * drafts,
-  fitted by exponentially weighted least squares over recent decode-only steps;
-- the draft's cost per proposal forward (zero for n-gram lookup), a weighted mean;
+- the cost of a step that verifies no draft, a weighted mean a0 over recent such steps;
+- the cost of a step that verifies drafts as a line in their number, seconds = a + b * drafts,
+  fitted by exponentially weighted least squares over recent decode-only steps with drafts. Its
+  intercept a is not a0: verification has a fixed cost of its own. When those steps all had
+  about the same number (a long run at one depth) the line keeps the last slope fitted, through
+  their mean; before any slope, the line through a0 and their mean;
+- a proposal's cost as a line in its depth, seconds = c + d * k (zero for n-gram lookup): a
+  draft model's proposal has a fixed part (the interpreter around it, feeding the draft the
+  tokens accepted since its last proposal) and a part per guess; charging the fixed part to
+  each guess would make small depths look dearer than they are, and lower the depth step by
+  step to 0;
 - globally: alpha, the chance a draft token is accepted given the ones before it were (a
   truncated geometric: accepted / (accepted + rejections), with a prior), and the fraction of
   requested drafts a proposer actually returns (n-gram lookup finds no match for some requests).
 
-A new bucket is explored first (some steps at full depth, some at depth 0), then k in 0..max_k
-maximises expected tokens per second for B requests of which C may speculate,
-(B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + k * draft_forward). Depth 0 is interrupted now and then by depth 1 to re-measure alpha (n-gram lookup only).
+A new bucket is explored first (some steps at full depth, some at half of it, some at depth 0),
+then k in 0..max_k maximises expected tokens per second for B requests of which C may
+speculate: B / a0 at k = 0, else
+(B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + c + d * k).
+Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha (acceptance
+moves with the text: a stretch of hard tokens must not switch speculation off for good), where
+speculating would pay if guesses were good (PROBE_ACCEPTANCE; not at large batches): depth 1
+for n-gram lookup, half the full depth for a draft model, whose probe has fixed costs (the draft
+catches up on the tokens since it last ran; the verification) that buy more trials so.
 No torch here: the EngineCore calls it between steps.
 """
 
 from __future__ import annotations
 
 DECAY = 0.97  # weight of the past per observation: about the last 30 count
-EXPLORE_STEPS = 4  # per new bucket: steps at full depth, then as many at depth 0
+EXPLORE_STEPS = 4  # per new bucket: steps at full depth, then as many at half of it and at depth 0
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0  # pseudo-counts: two early rejections must not end it
-PROBE_EVERY = 16  # steps at depth 0 before one step at depth 1
+PROBE_EVERY = 16  # steps at depth 0 before a probe
+PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
 SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
 
 
@@ -54,23 +69,63 @@ class LinearFit:
         b = max(0.0, (self.sxy / self.w - mx * my) / var)
         return max(0.0, my - b * mx), b
 
+    def means(self) -> tuple[float, float]:
+        """(mean x, mean y) of the recent observations (weighted); (0, 0) before any."""
+        return (self.sx / self.w, self.sy / self.w) if self.w else (0.0, 0.0)
+
 
 class Bucket:
     """What the controller knows about steps of one batch-size range."""
 
     def __init__(self) -> None:
-        self.step = LinearFit()  # x = draft tokens verified in the step
-        self.draft_seconds = 0.0  # weighted mean seconds per proposal forward
-        self.draft_weight = 0.0
+        self.plain_seconds = self.plain_weight = 0.0  # steps without drafts: weighted sums
+        self.spec = LinearFit()  # steps with drafts: x = draft tokens verified, y = seconds
+        self.slope: float | None = None  # the last slope fitted to them
+        self.draft = LinearFit()  # proposals: x = depth, y = seconds
         self.choices = 0
 
     def exploring(self, max_k: int) -> int | None:
         """The depth to try while the bucket is new, else None."""
         if self.choices < EXPLORE_STEPS:
             return max_k
-        if self.choices < 2 * EXPLORE_STEPS or self.step.coefficients() is None:
+        if self.choices < 2 * EXPLORE_STEPS:
+            return max(1, max_k // 2)
+        if self.choices < 3 * EXPLORE_STEPS or not self.plain_weight or not self.spec.count:
             return 0
         return None
+
+    def observe_step(self, drafts: int, seconds: float) -> None:
+        if drafts:
+            self.spec.add(float(drafts), seconds)
+        else:
+            self.plain_seconds = DECAY * self.plain_seconds + seconds
+            self.plain_weight = DECAY * self.plain_weight + 1.0
+
+    def plain(self) -> float:
+        """a0: a step's seconds without drafts (0 before any)."""
+        return self.plain_seconds / self.plain_weight if self.plain_weight else 0.0
+
+    def spec_line(self) -> tuple[float, float]:
+        """(a, b) of a step's seconds with drafts; a is at least a0 (the same step with more
+        rows never costs less: a lower intercept is the noise of a fit over few points)."""
+        fit = self.spec.coefficients()
+        if fit is not None:
+            self.slope = fit[1]
+            return max(fit[0], self.plain()), fit[1]
+        mx, my = self.spec.means()
+        slope = self.slope if self.slope is not None else max(0.0, (my - self.plain()) / mx)
+        return max(0.0, self.plain(), my - slope * mx), slope
+
+    def proposal_seconds(self, k: int) -> float:
+        """A proposal of depth k: its fitted line, or while every proposal measured had the same
+        depth, their mean cost per guess times k."""
+        if k == 0 or not self.draft.count:
+            return 0.0
+        fit = self.draft.coefficients()
+        if fit is not None:
+            return fit[0] + fit[1] * k
+        mk, mseconds = self.draft.means()
+        return mseconds / mk * k
 
 
 def bucket_of(batch_size: int) -> int:
@@ -88,13 +143,14 @@ class DepthController:
         self.proposed = 0.0
         self.requested = 0.0
         self.steps_off = 0  # consecutive choices of depth 0
+        self.probe_depth = max(1, max_k // 2) if has_draft_cost else 1
 
     def _bucket(self, batch_size: int) -> Bucket:
         return self.buckets.setdefault(bucket_of(batch_size), Bucket())
 
     def observe_step(self, batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` requests that verified `num_draft_tokens` drafts."""
-        self._bucket(batch_size).step.add(float(num_draft_tokens), seconds)
+        self._bucket(batch_size).observe_step(num_draft_tokens, seconds)
 
     def observe_proposal(self, batch_size: int, k: int, num_proposed: int, seconds: float) -> None:
         """A proposer asked for k drafts for each of `batch_size` requests returned
@@ -102,9 +158,7 @@ class DepthController:
         self.proposed = DECAY * self.proposed + num_proposed
         self.requested = DECAY * self.requested + batch_size * k
         if self.has_draft_cost and k:
-            b = self._bucket(batch_size)
-            b.draft_seconds = DECAY * b.draft_seconds + seconds / k
-            b.draft_weight = DECAY * b.draft_weight + 1.0
+            self._bucket(batch_size).draft.add(float(k), seconds)
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: `num_accepted` of its `num_drafts` drafts were kept."""
@@ -130,29 +184,30 @@ class DepthController:
         bucket = self._bucket(batch_size)
         bucket.choices += 1
         k = bucket.exploring(self.max_k)
-        if k is None:
-            k = self._best_depth(batch_size, num_candidates, bucket)
+        explored = k is None
+        if explored:
+            k = self._best_depth(batch_size, num_candidates, bucket, self.acceptance)
         self.steps_off = self.steps_off + 1 if k == 0 else 0
-        # NOTE: no probes for draft models: their acceptance depends on the model pair more than
-        # on the text, and a probe first catches the draft up on every token since it last ran.
-        if self.steps_off > PROBE_EVERY and not self.has_draft_cost:
+        if self.steps_off > PROBE_EVERY:
             self.steps_off = 0
-            return 1
+            # Only where guesses that good would pay at this batch size: a probe of a large
+            # batch costs more than any acceptance could win back.
+            if explored and self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+                return self.probe_depth
         return k
 
-    def _best_depth(self, batch_size: int, num_candidates: int, bucket: Bucket) -> int:
-        a, b = bucket.step.coefficients()
-        draft = bucket.draft_seconds / bucket.draft_weight if bucket.draft_weight else 0.0
-        alpha = min(self.acceptance, 0.999)
+    def _best_depth(self, batch_size: int, num_candidates: int, bucket: Bucket, acceptance: float) -> int:
+        a, b = bucket.spec_line()
+        alpha = min(acceptance, 0.999)
         fill = self.fill
-        best_k, best_rate = 0, 0.0
-        for k in range(self.max_k + 1):
+        best_k, best_rate = 0, batch_size / bucket.plain() if bucket.plain() > 0 else float("inf")
+        for k in range(1, self.max_k + 1):
             extra = (1.0 - alpha ** (k + 1)) / (1.0 - alpha) - 1.0  # accepted drafts per request
             tokens = batch_size + num_candidates * fill * extra
-            seconds = a + b * num_candidates * k * fill + k * draft
+            seconds = a + b * num_candidates * k * fill + bucket.proposal_seconds(k)
             rate = tokens / seconds if seconds > 0 else float("inf")
             # Speculating at all must promise a clear gain (the fit is noisy: a busy server must
             # not pay for a guess), and each longer guess a further one.
-            if k == 0 or rate > best_rate * (SPECULATE_MARGIN if best_k == 0 else 1.03):
+            if rate > best_rate * (SPECULATE_MARGIN if best_k == 0 else 1.03):
                 best_k, best_rate = k, rate
         return best_k

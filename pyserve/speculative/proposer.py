@@ -31,6 +31,9 @@ class ProposalBatch:
 class Proposer(Protocol):
     reads_tokens: bool  # wants ProposalBatch.token_ids
     drafts_replaceable: bool  # other drafts may be verified in place of its own (it keeps no state of them)
+    # Seconds of the last proposal spent on work each request needs once (a draft model fed a
+    # new prompt): left out of the proposal's cost per depth.
+    catch_up_seconds: float
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
         """Up to `batch.k` draft tokens per request, in order."""
@@ -59,6 +62,8 @@ class ModelProposer(Protocol):
         """The verification kept the request's first `num_accepted` drafts."""
         ...
 
+    catch_up_seconds: float  # see Proposer
+
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write of KV blocks (the target's copies, mirrored in any KV it keeps)."""
         ...
@@ -73,6 +78,7 @@ class NgramProposer:
 
     reads_tokens = False  # the lookup runs where the tokens are
     drafts_replaceable = True  # it keeps nothing about its drafts: others may be sent instead
+    catch_up_seconds = 0.0
 
     def __init__(self, scheduler, min_n: int, max_n: int):
         self.scheduler = scheduler
@@ -98,6 +104,10 @@ class WorkerProposer:
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
         return self.worker.propose(batch)
+
+    @property
+    def catch_up_seconds(self) -> float:
+        return self.worker.proposer.catch_up_seconds
 
     def forget(self, request_ids: list[int]) -> None:
         self.worker.proposer.forget(request_ids)

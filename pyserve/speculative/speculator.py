@@ -69,7 +69,7 @@ class Speculator:
         if self.proposer.reads_tokens:
             token_ids = [self.scheduler.token_ids(r.internal_id) for r in candidates]
         drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k, token_ids))
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
         self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
         for req, tokens in zip(candidates, drafts):
             if self.grammar is not None and req.internal_id in self.grammar:

@@ -25,3 +25,41 @@ def test_depth_follows_the_measured_costs():
     # A draft token costs 30% of a step and guesses always fail: off too.
     assert trained(0.003, 1, 0).choose(1, 1) == 0
     assert DepthController(3, adaptive=False).choose(64, 64) == 3
+
+
+def simulate(ctl: DepthController, steps: int, accept, plain=0.001, verify=0.0007, per_draft=0.00013,
+             proposal=0.0005, per_guess=0.0001) -> list[int]:
+    """Batch-1 steps of a draft model with fixed costs: a step verifying drafts costs `verify`
+    more than a plain one, a proposal `proposal` plus `per_guess` a guess; `accept(step, k)`
+    gives how many of k drafts are kept. Returns the depth chosen at each step."""
+    depths = []
+    for step in range(steps):
+        k = ctl.choose(1, 1)
+        depths.append(k)
+        if k:
+            ctl.observe_proposal(1, k, k, proposal + per_guess * k)
+            ctl.observe_verification(k, accept(step, k))
+        ctl.observe_step(1, k, plain + (verify + per_draft * k if k else 0.0))
+    return depths
+
+
+def test_fixed_costs_of_speculating_do_not_walk_the_depth_down_to_zero():
+    # Nine in ten guesses are kept (in runs): deep guesses pay although a proposal and a
+    # verification each cost half a plain step and more before the first guess.
+    depths = simulate(DepthController(8, has_draft_cost=True), 300, lambda step, k: min(k, 7 if step % 3 else 3))
+    assert min(depths[100:]) >= 5
+
+
+def test_a_stretch_of_rejected_guesses_does_not_switch_a_draft_model_off_for_good():
+    ctl = DepthController(8, has_draft_cost=True)
+    hard = simulate(ctl, 200, lambda step, k: 0)
+    assert hard[-50:].count(0) >= 45  # off, but for its probes
+    easy = simulate(ctl, 300, lambda step, k: k)
+    assert min(easy[-60:]) >= 7  # probes saw the guesses kept again, and deep guesses pay
+
+
+def test_no_probes_where_even_good_guesses_would_not_pay():
+    # A draft token costs as much as the step itself (a large batch): off, and never probed.
+    depths = simulate(DepthController(8, has_draft_cost=True), 300, lambda step, k: k, verify=0.001,
+                      per_draft=0.001)
+    assert depths[-250:].count(0) == 250
