@@ -279,14 +279,18 @@ pub(crate) mod tests {
     #[test]
     fn a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
         let (k, n) = (300, 1030);
-        let (x, w) = (values(7 * k, 4), values(n * k, 5));
+        let w = values(n * k, 5);
         let weights = LinearWeights { weight: &w, bias: None, fan_in: k, fan_out: n };
-        let mut all = vec![0.0; 7 * n];
-        linear_on(&TwoParts, &x, &weights, &mut all).unwrap();
-        for r in 0..7 {
-            let mut one = vec![0.0; n];
-            linear(&x[r * k..][..k], &weights, &mut one).unwrap();
-            assert_eq!(one, all[r * n..][..n], "row {r}");
+        // Seven rows pass over a tile three, three and one at a time; eight three, three and two.
+        for rows in [7, 8] {
+            let x = values(rows * k, 4);
+            let mut all = vec![0.0; rows * n];
+            linear_on(&TwoParts, &x, &weights, &mut all).unwrap();
+            for r in 0..rows {
+                let mut one = vec![0.0; n];
+                linear(&x[r * k..][..k], &weights, &mut one).unwrap();
+                assert_eq!(one, all[r * n..][..n], "row {r} of {rows}");
+            }
         }
     }
 

@@ -1,5 +1,5 @@
 //! The AVX2 half of `linear` and `linear_q8` (dispatch and its rules: `vector`): tiles of
-//! `TILE_OUTPUTS` weight rows by up to `TILE_ROWS` input rows, eight sums in registers, each
+//! `TILE_OUTPUTS` weight rows by up to `TILE_ROWS` input rows, up to twelve sums in registers, each
 //! weight vector loaded (f32, or int8 widened to f32: `RowWeights::load8`) once per tile and
 //! each input vector once per tile's weight rows.
 //!
@@ -12,9 +12,12 @@ use crate::linear::{RowWeights, SharedOutputs, TILE_OUTPUTS};
 use crate::vector::avx2::hsum;
 use crate::vector::LANES;
 
-/// Input rows a tile holds: with `TILE_OUTPUTS` = 4, eight accumulators and six loads in flight,
-/// within the sixteen vector registers.
-const TILE_ROWS: usize = 2;
+/// Input rows a tile holds: with `TILE_OUTPUTS` = 4, twelve accumulators, three input vectors and
+/// a weight vector, the sixteen vector registers. A pass over a tile's weights (from L1 after
+/// the first) is bound by the FMA's latency when it has few sums in flight, so rows go three at a
+/// time, the last two or one together: three rows cost about what two do, where a pair and then
+/// a single row cost half as much again.
+const TILE_ROWS: usize = 3;
 
 /// Bytes of a cache line: eight weight rows of eight floats each step are four lines.
 const CACHE_LINE: usize = 64;
@@ -53,8 +56,10 @@ unsafe fn tile<const W: usize, Wt: RowWeights>(x: &[f32], rows: usize, w: &Wt, o
         block::<W, TILE_ROWS, Wt>(x, w, o, r, y);
         r += TILE_ROWS;
     }
-    for r in r..rows {
-        block::<W, 1, Wt>(x, w, o, r, y);
+    match rows - r {
+        2 => block::<W, 2, Wt>(x, w, o, r, y),
+        1 => block::<W, 1, Wt>(x, w, o, r, y),
+        _ => {}
     }
 }
 
