@@ -218,15 +218,28 @@ def decoder_layer(
     index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
     at fault."""
 
+def model_forward(
+    model: object,
+    k_caches: list[np.ndarray],
+    v_caches: list[np.ndarray],
+    feed_tokens: np.ndarray,
+    feed_positions: np.ndarray,
+    feed_requests: np.ndarray,
+    block_tables: np.ndarray,
+    logits_rows: np.ndarray,
+    threads: int = 1,
+) -> np.ndarray:
+    """A whole model over a few rows in one call: the embedding rows, every `decoder_layer`,
+    the final RMSNorm and the head; returns the float32 logits [len(logits_rows), vocab] of the
+    rows `logits_rows`. `model` has the attributes of model.whole_model.ModelView (embed, layers,
+    norm, eps, head, heads, head_dim, kv_heads, cos, sin [positions, head_dim], scale); rows are
+    feed_tokens int32, feed_positions int64 and feed_requests int64 (row i's request, whose block
+    table is block_tables[feed_requests[i]]; a request's rows in position order); one cache pair
+    a layer. The bits of `decoder_layer`, `rms_norm` and `linear` called one by one. Raises
+    ValueError naming what is at fault, before anything is written."""
+
 def greedy_decode(
-    embed: np.ndarray,
-    layers: list[tuple[np.ndarray, Projection, Projection, np.ndarray, Projection, Projection, float]],
-    norm: np.ndarray,
-    eps: float,
-    head: Projection,
-    heads: int,
-    head_dim: int,
-    kv_heads: int,
+    model: object,
     k_caches: list[np.ndarray],
     v_caches: list[np.ndarray],
     feed_tokens: np.ndarray,
@@ -234,19 +247,11 @@ def greedy_decode(
     feed_requests: np.ndarray,
     block_tables: np.ndarray,
     depth: np.ndarray,
-    cos: np.ndarray,
-    sin: np.ndarray,
-    scale: float,
     threads: int = 1,
 ) -> np.ndarray:
-    """A whole model's greedy guesses (a draft model): feeds each request its rows (feed_tokens
-    int32, feed_positions int64, feed_requests int64: a request's rows in position order), then
+    """A whole model's greedy guesses (a draft model): feeds the rows (as `model_forward`), then
     guesses depth[r] tokens for request r, each the argmax after the token before it, fed back
-    for the next. embed [vocab, hidden]; layers as `decoder_layer` takes them; norm and eps the
-    final RMSNorm; head the output projection; one cache pair a layer; block_tables [requests,
-    width] int32; cos, sin [positions, head_dim]. Returns int32 [requests, max(depth)], -1 past
-    a request's depth. The bits of `decoder_layer`, `rms_norm` and `linear` called one by one.
-    Raises ValueError naming what is at fault, before anything is written."""
+    for the next. Returns int32 [requests, max(depth)], -1 past a request's depth."""
 
 class ReplicaRouter:
     """The data-parallel front's routing policy (rust/router): a prefix tree of the text sent to

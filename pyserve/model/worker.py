@@ -18,16 +18,17 @@ import torch
 from pyserve.engine.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
-from pyserve.model.attention import AttentionMetadata, make_backend
+from pyserve.model.attention import AttentionMetadata, TorchBackend, make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
 from pyserve.model.quantized_linear import check_device, check_method, quantize_linears, weight_bytes
-from pyserve.model.cpu_linear import can_use, use_cpu_linears
+from pyserve.model.cpu_linear import FEW_ROWS, can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows, token_logprobs
 from pyserve.model.step_buffers import StepBuffers
 from pyserve.model.token_masks import apply_token_masks
+from pyserve.model.whole_model import WholeModel
 from pyserve.parallel.group import torchrun_rank
 from pyserve.parallel.launch import Followers, RankSpec
 from pyserve.parallel.layers import check_divisible, local_config, shard_model
@@ -161,6 +162,9 @@ class ModelWorker:
             if self.group is not None:
                 self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend, self.lora,
                                                max_lora_rank)
+            # Steps of a few rows run the whole model in one call where every op has a CPU kernel.
+            self.whole_model = WholeModel.of(self.model, self.kv_caches) \
+                if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel else None
             if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
                 self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
                 if self.lora is not None:
@@ -257,6 +261,13 @@ class ModelWorker:
             input_ids, positions, meta, _ = self.step_buffers.stage(out)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
             return self._sample(self._logits(hidden, rows)[0], rows)
+        if self.whole_model is not None and prompt_rows is None and len(out.input_ids) <= FEW_ROWS:
+            logits = self.whole_model.forward(out.input_ids, out.positions,
+                                              np.repeat(np.arange(out.num_reqs), np.diff(out.query_start_loc)),
+                                              out.block_tables, out.logits_indices)
+            if not rows.requests:
+                return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+            return self._sample_logits(out, rows, logits)
         meta = AttentionMetadata.build(
             out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
         )
@@ -276,7 +287,11 @@ class ModelWorker:
         dev = self.device
         if len(out.logits_indices) != len(out.input_ids):
             hidden = hidden[torch.from_numpy(out.logits_indices).to(dev, non_blocking=True).long()]
-        logits, masks = self._logits(hidden, rows)  # else every token has logits, in order
+        return self._sample_logits(out, rows, self.model.compute_logits(hidden))  # else every token has logits
+
+    def _sample_logits(self, out, rows: StepRows, logits: torch.Tensor) -> StepResult:
+        """The step's tokens from the logits of its rows that have logits, in order."""
+        masks = self._apply_masks(logits, rows)
         if out.num_logits.max() == 1:  # one logits row per entry of `rows`
             return self._sample(logits, rows)
         counts = out.num_logits[out.num_logits > 0].astype(np.int64)  # logits rows per entry of `rows`
@@ -312,11 +327,17 @@ class ModelWorker:
         """The logits of `hidden`, with the grammar masks of constrained rows applied, and
         those masks (None when no row is constrained)."""
         logits = self.model.compute_logits(hidden)
-        masks = None
-        if rows.token_masks is not None:
-            masks = rows.token_masks.result()
-            apply_token_masks(logits, masks)
-        return logits, masks
+        return logits, self._apply_masks(logits, rows)
+
+    @staticmethod
+    def _apply_masks(logits: torch.Tensor, rows: StepRows):
+        """Applies the grammar masks of constrained rows to `logits` in place; returns them (None
+        when no row is constrained)."""
+        if rows.token_masks is None:
+            return None
+        masks = rows.token_masks.result()
+        apply_token_masks(logits, masks)
+        return masks
 
     def _sample(self, logits: torch.Tensor, rows: StepRows) -> StepResult:
         """One token per row of `logits`, row i for rows.requests[i]."""

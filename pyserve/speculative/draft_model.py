@@ -6,9 +6,11 @@ every step: each request remembers how many of its tokens the draft has computed
 first feeds the draft every token since then (the whole prompt the first time; a prefix-cache hit
 of the target is recomputed by the draft, writing identical values into the shared block), then
 k - 1 of its own guesses. When every request is greedy and the draft runs on the CPU kernels
-(fp32 on a CPU), the guesses come from one `_core.greedy_decode` call: each draft forward then
-costs its arithmetic, not the interpreter's dispatch around it. The KV of the guesses the target then accepts is kept (`accepted`:
-they are the request's tokens now), so the next proposal starts after them. Steps where the
+(fp32 on a CPU), the guesses come from one `_core.greedy_decode` call (model/whole_model.py):
+each draft forward then costs its arithmetic, not the interpreter's dispatch around it. A new
+request's prompt is fed before the proposal, timed apart (`catch_up_seconds`). The KV of the
+guesses the target then accepts is kept (`accepted`: they are the request's tokens now), so the
+next proposal starts after them. Steps where the
 engine chose depth 0 therefore cost the draft nothing. The distribution each guess was drawn from
 is kept for the verification of the next step.
 """
@@ -24,11 +26,11 @@ from pyserve.model.attention import AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
-from pyserve.model.quantized_linear import QUANTIZED, quantize_linears
+from pyserve.model.quantized_linear import quantize_linears
 from pyserve.model.noise import NoiseKey
-from pyserve import _core
-from pyserve.model.cpu_linear import FEW_ROWS, CpuLinear, can_use, use_cpu_linears
+from pyserve.model.cpu_linear import FEW_ROWS, can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.model.whole_model import WholeModel
 from pyserve.speculative.proposer import ProposalBatch
 
 # Tokens fed before the guesses in one `greedy_decode` call at most: its kernels stream each
@@ -52,7 +54,7 @@ class DraftModelProposer:
             use_cpu_linears(self.model)
             self.model.use_cpu_ops()
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
-        self.whole_model = self._whole_model_weights()
+        self.whole_model = WholeModel.of(self.model, self.kv_caches)
         self.backend = backend
         self.sampler = sampler
         self.num_computed: dict[int, int] = {}  # request id -> its tokens in the draft's KV
@@ -138,16 +140,16 @@ class DraftModelProposer:
         return drafts
 
     def _propose_greedy(self, reqs, ids, positions, row, qsl, lens, block_tables, depth) -> list[list[int]]:
-        """Every guess an argmax, in `_core.greedy_decode`; a catch-up longer than the kernels'
-        `CATCH_UP_ROWS` (a new prompt) runs through the model's forward first, its argmax the first guess."""
+        """Every guess an argmax, in `_core.greedy_decode`; a catch-up longer than
+        `CATCH_UP_ROWS` runs through the model's forward first, its argmax the first guess."""
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
         if len(ids) <= CATCH_UP_ROWS:
-            guesses = self._greedy_decode(ids, positions, row, tables, depth)
+            guesses = self.whole_model.greedy(ids, positions, row, tables, depth)
         else:
             logits = self._forward(ids, positions, row, tables, lens.astype(np.int32), qsl, last=qsl[1:] - 1)
             first = logits.argmax(dim=-1).numpy().astype(np.int32)
             more = np.flatnonzero(depth > 1)
-            rest = self._greedy_decode(first[more], lens[more], more, tables, np.where(depth > 1, depth - 1, 0))
+            rest = self.whole_model.greedy(first[more], lens[more], more, tables, np.where(depth > 1, depth - 1, 0))
             guesses = np.concatenate([first[:, None], rest], axis=1)
         for r, n, d in zip(reqs, lens, depth):
             self.num_computed[r.internal_id] = int(n)
@@ -173,34 +175,6 @@ class DraftModelProposer:
                       ends.astype(np.int32), qsl, last=qsl[1:] - 1)
         starts[new] = ends
         return time.perf_counter() - start
-
-    def _greedy_decode(self, tokens, positions, requests, tables, depth) -> np.ndarray:
-        """int32 [requests, max(depth)]: `_core.greedy_decode` over the draft's weights and KV."""
-        embed, layers, norm, eps, head, heads, head_dim, kv_heads, scale, cos, sin = self.whole_model
-        return _core.greedy_decode(embed, layers, norm, eps, head, heads, head_dim, kv_heads,
-                                   [k.numpy() for k, _ in self.kv_caches], [v.numpy() for _, v in self.kv_caches],
-                                   np.asarray(tokens, dtype=np.int32), np.asarray(positions, dtype=np.int64),
-                                   np.asarray(requests, dtype=np.int64), tables, np.asarray(depth, dtype=np.int64),
-                                   cos, sin, scale, threads=torch.get_num_threads())
-
-    def _whole_model_weights(self) -> tuple | None:
-        """`_core.greedy_decode`'s view of the draft (numpy views, no copies), or None where a
-        layer or the head has no CPU kernel (then every guess goes through the model's forward)."""
-        model = self.model
-        head = model.lm_head
-        if not model.layer_kernel:
-            return None
-        if isinstance(head, CpuLinear):
-            head_weights = (head.weight_view, head.bias_view)
-        else:
-            head_weights = head.kernel_weights() if isinstance(head, QUANTIZED) and head.cpu else None
-        if head_weights is None:
-            return None
-        attn = model.model.layers[0].self_attn
-        rotary, norm = model.model.rotary, model.model.norm
-        return (model.model.embed_tokens.weight.detach().numpy(), [layer.kernel_weights for layer in model.model.layers],
-                norm.weight_view, norm.eps, head_weights, attn.num_heads, attn.head_dim, attn.num_kv_heads,
-                attn.scale, rotary.cos.numpy(), rotary.sin.numpy())
 
     def _guess(self, logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:
         """(q [B, V], the j-th guess drawn from each row of q); rows None: every request is greedy,

@@ -16,6 +16,7 @@ from pyserve.model.decoder import RMSNorm
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
+from pyserve.model.whole_model import WholeModel
 from pyserve.testing import build_model
 
 
@@ -57,8 +58,8 @@ def test_rotary_has_the_bits_of_apply_rotary_and_leaves_v_alone():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
-    """Same greedy tokens and close logits as the torch reference; the whole-layer kernel gives
-    the bits of the same kernels called op by op."""
+    """Same greedy tokens and close logits as the torch reference; the whole-layer kernel, and the
+    whole model in one call, give the bits of the same kernels called op by op."""
     model_dir = build_model(tmp_path, arch)
     cfg = ModelConfig.from_dir(model_dir)
 
@@ -72,12 +73,14 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
             model.layer_kernel = layer_kernel
         return model
 
-    models = {"torch": load(False), "ops": load(True), "layers": load(True, layer_kernel=True)}
+    models = {"torch": load(False), "ops": load(True), "layers": load(True, layer_kernel=True),
+              "whole": load(True, layer_kernel=True)}
     backend = make_backend("torch")
     prompt = [5, 17, 3, 99, 42, 8, 250, 11, 64]
     tokens = {name: list(prompt) for name in models}
-    caches = {name: allocate_kv_cache(cfg, 8, 4, torch.float32, torch.device("cpu")) for name in models}
-    table = np.arange(8, dtype=np.int32)[None]
+    caches = {name: allocate_kv_cache(cfg, 9, 4, torch.float32, torch.device("cpu")) for name in models}
+    whole = WholeModel.of(models["whole"], caches["whole"])
+    table = np.arange(1, 9, dtype=np.int32)[None]  # block 0 is the null block: slot = position + 4
     start = 0
     with torch.inference_mode():
         for _ in range(6):  # the prompt (9 rows), then one-row decode steps
@@ -85,16 +88,22 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
             for name, model in models.items():
                 ids = tokens[name][start:]
                 n, end = len(ids), len(tokens[name])
-                meta = AttentionMetadata.build(np.arange(start, end, dtype=np.int64), table,
-                                               np.array([end], np.int32), np.array([0, n], np.int32),
-                                               torch.device("cpu"))
-                h = model(torch.tensor(ids), torch.arange(start, end), caches[name], meta, backend)
-                logits[name] = model.compute_logits(h)
+                if name == "whole":
+                    logits[name] = whole.forward(ids, np.arange(start, end), np.zeros(n), table, np.arange(n))
+                else:
+                    meta = AttentionMetadata.build(np.arange(start, end, dtype=np.int64) + 4, table,
+                                                   np.array([end], np.int32), np.array([0, n], np.int32),
+                                                   torch.device("cpu"))
+                    h = model(torch.tensor(ids), torch.arange(start, end), caches[name], meta, backend)
+                    logits[name] = model.compute_logits(h)
                 tokens[name].append(int(logits[name][-1].argmax()))
             torch.testing.assert_close(logits["ops"], logits["torch"], rtol=1e-4, atol=1e-4)
             assert torch.equal(logits["layers"], logits["ops"])
+            assert torch.equal(logits["whole"], logits["ops"])
             start = len(tokens["torch"]) - 1
-    assert tokens["layers"] == tokens["ops"] == tokens["torch"]
+    assert tokens["whole"] == tokens["layers"] == tokens["ops"] == tokens["torch"]
+    for (k, v), (k_ops, v_ops) in zip(caches["whole"], caches["ops"]):
+        assert torch.equal(k, k_ops) and torch.equal(v, v_ops)
     for name in ("ops", "layers"):
         for (k, v), (k_ref, v_ref) in zip(caches[name], caches["torch"]):
             torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)

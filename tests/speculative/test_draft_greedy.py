@@ -5,6 +5,7 @@ takes (a new prompt), and on the next proposal after part of the guesses was acc
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,8 +89,7 @@ def test_bad_inputs_are_refused_naming_the_input(llama_dir):
     tables[:, 0] = [1, 2]
 
     def call(tokens, positions, depth, requests=(0,)):
-        return p._greedy_decode(np.asarray(tokens), np.asarray(positions), np.asarray(requests),
-                                tables[: len(depth)], np.asarray(depth))
+        return p.whole_model.greedy(tokens, positions, requests, tables[: len(depth)], depth)
 
     guesses = call([3, 5], [0, 1], [3], requests=(0, 0))
     assert guesses.shape == (1, 3) and ((guesses >= 0) & (guesses < vocab)).all()
@@ -101,9 +101,7 @@ def test_bad_inputs_are_refused_naming_the_input(llama_dir):
         call([3], [0], [1, 1])
     with pytest.raises(ValueError, match="depth: -1 is negative"):
         call([3], [0], [-1])
+    one_layer = dataclasses.replace(p.whole_model.view, layers=p.whole_model.view.layers[:1])
     with pytest.raises(ValueError, match="caches for"):
-        embed, layers, *rest = p.whole_model
-        _core.greedy_decode(embed, layers[:1], rest[0], rest[1], rest[2], rest[3], rest[4], rest[5],
-                            [k.numpy() for k, _ in p.kv_caches], [v.numpy() for _, v in p.kv_caches],
-                            np.array([3], np.int32), np.array([0]), np.array([0]), tables[:1], np.array([1]),
-                            rest[7], rest[8], rest[6])
+        _core.greedy_decode(one_layer, p.whole_model.k_caches, p.whole_model.v_caches, np.array([3], np.int32),
+                            np.array([0]), np.array([0]), tables[:1], np.array([1]))

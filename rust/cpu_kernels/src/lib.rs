@@ -6,13 +6,13 @@
 //!   weights; `linear_q4`: 4-bit weights in groups);
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
-//! - `greedy_decode`: a whole model's greedy guesses, several tokens ahead (a draft model).
+//! - `whole_model`: a whole model's forward over a few rows, and its greedy guesses several
+//!   tokens ahead (a draft model).
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
 mod decoder_layer;
-mod greedy_decode;
 mod layer_ops;
 mod linear;
 #[cfg(target_arch = "x86_64")]
@@ -27,10 +27,10 @@ mod lora_avx2;
 mod parallel;
 mod projection;
 mod vector;
+mod whole_model;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
 pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
-pub use greedy_decode::{greedy_decode_on, Feed, ModelWeights, Requests, RopeTables};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};
@@ -38,3 +38,4 @@ pub use linear_q8::{linear_q8, linear_q8_on, Q8Weights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};
 pub use projection::{project_on, Projection};
+pub use whole_model::{greedy_decode_on, model_forward_on, BlockTables, Feed, ModelWeights, RopeTables};

@@ -7,7 +7,6 @@ mod arrays;
 mod attention;
 mod decoder_layer;
 mod error;
-mod greedy_decode;
 mod layer_ops;
 mod linear;
 mod lora;
@@ -16,6 +15,7 @@ mod output;
 mod projection;
 mod replica_router;
 mod scheduler;
+mod whole_model;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -31,7 +31,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear::linear_q8, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear_q4, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
-    m.add_function(wrap_pyfunction!(greedy_decode::greedy_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(whole_model::model_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(whole_model::greedy_decode, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::silu_mul, m)?)?;

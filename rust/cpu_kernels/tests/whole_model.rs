@@ -1,13 +1,14 @@
 //! `greedy_decode_on`: guessing several tokens in one call equals guessing one at a time and
 //! feeding each guess back (the cache carries the state between calls), rows of different
 //! requests do not change each other's guesses, and bad inputs are refused before any write.
+//! `model_forward_on`: its logits are those `greedy_decode_on` takes the argmax of.
 
 mod common;
 
 use common::{Rng, ScopedThreads};
 use pyserve_cpu_kernels::{
-    greedy_decode_on, Feed, ForkJoin, Heads, LayerError, LayerWeights, LinearWeights, ModelWeights,
-    OnCallingThread, Projection, Requests, RopeTables,
+    greedy_decode_on, model_forward_on, BlockTables, Feed, ForkJoin, Heads, LayerError, LayerWeights,
+    LinearWeights, ModelWeights, OnCallingThread, Projection, RopeTables,
 };
 
 const HIDDEN: usize = 16;
@@ -122,7 +123,8 @@ fn decode_on(
         &mut cache.views(),
         &RopeTables { cos: &p.cos, sin: &p.sin },
         &Feed { tokens, positions, requests },
-        &Requests { block_tables: &tables, table_width: 4, block_size: BLOCK, depth },
+        &BlockTables { tables: &tables, width: 4, block_size: BLOCK },
+        depth,
         0.35,
     )
 }
@@ -167,6 +169,31 @@ fn requests_side_by_side_get_their_lone_guesses() {
             .unwrap();
     assert_eq!(both[..4], [alone_b[0], alone_b[1], -1, -1]);
     assert_eq!(both[4..], alone_a[..]);
+}
+
+#[test]
+fn the_forward_gives_the_logits_whose_argmax_is_the_guess() {
+    let p = params();
+    let (tokens, positions) = ([3, 17, 5, 29, 8, 2], [0, 1, 2, 3, 0, 1]);
+    let requests = [0, 0, 0, 0, 1, 1];
+    let guesses = decode(&p, &mut Cache::new(), &tokens, &positions, &requests, &[1, 1]).unwrap();
+    let tables = tables(2);
+    let logits = model_forward_on(
+        &OnCallingThread,
+        &model(&p),
+        &HEADS,
+        &mut Cache::new().views(),
+        &RopeTables { cos: &p.cos, sin: &p.sin },
+        &Feed { tokens: &tokens, positions: &positions, requests: &requests },
+        &BlockTables { tables: &tables, width: 4, block_size: BLOCK },
+        0.35,
+        &[3, 5, 0],
+    )
+    .unwrap();
+    assert_eq!(logits.len(), 3 * VOCAB);
+    let argmax = |row: &[f32]| (0..VOCAB).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i32;
+    assert_eq!([argmax(&logits[..VOCAB]), argmax(&logits[VOCAB..2 * VOCAB])], [guesses[0], guesses[1]]);
+    assert!(logits[2 * VOCAB..].iter().all(|v| v.is_finite()));
 }
 
 #[test]
