@@ -28,7 +28,8 @@ Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha
 moves with the text: a stretch of hard tokens must not switch speculation off for good), where
 speculating would pay if guesses were good (PROBE_ACCEPTANCE; not at large batches): depth 1
 for n-gram lookup, half the full depth for a draft model, whose probe has fixed costs (the draft
-catches up on the tokens since it last ran; the verification) that buy more trials so.
+catches up on the tokens since it last ran; the verification) that buy more trials so. A probe
+that kept at least half its guesses is followed by another at once.
 No torch here: the EngineCore calls it between steps.
 """
 
@@ -144,6 +145,7 @@ class DepthController:
         self.requested = 0.0
         self.steps_off = 0  # consecutive choices of depth 0
         self.probe_depth = max(1, max_k // 2) if has_draft_cost else 1
+        self.probe: list[int] | None = None  # drafts kept and verified since the last probe was chosen
 
     def _bucket(self, batch_size: int) -> Bucket:
         return self.buckets.setdefault(bucket_of(batch_size), Bucket())
@@ -165,6 +167,9 @@ class DepthController:
         rejected = 1 if num_accepted < num_drafts else 0
         self.accepted = DECAY * self.accepted + num_accepted
         self.trials = DECAY * self.trials + num_accepted + rejected
+        if self.probe is not None:
+            self.probe[0] += num_accepted
+            self.probe[1] += num_drafts
 
     @property
     def acceptance(self) -> float:
@@ -188,11 +193,16 @@ class DepthController:
         if explored:
             k = self._best_depth(batch_size, num_candidates, bucket, self.acceptance)
         self.steps_off = self.steps_off + 1 if k == 0 else 0
-        if self.steps_off > PROBE_EVERY:
+        kept, verified = self.probe if self.probe is not None else (0, 0)
+        self.probe = None
+        # A probe that kept most of its guesses is followed by another at once: the estimate
+        # recovers from a hard stretch in a few steps, not a few probe intervals.
+        if k == 0 and (self.steps_off > PROBE_EVERY or (verified and 2 * kept >= verified)):
             self.steps_off = 0
             # Only where guesses that good would pay at this batch size: a probe of a large
             # batch costs more than any acceptance could win back.
             if explored and self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+                self.probe = [0, 0]
                 return self.probe_depth
         return k
 

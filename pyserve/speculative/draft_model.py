@@ -7,8 +7,9 @@ first feeds the draft every token since then (the whole prompt the first time; a
 of the target is recomputed by the draft, writing identical values into the shared block), then
 k - 1 of its own guesses. When every request is greedy and the draft runs on the CPU kernels
 (fp32 on a CPU), the guesses come from one `_core.greedy_decode` call (model/whole_model.py):
-each draft forward then costs its arithmetic, not the interpreter's dispatch around it. A new
-request's prompt is fed before the proposal, timed apart (`catch_up_seconds`). The KV of the
+each draft forward then costs its arithmetic, not the interpreter's dispatch around it. A request
+that is behind (a new prompt; steps at depth 0) is caught up before the proposal, timed apart
+(`catch_up_seconds`). The KV of the
 guesses the target then accepts is kept (`accepted`: they are the request's tokens now), so the
 next proposal starts after them. Steps where the
 engine chose depth 0 therefore cost the draft nothing. The distribution each guess was drawn from
@@ -96,7 +97,7 @@ class DraftModelProposer:
         # and lie inside the model length.
         depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
         starts = np.array([min(self.num_computed.get(r.internal_id, 0), len(s) - 1) for r, s in zip(reqs, seqs)])
-        self.catch_up_seconds = self._feed_prompts(reqs, seqs, starts, batch.block_tables)
+        self.catch_up_seconds = self._catch_up(reqs, seqs, starts, batch.block_tables, batch.k)
         ids = np.concatenate([np.asarray(s[b:], dtype=np.int32) for s, b in zip(seqs, starts)])
         positions = np.concatenate([np.arange(b, n, dtype=np.int64) for b, n in zip(starts, lens)])
         row = np.repeat(np.arange(len(reqs)), lens - starts)
@@ -156,13 +157,14 @@ class DraftModelProposer:
             self.fed_guesses[r.internal_id] = max(int(d) - 1, 0)
         return [g[:d].tolist() for g, d in zip(guesses, depth)]
 
-    def _feed_prompts(self, reqs, seqs, starts: np.ndarray, block_tables: np.ndarray) -> float:
-        """Feeds each request the draft has no state of (a new prompt, a preempted request) all its
-        tokens but the last, before the proposal, and moves its `starts` to that last token:
-        a cost each request pays once, timed apart so that the depth controller leaves it out
-        of the cost of a guess. Returns the seconds it took (0 when no request was new)."""
+    def _catch_up(self, reqs, seqs, starts: np.ndarray, block_tables: np.ndarray, k: int) -> float:
+        """Feeds each request that is behind (the draft has no state of it: a new prompt, a
+        preempted request; or it has more than k + 1 tokens to feed: the draft sat out steps at
+        depth 0) all its tokens but the last, before the proposal, and moves its `starts` to that
+        last token: a cost of the steps the draft did not run, timed apart so that the depth
+        controller leaves it out of the cost of a proposal. Returns the seconds it took."""
         new = [i for i, (r, s) in enumerate(zip(reqs, seqs))
-               if r.internal_id not in self.num_computed and len(s) - 1 > starts[i]]
+               if len(s) - 1 > starts[i] and (r.internal_id not in self.num_computed or len(s) - starts[i] > k + 1)]
         if not new:
             return 0.0
         start = time.perf_counter()

@@ -31,8 +31,9 @@ class ProposalBatch:
 class Proposer(Protocol):
     reads_tokens: bool  # wants ProposalBatch.token_ids
     drafts_replaceable: bool  # other drafts may be verified in place of its own (it keeps no state of them)
-    # Seconds of the last proposal spent on work each request needs once (a draft model fed a
-    # new prompt): left out of the proposal's cost per depth.
+    # Seconds of the last proposal spent catching up on what the steps before it did not run (a
+    # draft model fed a new prompt, or the tokens of steps at depth 0): left out of the
+    # proposal's cost by depth.
     catch_up_seconds: float
 
     async def propose(self, batch: ProposalBatch) -> list[list[int]]:
