@@ -343,8 +343,10 @@ class ModelWorker:
         """One token per row of `logits`, row i for rows.requests[i]."""
         reqs, num_output = rows.requests, rows.num_output
         if all(r.argmax_from == 0 or r.argmax_only(n) for r, n in zip(reqs, num_output)):
-            # The common greedy batch: no sampling state.
-            return StepResult(logits.argmax(dim=-1).cpu().numpy(), np.ones(len(reqs), dtype=np.int64))
+            # The common greedy batch: no sampling state. On the CPU numpy's argmax (the first
+            # largest, as torch's) takes 2 us where torch's dispatch takes 9 (one row of 4096).
+            best = logits.numpy().argmax(axis=-1) if logits.device.type == "cpu" else logits.argmax(dim=-1).cpu().numpy()
+            return StepResult(best, np.ones(len(reqs), dtype=np.int64))
         sampling = SamplingRows.build(
             [r.params for r in reqs],
             [noise_key(r, len(r.prompt_token_ids) + n) for r, n in zip(reqs, num_output)],
