@@ -80,12 +80,14 @@ def time_torch_import(pycache: Path | None = None) -> float:
 
 
 def _events(log: str) -> dict[str, dict]:
-    """The server's JSON log lines by event name (the last of each)."""
+    """The server's JSON log lines by event name, the first of each: the served model's
+    `weights_loaded` and `engine_loaded` come before those of any model served beside it (the
+    embedded target's draft, which `pyserve serve` serves too)."""
     events = {}
     for line in log.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            events[record.get("event")] = record
+            events.setdefault(record.get("event"), record)
     return events
 
 
