@@ -29,7 +29,7 @@ moves with the text: a stretch of hard tokens must not switch speculation off fo
 speculating would pay if guesses were good (PROBE_ACCEPTANCE; not at large batches): depth 1
 for n-gram lookup, half the full depth for a draft model, whose probe has fixed costs (the draft
 catches up on the tokens since it last ran; the verification) that buy more trials so. A probe
-that kept at least half its guesses is followed by another at once.
+whose guesses were kept that often is followed by another at once.
 No torch here: the EngineCore calls it between steps.
 """
 
@@ -195,9 +195,10 @@ class DepthController:
         self.steps_off = self.steps_off + 1 if k == 0 else 0
         kept, verified = self.probe if self.probe is not None else (0, 0)
         self.probe = None
-        # A probe that kept most of its guesses is followed by another at once: the estimate
-        # recovers from a hard stretch in a few steps, not a few probe intervals.
-        if k == 0 and (self.steps_off > PROBE_EVERY or (verified and 2 * kept >= verified)):
+        # A probe whose guesses were kept as often as PROBE_ACCEPTANCE is followed by another at
+        # once: the estimate recovers from a hard stretch in a few steps, not a few probe
+        # intervals (and guesses that good only now and then do not keep it probing).
+        if k == 0 and (self.steps_off > PROBE_EVERY or (verified and kept >= PROBE_ACCEPTANCE * verified)):
             self.steps_off = 0
             # Only where guesses that good would pay at this batch size: a probe of a large
             # batch costs more than any acceptance could win back.

@@ -5,15 +5,14 @@ block tables and slots (a draft block is the draft's KV of the target's block). 
 every step: each request remembers how many of its tokens the draft has computed, and a proposal
 first feeds the draft every token since then (the whole prompt the first time; a prefix-cache hit
 of the target is recomputed by the draft, writing identical values into the shared block), then
-k - 1 of its own guesses. When every request is greedy and the draft runs on the CPU kernels
-(fp32 on a CPU), the guesses come from one `_core.greedy_decode` call (model/whole_model.py):
-each draft forward then costs its arithmetic, not the interpreter's dispatch around it. A request
-that is behind (a new prompt; steps at depth 0) is caught up before the proposal, timed apart
-(`catch_up_seconds`). The KV of the
-guesses the target then accepts is kept (`accepted`: they are the request's tokens now), so the
-next proposal starts after them. Steps where the
-engine chose depth 0 therefore cost the draft nothing. The distribution each guess was drawn from
-is kept for the verification of the next step.
+k - 1 of its own guesses. A request that is behind (a new prompt; steps at depth 0) is caught up
+before the proposal, timed apart (`catch_up_seconds`). When every request is greedy and the
+draft runs on the CPU kernels (fp32 on a CPU), the guesses come from one `_core.greedy_decode`
+call (model/whole_model.py): each draft forward then costs its arithmetic, not the interpreter's
+dispatch around it. The KV of the guesses the target then accepts is kept (`accepted`: they are
+the request's tokens now), so the next proposal starts after them. Steps where the engine chose
+depth 0 therefore cost the draft nothing. The distribution each guess was drawn from is kept for
+the verification of the next step.
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.whole_model import WholeModel
 from pyserve.speculative.proposer import ProposalBatch
 
-# Tokens fed before the guesses in one `greedy_decode` call at most: its kernels stream each
-# weight once per 16 rows, which a long catch-up (a new prompt) pays more for than the model's
-# forward does (oneDNN on packed weights above FEW_ROWS).
+# Rows fed before the guesses in one `greedy_decode` call at most: its kernels stream each weight
+# once per 16 rows, which many rows (a large batch's accepted tokens) pay more for than the
+# model's forward does (oneDNN on packed weights above FEW_ROWS).
 CATCH_UP_ROWS = 4 * FEW_ROWS
 
 
@@ -61,7 +60,7 @@ class DraftModelProposer:
         self.num_computed: dict[int, int] = {}  # request id -> its tokens in the draft's KV
         self.fed_guesses: dict[int, int] = {}  # request id -> guesses fed after those, awaiting verification
         self.draft_probs: dict[int, torch.Tensor] = {}  # request id -> [k, V] f32 of its drafts
-        self.catch_up_seconds = 0.0  # of the last proposal, feeding new requests their prompts
+        self.catch_up_seconds = 0.0  # of the last proposal, catching up requests that were behind
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         copy_blocks(self.kv_caches, pairs)
@@ -141,8 +140,9 @@ class DraftModelProposer:
         return drafts
 
     def _propose_greedy(self, reqs, ids, positions, row, qsl, lens, block_tables, depth) -> list[list[int]]:
-        """Every guess an argmax, in `_core.greedy_decode`; a catch-up longer than
-        `CATCH_UP_ROWS` runs through the model's forward first, its argmax the first guess."""
+        """Every guess an argmax, in `_core.greedy_decode`; more rows to feed than
+        `CATCH_UP_ROWS` (a large batch) go through the model's forward first, its argmax the
+        first guess."""
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
         if len(ids) <= CATCH_UP_ROWS:
             guesses = self.whole_model.greedy(ids, positions, row, tables, depth)
@@ -163,19 +163,19 @@ class DraftModelProposer:
         depth 0) all its tokens but the last, before the proposal, and moves its `starts` to that
         last token: a cost of the steps the draft did not run, timed apart so that the depth
         controller leaves it out of the cost of a proposal. Returns the seconds it took."""
-        new = [i for i, (r, s) in enumerate(zip(reqs, seqs))
-               if len(s) - 1 > starts[i] and (r.internal_id not in self.num_computed or len(s) - starts[i] > k + 1)]
-        if not new:
+        behind = [i for i, (r, s) in enumerate(zip(reqs, seqs))
+                  if len(s) - 1 > starts[i] and (r.internal_id not in self.num_computed or len(s) - starts[i] > k + 1)]
+        if not behind:
             return 0.0
         start = time.perf_counter()
-        ends = np.array([len(seqs[i]) - 1 for i in new])
-        counts = ends - starts[new]
-        ids = np.concatenate([np.asarray(seqs[i][starts[i]:e], dtype=np.int32) for i, e in zip(new, ends)])
-        positions = np.concatenate([np.arange(starts[i], e, dtype=np.int64) for i, e in zip(new, ends)])
+        ends = np.array([len(seqs[i]) - 1 for i in behind])
+        counts = ends - starts[behind]
+        ids = np.concatenate([np.asarray(seqs[i][starts[i]:e], dtype=np.int32) for i, e in zip(behind, ends)])
+        positions = np.concatenate([np.arange(starts[i], e, dtype=np.int64) for i, e in zip(behind, ends)])
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        self._forward(ids, positions, np.repeat(np.arange(len(new)), counts), block_tables[new],
+        self._forward(ids, positions, np.repeat(np.arange(len(behind)), counts), block_tables[behind],
                       ends.astype(np.int32), qsl, last=qsl[1:] - 1)
-        starts[new] = ends
+        starts[behind] = ends
         return time.perf_counter() - start
 
     def _guess(self, logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:

@@ -55,7 +55,7 @@ def test_a_stretch_of_rejected_guesses_does_not_switch_a_draft_model_off_for_goo
     hard = simulate(ctl, 200, lambda step, k: 0)
     assert hard[-50:].count(0) >= 45  # off, but for its probes
     easy = simulate(ctl, 100, lambda step, k: k)
-    # The first probe's guesses are kept: probes follow one another until speculating pays again.
+    # The first probe's guesses are all kept: probes follow one another until speculating pays again.
     assert easy[:20].count(0) <= PROBE_EVERY + 1
     assert min(easy[40:]) >= 7
 
@@ -65,3 +65,10 @@ def test_no_probes_where_even_good_guesses_would_not_pay():
     depths = simulate(DepthController(8, has_draft_cost=True), 300, lambda step, k: k, verify=0.001,
                       per_draft=0.001)
     assert depths[-250:].count(0) == 250
+
+
+def test_guesses_kept_now_and_then_do_not_keep_it_probing():
+    # Three guesses in five kept, in runs: not worth speculating here, and probes stay rare.
+    ctl = DepthController(8, has_draft_cost=True)
+    depths = simulate(ctl, 400, lambda step, k: min(k, 3 if step % 5 < 3 else 0), verify=0.0015, per_draft=0.0002)
+    assert depths[-200:].count(0) >= 180
