@@ -111,11 +111,12 @@ def test_cancel_stops_the_job_and_keeps_what_was_answered(server):
 
 def test_a_job_past_its_window_expires_with_its_partial_output(server):
     api = client(server)
-    f = upload(api, lines(40, max_tokens=120, ignore_eos=True, prefix="e"))
+    # 19,200 tokens two sequences at a time: several times what this model decodes in 2 s
+    f = upload(api, lines(160, max_tokens=120, ignore_eos=True, prefix="e"))
     batch = api.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2s")
     batch = wait(api, batch.id, timeout=30)
     assert batch.status == "expired" and batch.expired_at
-    assert len(records(api, batch.output_file_id)) == batch.request_counts.completed < 40
+    assert len(records(api, batch.output_file_id)) == batch.request_counts.completed < 160
 
 
 def test_interactive_requests_go_before_queued_batch_lines(server):
@@ -124,7 +125,9 @@ def test_interactive_requests_go_before_queued_batch_lines(server):
     two lines running when it came finish meanwhile, and perhaps two more around the edges (lines
     ending between the polls and the request); served in arrival order it would wait for six."""
     api = client(server)
-    f = upload(api, lines(24, max_tokens=100, ignore_eos=True, prefix="p"))
+    # Lines far longer than the interactive request's round trip, so that the lines ending
+    # around it stay few however fast a step is.
+    f = upload(api, lines(24, max_tokens=400, ignore_eos=True, prefix="p"))
     batch = api.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     while api.batches.retrieve(batch.id).request_counts.completed < 2:
         time.sleep(0.05)

@@ -12,10 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import cold_start  # noqa: E402
 
 
-def test_events_keep_the_last_json_line_of_each_name():
+def test_events_keep_the_first_json_line_of_each_name():
+    """The served model's start-up events come first; a model served beside it logs its own after."""
     log = "\n".join(["plain text", json.dumps({"event": "a", "n": 1}), json.dumps({"event": "b"}),
                      json.dumps({"event": "a", "n": 2})])
-    assert cold_start._events(log) == {"a": {"event": "a", "n": 2}, "b": {"event": "b"}}
+    assert cold_start._events(log) == {"a": {"event": "a", "n": 1}, "b": {"event": "b"}}
 
 
 def test_healthy_minus_torch_is_the_median_of_each_rounds_difference():

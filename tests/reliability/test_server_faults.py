@@ -158,9 +158,12 @@ def _fail_after(calls: int, fn, where: str):
 
 
 def _break_forward(engine):
-    # the model's forward: its attention runs in the backend or, on a CPU step of few rows, in
-    # the Rust layer kernel
+    # the model's forward (its attention in the backend or the Rust layer kernel) and, for CPU
+    # steps of few rows, the whole model in one Rust call
     engine.worker.model.forward = _fail_after(6, engine.worker.model.forward, "forward")
+    whole = engine.worker.whole_model
+    if whole is not None:
+        whole.forward = _fail_after(6, whole.forward, "forward")
 
 
 def _break_sampler(engine):

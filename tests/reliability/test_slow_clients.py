@@ -99,9 +99,12 @@ async def test_unread_chunks_past_the_buffer_abort_the_request_at_once(llama_dir
         scope, receive, send, _ = stalled_client(LONG)
         task = asyncio.create_task(app(scope, receive, send))
         await wait_for(lambda: engine.stats()["generation_tokens"] > 0, timeout=10)
-        # aborted by the output buffer bound long before its 200 tokens or the 60 s timeout
+        # aborted by the output buffer bound long before its 200 tokens or the 60 s timeout. The
+        # engine decodes on its own thread while the server's loop sees the ninth unread chunk
+        # and the abort crosses back: how many tokens that takes follows the step's length
+        # (this model's steps, one Rust call each: 44-66 seen)
         await wait_for(lambda: idle(engine), timeout=10)
-        assert engine.stats()["generation_tokens"] < 40
+        assert engine.stats()["generation_tokens"] < 100
         assert not engine.output_processor._streams and not engine.output_processor._samples
         engine.scheduler.check_invariants()
         task.cancel()  # the connection finally goes away
