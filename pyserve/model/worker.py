@@ -345,7 +345,8 @@ class ModelWorker:
         if all(r.argmax_from == 0 or r.argmax_only(n) for r, n in zip(reqs, num_output)):
             # The common greedy batch: no sampling state. On the CPU numpy's argmax (the first
             # largest, as torch's) takes 2 us where torch's dispatch takes 9 (one row of 4096).
-            best = logits.numpy().argmax(axis=-1) if logits.device.type == "cpu" else logits.argmax(dim=-1).cpu().numpy()
+            cpu = logits.device.type == "cpu"
+            best = logits.numpy().argmax(axis=-1) if cpu else logits.argmax(dim=-1).cpu().numpy()
             return StepResult(best, np.ones(len(reqs), dtype=np.int64))
         sampling = SamplingRows.build(
             [r.params for r in reqs],
