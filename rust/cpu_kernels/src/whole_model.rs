@@ -111,7 +111,7 @@ pub fn greedy_decode_on(
     let mut rows: Vec<(i32, i64, usize)> =
         (0..feed.tokens.len()).map(|i| (feed.tokens[i], feed.positions[i], feed.requests[i])).collect();
     for j in 0..max_depth {
-        // Each request's last row, if it still guesses (rows come in request order per request).
+        // Each request's last row (its rows are in position order): the one its guess follows.
         let mut last_row: Vec<Option<usize>> = vec![None; num_requests];
         for (i, &(_, _, r)) in rows.iter().enumerate() {
             last_row[r] = Some(i);
