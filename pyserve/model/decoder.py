@@ -118,6 +118,16 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
+def kernel_projection(p: nn.Module | None) -> tuple | None:
+    """A projection as `_core`'s kernels take it (`Weight`): (weight, bias) views of a CpuLinear,
+    a quantized CPU layer's kernel_weights(); None where it has no CPU kernel."""
+    if isinstance(p, CpuLinear):
+        return p.weight_view, p.bias_view
+    if isinstance(p, QUANTIZED) and p.cpu:
+        return p.kernel_weights()
+    return None
+
+
 def _concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """One Linear whose outputs are those of `parts`, in order (built on `meta`, then given the
     concatenated tensors: no second copy of the weights is ever allocated); for layers of a
@@ -147,12 +157,9 @@ class DecoderLayer(nn.Module):
         whole layer can run in one kernel call: fused projections on CpuLinear or a quantized
         layer (on the CPU), no q/k norm. Returns whether it can."""
         attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.qk_norm or not all(isinstance(p, CpuLinear) or (isinstance(p, QUANTIZED) and p.cpu)
-                                   for p in projections):
+        if attn.qk_norm:
             return False
-        weights = [p.kernel_weights() if isinstance(p, QUANTIZED) else (p.weight_view, p.bias_view)
-                   for p in projections]
+        weights = [kernel_projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(w is None for w in weights):
             return False
         qkv, o, gate_up, down = weights

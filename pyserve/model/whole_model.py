@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from pyserve import _core
-from pyserve.model.cpu_linear import CpuLinear
-from pyserve.model.quantized_linear import QUANTIZED
+from pyserve.model.decoder import kernel_projection
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +50,7 @@ class WholeModel:
         (CausalLM.use_cpu_ops), a head on CpuLinear or a quantized CPU layer."""
         if not model.layer_kernel or model.lockstep is not None:
             return None
-        head = model.lm_head
-        if isinstance(head, CpuLinear):
-            head_weights = (head.weight_view, head.bias_view)
-        elif isinstance(head, QUANTIZED) and head.cpu:
-            head_weights = head.kernel_weights()
-        else:
-            head_weights = None
+        head_weights = kernel_projection(model.lm_head)
         if head_weights is None:
             return None
         inner = model.model

@@ -40,6 +40,13 @@ pub struct Feed<'a> {
     pub requests: &'a [usize],
 }
 
+impl Feed<'_> {
+    /// (token, position, request) of each row.
+    fn rows(&self) -> Vec<(i32, i64, usize)> {
+        (0..self.tokens.len()).map(|i| (self.tokens[i], self.positions[i], self.requests[i])).collect()
+    }
+}
+
 /// The requests' block tables: `[requests, width]`, of blocks of `block_size` slots (0: none).
 pub struct BlockTables<'a> {
     pub tables: &'a [i32],
@@ -76,9 +83,7 @@ pub fn model_forward_on(
     if let Some(&row) = logits_rows.iter().find(|&&i| i >= feed.tokens.len()) {
         return Err(LayerError::Shape(format!("logits row {row} of {} rows", feed.tokens.len())));
     }
-    let rows: Vec<(i32, i64, usize)> =
-        (0..feed.tokens.len()).map(|i| (feed.tokens[i], feed.positions[i], feed.requests[i])).collect();
-    forward(pool, model, heads, caches, rope, tables, scale, &rows, logits_rows)
+    forward(pool, model, heads, caches, rope, tables, scale, &feed.rows(), logits_rows)
 }
 
 /// Runs the feed and the guesses; returns the guesses, `depth.max()` a request, row-major
@@ -108,8 +113,7 @@ pub fn greedy_decode_on(
     let max_depth = depth.iter().copied().max().unwrap_or(0);
     let mut guesses = vec![-1i32; num_requests * max_depth];
     // The rows of the next forward: (token, position, request).
-    let mut rows: Vec<(i32, i64, usize)> =
-        (0..feed.tokens.len()).map(|i| (feed.tokens[i], feed.positions[i], feed.requests[i])).collect();
+    let mut rows = feed.rows();
     for j in 0..max_depth {
         // Each request's last row (its rows are in position order): the one its guess follows.
         let mut last_row: Vec<Option<usize>> = vec![None; num_requests];

@@ -13,6 +13,32 @@ use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
 use crate::projection::{projection, Weight};
 
+/// One layer's parameters as Python passes them: (input_norm, qkv, o, post_norm, gate_up, down,
+/// eps).
+pub type Layer<'py> = (
+    PyReadonlyArray1<'py, f32>,
+    Weight<'py>,
+    Weight<'py>,
+    PyReadonlyArray1<'py, f32>,
+    Weight<'py>,
+    Weight<'py>,
+    f32,
+);
+
+/// The kernel's view of `layer` (no copies); an array that is not C-contiguous is named.
+pub fn layer_weights<'a>(layer: &'a Layer<'_>) -> PyResult<LayerWeights<'a>> {
+    let (input_norm, qkv, o, post_norm, gate_up, down, eps) = layer;
+    Ok(LayerWeights {
+        input_norm: contiguous("input_norm", input_norm)?,
+        qkv: projection(qkv, Some("qkv"))?,
+        o: projection(o, Some("o"))?,
+        post_norm: contiguous("post_norm", post_norm)?,
+        gate_up: projection(gate_up, Some("gate_up"))?,
+        down: projection(down, Some("down"))?,
+        eps: *eps,
+    })
+}
+
 /// x [rows, hidden] f32 (the residual stream) updated in place by the layer. Linear layers come
 /// as (weight [fan_out, fan_in] f32, bias [fan_out] or None) or quantized (`Weight`: int8 or
 /// 4-bit); `qkv` has q's then k's then v's outputs
@@ -54,15 +80,8 @@ pub fn decoder_layer(
             v_cache.shape()
         )));
     }
-    let weights = LayerWeights {
-        input_norm: contiguous("input_norm", &input_norm)?,
-        qkv: projection(&qkv, Some("qkv"))?,
-        o: projection(&o, Some("o"))?,
-        post_norm: contiguous("post_norm", &post_norm)?,
-        gate_up: projection(&gate_up, Some("gate_up"))?,
-        down: projection(&down, Some("down"))?,
-        eps,
-    };
+    let layer = (input_norm, qkv, o, post_norm, gate_up, down, eps);
+    let weights = layer_weights(&layer)?;
     let rows = RowLayout {
         slots: contiguous("slots", &slots)?,
         table_width: block_tables.shape()[1],

@@ -9,24 +9,14 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyserve_cpu_kernels::{
-    greedy_decode_on, model_forward_on, BlockTables, Feed, ForkJoin, Heads, LayerError, LayerWeights,
-    ModelWeights, RopeTables,
+    greedy_decode_on, model_forward_on, BlockTables, Feed, ForkJoin, Heads, LayerError, ModelWeights,
+    RopeTables,
 };
 
 use crate::arrays::{contiguous, contiguous_mut};
+use crate::decoder_layer::{layer_weights, Layer};
 use crate::openmp;
 use crate::projection::{projection, Weight};
-
-/// One layer as `decoder_layer` takes it: (input_norm, qkv, o, post_norm, gate_up, down, eps).
-type Layer<'py> = (
-    PyReadonlyArray1<'py, f32>,
-    Weight<'py>,
-    Weight<'py>,
-    PyReadonlyArray1<'py, f32>,
-    Weight<'py>,
-    Weight<'py>,
-    f32,
-);
 
 /// What both functions take: the model, its caches, the rows and the requests' block tables.
 #[derive(FromPyObject)]
@@ -98,21 +88,9 @@ fn run<R: Send>(
             )));
         }
     }
-    let mut layers = Vec::with_capacity(model.layers.len());
-    for (input_norm, qkv, o, post_norm, gate_up, down, eps) in &model.layers {
-        layers.push(LayerWeights {
-            input_norm: contiguous("input_norm", input_norm)?,
-            qkv: projection(qkv, Some("qkv"))?,
-            o: projection(o, Some("o"))?,
-            post_norm: contiguous("post_norm", post_norm)?,
-            gate_up: projection(gate_up, Some("gate_up"))?,
-            down: projection(down, Some("down"))?,
-            eps: *eps,
-        });
-    }
     let weights = ModelWeights {
         embed: contiguous("embed", &model.embed)?,
-        layers,
+        layers: model.layers.iter().map(layer_weights).collect::<PyResult<_>>()?,
         norm: contiguous("norm", &model.norm)?,
         eps: model.eps,
         head: projection(&model.head, Some("head"))?,
