@@ -11,6 +11,7 @@ the actor sends their Aborts back to the step's sender.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from pyserve.actors import Actor, EngineDeadError
@@ -206,6 +207,8 @@ class OutputProcessor(Actor):
                 aborts.append(delta.internal_id)
         elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:
             stop_reason = tokens[-1]
+        if tokens and out.first_token_time is None:
+            out.first_token_time = time.perf_counter()
         c.token_ids.extend(tokens)
         new_logprobs = None
         if sample.num_logprobs is not None:

@@ -39,3 +39,4 @@ class RequestOutput:
     # itself and the top alternatives; None for the first token (nothing before it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
+    first_token_time: float | None = None  # time.perf_counter() when a first output token was published

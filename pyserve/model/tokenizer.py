@@ -86,8 +86,11 @@ class Tokenizer:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        """`decode` of each sequence, in one call (the library decodes them in parallel)."""
-        return self.inner.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+        """`decode` of each sequence. One call each: the library's own decode_batch hands the
+        sequences to its thread pool, which wakes threads on the cores the model's kernels run on,
+        and was slower at every size measured (1-256 short windows: 17 us against 2.4 for 4)."""
+        decode = self.inner.decode
+        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """`decode([token_id])`, memoized: a token's text alone never changes."""

@@ -82,6 +82,13 @@ class CompletionContext:
         """(choice index, delta) pairs from every prompt's stream, in arrival order. The merge
         queue is bounded, so deltas a slow client has not taken stay in their streams, where
         each stream's max_pending bound applies."""
+        if len(self.streams) == 1 and self.req.n == 1:  # the usual case: no merging, no task
+            stream = self.streams[0]
+            while (d := await stream.deltas.get()) is not None:
+                self._time(0, d)
+                yield 0, d
+            self._raise_error(stream)
+            return
         merged: asyncio.Queue = asyncio.Queue(maxsize=len(self.streams))
 
         async def forward(i: int, stream: RequestStream) -> None:
@@ -103,10 +110,14 @@ class CompletionContext:
             for t in tasks:
                 t.cancel()
         for s in self.streams:
-            if isinstance(s.error, ClientTooSlow):
-                raise s.error
-            if s.error is not None:
-                raise Unavailable(str(s.error))
+            self._raise_error(s)
+
+    @staticmethod
+    def _raise_error(stream: RequestStream) -> None:
+        if isinstance(stream.error, ClientTooSlow):
+            raise stream.error
+        if stream.error is not None:
+            raise Unavailable(str(stream.error))
 
     def _time(self, idx: int, d: StreamDelta) -> None:
         if not d.token_ids:
@@ -117,17 +128,32 @@ class CompletionContext:
             self.first_token = now
             m.ttft.observe(now - self.arrival)
         elif idx in self.last_token:
-            gap = (now - self.last_token[idx]) / len(d.token_ids)
-            for _ in d.token_ids:
-                m.itl.observe(gap)
+            m.itl.observe((now - self.last_token[idx]) / len(d.token_ids), times=len(d.token_ids))
         self.last_token[idx] = now
 
-    async def respond(self, request: Request) -> Response:
-        async def drain():
-            async for _ in self.events():
-                pass
+    async def _finished(self) -> None:
+        """Waits until every stream ended (a non-streaming request's streams carry no deltas) and
+        times the request as `_time` times a stream: the first token, and between tokens each
+        choice's mean gap (nothing arrives in between to time)."""
+        for s in self.streams:
+            await s.done.wait()
+        for s in self.streams:
+            self._raise_error(s)
+        firsts = [s.output.first_token_time for s in self.streams if s.output.first_token_time is not None]
+        if not firsts:
+            return
+        now = time.perf_counter()
+        self.first_token = min(firsts)
+        m = self.state.metrics
+        m.ttft.observe(self.first_token - self.arrival)
+        for s in self.streams:
+            for c in s.output.outputs:
+                if len(c.token_ids) > 1:
+                    gaps = len(c.token_ids) - 1
+                    m.itl.observe((now - s.output.first_token_time) / gaps, times=gaps)
 
-        body_task = asyncio.create_task(drain())
+    async def respond(self, request: Request) -> Response:
+        body_task = asyncio.create_task(self._finished())
         gone_task = asyncio.create_task(_wait_disconnect(request))
         try:
             await asyncio.wait({body_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)

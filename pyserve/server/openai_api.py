@@ -225,7 +225,7 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             streams.append(await engine.add_request(f"{base_id}-{i}", prompt, p, lora_request=lora,
-                                                    max_pending=state.settings.max_stream_buffer,
+                                                    streaming=req.stream, max_pending=state.settings.max_stream_buffer,
                                                     priority=req.priority, cache_salt=req.cache_salt or ""))
     except GrammarError as e:
         ctx.abort(streams)
