@@ -20,8 +20,10 @@ measures instead of assuming, separately for each batch-size bucket (powers of t
   truncated geometric: accepted / (accepted + rejections), with a prior), and the fraction of
   requested drafts a proposer actually returns (n-gram lookup finds no match for some requests).
 
-A new bucket is explored first (some steps at full depth, some at half of it, some at depth 0),
-then k in 0..max_k maximises expected tokens per second for B requests of which C may
+A new bucket is explored first, cheapest first: some steps at depth 0, some at half depth, then
+some at full depth only where guesses accepted PROBE_ACCEPTANCE of the time would pay by what
+the first two measured (a large batch, whose first steps at full depth would cost more than its
+whole short run gains, stops exploring there). Then k in 0..max_k maximises expected tokens per second for B requests of which C may
 speculate: B / a0 at k = 0, else
 (B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + c + d * k).
 Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha (acceptance
@@ -36,7 +38,7 @@ No torch here: the EngineCore calls it between steps.
 from __future__ import annotations
 
 DECAY = 0.97  # weight of the past per observation: about the last 30 count
-EXPLORE_STEPS = 4  # per new bucket: steps at full depth, then as many at half of it and at depth 0
+EXPLORE_STEPS = 4  # per new bucket: steps at depth 0, then as many at half depth and at full depth
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0  # pseudo-counts: two early rejections must not end it
 PROBE_EVERY = 16  # steps at depth 0 before a probe
 PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
@@ -86,13 +88,15 @@ class Bucket:
         self.choices = 0
 
     def exploring(self, max_k: int) -> int | None:
-        """The depth to try while the bucket is new, else None."""
-        if self.choices < EXPLORE_STEPS:
-            return max_k
-        if self.choices < 2 * EXPLORE_STEPS:
-            return max(1, max_k // 2)
-        if self.choices < 3 * EXPLORE_STEPS or not self.plain_weight or not self.spec.count:
+        """The depth to try while the bucket is new, else None: 0 until a step without drafts was
+        timed, half depth until one with drafts was, then full depth (the controller checks that
+        it could pay)."""
+        if self.choices < EXPLORE_STEPS or not self.plain_weight:
             return 0
+        if self.choices < 2 * EXPLORE_STEPS or not self.spec.count:
+            return max(1, max_k // 2)
+        if self.choices < 3 * EXPLORE_STEPS:
+            return max_k
         return None
 
     def observe_step(self, drafts: int, seconds: float) -> None:
@@ -189,6 +193,8 @@ class DepthController:
         bucket = self._bucket(batch_size)
         bucket.choices += 1
         k = bucket.exploring(self.max_k)
+        if k == self.max_k and bucket.spec.count and not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+            k = None  # even good guesses would not pay here: exploring ends
         explored = k is None
         if explored:
             k = self._best_depth(batch_size, num_candidates, bucket, self.acceptance)
