@@ -3,10 +3,9 @@
 Each line is a request to this same server, in process (through its app: the same validation and
 answers as over HTTP), at the scheduler's background priority (BACKGROUND_PRIORITY): interactive
 requests are scheduled first, a step that computes an interactive prompt runs no batch line, and
-batch lines are preempted when KV blocks run short. At most `max_in_flight` lines are in the
-engine at once: each running line still adds its decode rows to the steps that interactive
-requests decode in, and its output to the server's loop. Lines are
-sent grouped by how their prompt begins, so that lines sharing a prefix run together (one
+batch lines are preempted when KV blocks run short, and while interactive requests run (and for
+a second after) a step runs only a few batch lines (engine/background.py). At most
+`max_in_flight` lines are in the engine at once. Lines are sent grouped by how their prompt begins, so that lines sharing a prefix run together (one
 prefill, then prefix-cache hits), and by length within a group, so similar lengths batch together.
 
 Status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; failed
@@ -23,9 +22,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-import httpx
 import structlog
 
+from pyserve.batches.asgi_call import post_json
 from pyserve.batches.lines import Line, check_lines, error_record
 from pyserve.batches.store import BatchStore
 
@@ -58,23 +57,20 @@ class BatchRunner:
                 await self._task
 
     async def _run(self) -> None:
-        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://pyserve.batches", timeout=None,
-                                     headers=self.headers) as client:
-            while True:
-                jobs = self.store.active_batches()
-                for _, batch in jobs:
-                    try:
-                        await self._carry_on(client, batch)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - one job's fault must not stop the others
-                        log.error("batch_failed", batch_id=batch["id"], error=repr(e))
-                        self._set(batch, "failed", errors=_errors("internal_error", repr(e)))
-                if not jobs:
-                    self.wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), POLL_SECONDS * 5)
+        while True:
+            jobs = self.store.active_batches()
+            for _, batch in jobs:
+                try:
+                    await self._carry_on(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one job's fault must not stop the others
+                    log.error("batch_failed", batch_id=batch["id"], error=repr(e))
+                    self._set(batch, "failed", errors=_errors("internal_error", repr(e)))
+            if not jobs:
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), POLL_SECONDS * 5)
 
     def _set(self, batch: dict, status: str, **fields) -> None:
         batch.update(fields, status=status)
@@ -82,7 +78,7 @@ class BatchRunner:
         self.store.save_batch(batch)
         log.info("batch_status", batch_id=batch["id"], status=status)
 
-    async def _carry_on(self, client: httpx.AsyncClient, batch: dict) -> None:
+    async def _carry_on(self, batch: dict) -> None:
         batch = self.store.batch(batch["id"])  # as it stands now (a cancel may have come meanwhile)
         if batch["status"] in ("validating", "in_progress"):
             content = self.store.content(batch["input_file_id"])
@@ -96,7 +92,7 @@ class BatchRunner:
                     self.store.add_result(batch["id"], n, False, record)
                 batch["request_counts"]["total"] = len(good) + len(bad)
                 self._set(batch, "in_progress")
-            await self._answer(client, batch, good)
+            await self._answer(batch, good)
             if not self._should_stop(batch):  # every line answered
                 self._set(batch, "finalizing")
         if batch["status"] == "cancelling":
@@ -104,24 +100,35 @@ class BatchRunner:
         elif batch["status"] == "finalizing":
             self._finish(batch, "expired" if time.time() >= batch["expires_at"] else "completed")
 
-    async def _answer(self, client: httpx.AsyncClient, batch: dict, good: list[Line]) -> None:
+    async def _answer(self, batch: dict, good: list[Line]) -> None:
         """Runs the job's unanswered lines of `good` until none is left, the job is cancelled or it
         expires (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
         done = self.store.answered(batch["id"])
         todo = sorted((ln for ln in good if ln.number not in done), key=_order)
         in_flight: set[asyncio.Task] = set()
+        room = asyncio.Semaphore(self.max_in_flight)
+        checked = time.monotonic()
+
+        def finished(task: asyncio.Task) -> None:
+            in_flight.discard(task)
+            room.release()
+
         try:
             for line in todo:
-                while len(in_flight) >= self.max_in_flight:
-                    _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS,
-                                                      return_when=asyncio.FIRST_COMPLETED)
+                # A cancel or the window's end is looked for every POLL_SECONDS, also while waiting.
+                while not await _take(room):
                     if self._should_stop(batch):
                         return
-                if self._should_stop(batch):
-                    return
-                in_flight.add(asyncio.create_task(self._one(client, batch, line)))
+                if time.monotonic() - checked >= POLL_SECONDS:
+                    checked = time.monotonic()
+                    if self._should_stop(batch):
+                        room.release()
+                        return
+                task = asyncio.create_task(self._one(batch, line))
+                in_flight.add(task)
+                task.add_done_callback(finished)
             while in_flight:
-                _, in_flight = await asyncio.wait(in_flight, timeout=POLL_SECONDS)
+                await asyncio.wait(in_flight, timeout=POLL_SECONDS)
                 if self._should_stop(batch):
                     return
         finally:  # stopped, cancelled or the server shutting down: the lines in flight are abandoned
@@ -141,23 +148,22 @@ class BatchRunner:
             return True
         return False
 
-    async def _one(self, client: httpx.AsyncClient, batch: dict, line: Line) -> None:
+    async def _one(self, batch: dict, line: Line) -> None:
         body = {**line.body, "priority": self.priority}
         try:
-            response = await client.post(batch["endpoint"], json=body)
-            payload = response.json()
+            status, payload = await post_json(self.app, batch["endpoint"], body, self.headers)
         except Exception as e:  # noqa: BLE001 - recorded as the line's error
             self.store.add_result(batch["id"], line.number, False, error_record(line.custom_id, "internal_error",
                                                                                 repr(e)))
             return
         record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-                  "response": {"status_code": response.status_code,
-                               "request_id": payload.get("id") if response.status_code == 200 else None,
+                  "response": {"status_code": status,
+                               "request_id": payload.get("id") if status == 200 else None,
                                "body": payload}, "error": None}
-        if response.status_code != 200:
+        if status != 200:
             err = payload.get("error") or {}
             record["error"] = {"code": err.get("code") or err.get("type"), "message": err.get("message")}
-        self.store.add_result(batch["id"], line.number, response.status_code == 200, record)
+        self.store.add_result(batch["id"], line.number, status == 200, record)
 
     def _finish(self, batch: dict, status: str) -> None:
         """Writes the output and error files from the stored rows, then the final status."""
@@ -169,6 +175,18 @@ class BatchRunner:
                                              ("\n".join(rows) + "\n").encode())
                 batch[field] = record.id
         self._set(batch, status)
+
+async def _take(room: asyncio.Semaphore) -> bool:
+    """Takes a place in `room`; False when none came free within POLL_SECONDS."""
+    if not room.locked():
+        await room.acquire()
+        return True
+    try:
+        await asyncio.wait_for(room.acquire(), POLL_SECONDS)
+    except TimeoutError:
+        return False
+    return True
+
 
 def _order(line: Line) -> tuple[str, int]:
     """Lines sharing the first PREFIX_CHARS of their prompt together, shortest first among them."""

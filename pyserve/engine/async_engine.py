@@ -13,6 +13,7 @@ from pathlib import Path
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
 from pyserve.actors.loop_thread import LoopThread, resolve
+from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
@@ -127,7 +128,8 @@ class AsyncEngine:
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget,
-                                      self.grammar_matchers, config.grammar_forced_tokens)
+                                      self.grammar_matchers, config.grammar_forced_tokens,
+                                      BackgroundLimit(config.max_background_seqs))
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)

@@ -23,6 +23,9 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "tokens in one step at most")
     max_model_len: int | None = option(None, "context length (default: the model's, at most 8192)", type=int)
     enable_prefix_caching: bool = option(True, "turn the radix prefix cache off", flag="--no-prefix-caching")
+    max_background_seqs: int = option(
+        4, "batch-job sequences in a step while interactive requests run, or ran within the last "
+           "second (otherwise batch jobs fill the step)")
     enable_lora: bool = option(False, "serve LoRA adapters (per-request, batched)")
     max_loras: int = option(4, "adapters resident on the device per step")
     max_lora_rank: int = option(64, "largest adapter rank accepted")
@@ -64,6 +67,8 @@ class EngineConfig:
                 f"max_num_batched_tokens must be at least block_size ({self.block_size}), "
                 f"got {self.max_num_batched_tokens}"
             )
+        if self.max_background_seqs < 0:
+            raise ValueError(f"max_background_seqs must be >= 0, got {self.max_background_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

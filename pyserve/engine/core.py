@@ -22,6 +22,7 @@ from pyserve.engine.prompt_logprobs import PromptLogprobs
 from pyserve.engine.request import (Abort, Add, EngineRequest, Logprobs, PromptRows, RequestRefused, StepOutput,
                                     StepRows)
 from pyserve.actors.loop_thread import resolve
+from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.step_budget import StepBudget
 from pyserve.speculative.speculator import can_speculate, speculation_stats
 from pyserve.structured.matchers import GrammarMatchers, MaskRow
@@ -35,8 +36,9 @@ MAX_FORCED_TOKENS = 32  # forced tokens one step verifies for a request
 class EngineCore(Actor):
     def __init__(self, scheduler: _core.Scheduler, worker, output_processor: Actor, speculator=None,
                  step_budget: StepBudget | None = None, grammar: GrammarMatchers | None = None,
-                 forced_tokens: bool = True):
+                 forced_tokens: bool = True, background: BackgroundLimit | None = None):
         super().__init__("engine_core")
+        self.background = background  # None: batch-job lines fill any step
         self.grammar = grammar  # the matchers of constrained requests (None: no structured outputs)
         self.forced_tokens = forced_tokens  # tokens a grammar forces go out as drafts of the next step
         self.num_forced_tokens = 0
@@ -72,7 +74,11 @@ class EngineCore(Actor):
         return now - self.last_progress
 
     async def step(self) -> None:
-        out = self.scheduler.schedule(None if self.step_budget is None else self.step_budget.next_budget())
+        max_background = None
+        if self.background is not None:
+            max_background = self.background.limit(self.scheduler.has_foreground_requests(), time.monotonic())
+        out = self.scheduler.schedule(None if self.step_budget is None else self.step_budget.next_budget(),
+                                      max_background)
         if out.num_reqs == 0:
             ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
             if out.finished_req_ids.size and self.speculator is not None:  # aborted while nothing ran

@@ -49,8 +49,8 @@ class ServerSettings:
     batch_max_file_bytes: int = option(200 << 20, "largest file /v1/files accepts (413 beyond)")
     batch_max_lines: int = option(50_000, "most lines a batch input file may have")
     batch_max_in_flight: int = option(
-        16, "batch lines in the engine at once: more finish a job sooner, fewer keep interactive first tokens "
-        "faster (bench/batch_api.py); keep it under max-num-seqs")
+        256, "batch lines in the engine at once (while interactive requests run, a step runs at most "
+        "--max-background-seqs of them, and each takes a batch line's seat when max-num-seqs are taken)")
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 

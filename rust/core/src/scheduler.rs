@@ -21,7 +21,9 @@ pub(crate) type QueueKey = (i32, i64);
 
 /// Requests of this priority or more are background work (pyserve's batch jobs): a step that
 /// computes a foreground request's prompt schedules no background request, so background work
-/// never slows a first token; otherwise they are scheduled as usual, after the foreground.
+/// never slows a first token; a foreground request takes a background one's KV blocks, or its
+/// seat when `max_num_seqs` run; otherwise they are scheduled after the foreground, as many as
+/// the caller's per-step limit allows (see `Scheduler::schedule_with_budget`).
 pub const BACKGROUND_PRIORITY: i32 = 1_000_000;
 
 /// One request's share of the step in flight, with its `num_computed_tokens` before the step.
@@ -259,6 +261,14 @@ impl Scheduler {
 
     pub fn num_running(&self) -> usize {
         self.running.len()
+    }
+
+    /// Whether a request below BACKGROUND_PRIORITY is running or waiting (both queues are in
+    /// priority order: their first entries tell).
+    pub fn has_foreground_requests(&self) -> bool {
+        let foreground = |key: &QueueKey| key.0 < BACKGROUND_PRIORITY;
+        self.running.first().is_some_and(|(key, _)| foreground(key))
+            || self.waiting.keys().next().is_some_and(foreground)
     }
 
     pub fn stats(&self) -> SchedulerStats {

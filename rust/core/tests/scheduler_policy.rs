@@ -118,6 +118,59 @@ fn background_requests_pause_while_a_foreground_prompt_is_computed() {
 }
 
 #[test]
+fn a_step_schedules_at_most_the_background_requests_it_is_allowed() {
+    let mut d = Driver::new(Scheduler::new(config(128, 4, 64)).unwrap());
+    for id in 1..=5 {
+        let mut r = req(id, vec![id as u32; 4], 20);
+        r.priority = BACKGROUND_PRIORITY;
+        d.add(r).unwrap();
+    }
+    d.step(no_drafts);
+    assert!(!d.sched.has_foreground_requests());
+    assert_eq!(d.step(no_drafts).req_ids, vec![1, 2, 3, 4, 5], "no limit: every background request decodes");
+    d.max_background = Some(2);
+    d.add(req(9, vec![7; 6], 3)).unwrap();
+    assert!(d.sched.has_foreground_requests());
+    assert_eq!(d.step(no_drafts).req_ids, vec![9], "the foreground prompt runs alone");
+    assert_eq!(d.step(no_drafts).req_ids, vec![9, 1, 2], "two background requests beside its decode");
+    while !d.finished.contains_key(&9) {
+        d.step(no_drafts);
+    }
+    assert!(!d.sched.has_foreground_requests());
+    assert_eq!(d.step(no_drafts).req_ids, vec![1, 2], "the limit holds without foreground work too");
+    d.max_background = None;
+    d.run_to_end(200, no_drafts);
+    assert_eq!(d.finished.len(), 6, "the others waited, and finished after");
+}
+
+#[test]
+fn a_foreground_request_takes_a_background_seat_when_all_are_taken() {
+    let mut c = config(128, 4, 64);
+    c.max_num_seqs = 3;
+    let mut d = Driver::new(Scheduler::new(c).unwrap());
+    for id in 1..=3 {
+        let mut r = req(id, vec![id as u32; 4], 20);
+        r.priority = BACKGROUND_PRIORITY;
+        d.add(r).unwrap();
+    }
+    d.step(no_drafts);
+    d.add(req(9, vec![7; 6], 3)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.preempted_req_ids, vec![3], "the newest background request gave up its seat");
+    assert_eq!(out.req_ids, vec![9], "the foreground prompt runs at once");
+    d.add(req(10, vec![8; 6], 3)).unwrap();
+    let mut r = req(11, vec![6; 4], 3);
+    r.priority = BACKGROUND_PRIORITY;
+    d.add(r).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.preempted_req_ids, vec![2], "a second foreground request takes the next seat");
+    assert_eq!(out.req_ids, vec![9, 10]);
+    assert_eq!(d.sched.num_running(), 3, "request 1 keeps its seat; 2, 3 and 11 wait");
+    d.run_to_end(300, no_drafts);
+    assert_eq!(d.finished.len(), 6);
+}
+
+#[test]
 fn a_foreground_request_preempts_background_work_for_blocks() {
     // 12 usable blocks of 2 tokens; two background requests grow to 6 blocks each.
     let mut c = config(13, 2, 64);

@@ -151,10 +151,16 @@ impl PyScheduler {
     }
 
     /// One step; while requests decode, prompts share what the decodes leave of `token_budget`
-    /// (at least `block_size`), never more than `max_num_batched_tokens` in all.
-    #[pyo3(signature = (token_budget=None))]
-    fn schedule(&mut self, py: Python<'_>, token_budget: Option<usize>) -> PyResult<PySchedulerOutput> {
-        let out = self.inner.schedule_with_budget(token_budget).map_err(to_py)?;
+    /// (at least `block_size`), never more than `max_num_batched_tokens` in all; at most
+    /// `max_background` background requests (None: no limit).
+    #[pyo3(signature = (token_budget=None, max_background=None))]
+    fn schedule(
+        &mut self,
+        py: Python<'_>,
+        token_budget: Option<usize>,
+        max_background: Option<usize>,
+    ) -> PyResult<PySchedulerOutput> {
+        let out = self.inner.schedule_with_budget(token_budget, max_background).map_err(to_py)?;
         PySchedulerOutput::new(py, out)
     }
 
@@ -173,6 +179,11 @@ impl PyScheduler {
 
     fn has_unfinished_requests(&self) -> bool {
         self.inner.has_unfinished_requests()
+    }
+
+    /// Whether a request below BACKGROUND_PRIORITY is running or waiting.
+    fn has_foreground_requests(&self) -> bool {
+        self.inner.has_foreground_requests()
     }
 
     #[getter]

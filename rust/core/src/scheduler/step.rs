@@ -16,15 +16,21 @@ impl Scheduler {
     /// NOTE: drop the state of `finished_req_ids` before setting up the scheduled requests: an
     /// aborted id may be reused by a new request in the same step.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
-        self.schedule_with_budget(None)
+        self.schedule_with_budget(None, None)
     }
 
     /// [`Self::schedule`], with the step held to about `token_budget` tokens while requests
     /// decode: decoding requests (caught up, with output: their last token and drafts) are
     /// scheduled as before, and requests computing a prompt share what the decodes leave of the
     /// budget, at least `block_size` tokens so that they always progress. With no request
-    /// decoding, or `None`, the step may spend all of `max_num_batched_tokens`.
-    pub fn schedule_with_budget(&mut self, token_budget: Option<usize>) -> Result<SchedulerOutput> {
+    /// decoding, or `None`, the step may spend all of `max_num_batched_tokens`. At most
+    /// `max_background` background requests run in the step (`None`: no limit); the others
+    /// keep their blocks and wait.
+    pub fn schedule_with_budget(
+        &mut self,
+        token_budget: Option<usize>,
+        max_background: Option<usize>,
+    ) -> Result<SchedulerOutput> {
         if self.in_flight {
             return Err(step_err("step", "the previous step has not been updated"));
         }
@@ -40,14 +46,20 @@ impl Scheduler {
 
         // Foreground requests first (running ones in queue order, victims taken from the back,
         // then waiting ones); background requests (priority >= BACKGROUND_PRIORITY) only in a
-        // step that computes no foreground prompt, so that they never slow a first token.
+        // step that computes no foreground prompt, so that they never slow a first token, and
+        // at most `max_background` of them.
         let mut foreground_prompt = false;
         for background in [false, true] {
             if background && foreground_prompt {
                 break;
             }
+            // The step's length in requests this class may not reach.
+            let limit = match max_background {
+                Some(n) if background => plan.len() + n,
+                _ => usize::MAX,
+            };
             let mut i = 0;
-            while i < self.running.len() && budget > 0 {
+            while i < self.running.len() && budget > 0 && plan.len() < limit {
                 let (key, slot) = self.running[i];
                 if (key.0 >= BACKGROUND_PRIORITY) != background {
                     i += 1;
@@ -99,10 +111,7 @@ impl Scheduler {
             }
             // Waiting requests of this class, only when nothing had to be preempted.
             let mut cursor: Option<QueueKey> = None;
-            while out.preempted_req_ids.is_empty()
-                && budget.min(prompt_budget) > 0
-                && self.running.len() < self.config.max_num_seqs
-            {
+            while out.preempted_req_ids.is_empty() && budget.min(prompt_budget) > 0 && plan.len() < limit {
                 let next = match cursor {
                     None => self.waiting.iter().next(),
                     Some(c) => self.waiting.range((Excluded(c), Unbounded)).next(),
@@ -110,6 +119,17 @@ impl Scheduler {
                 let Some((&key, &slot)) = next else { break };
                 if (key.0 >= BACKGROUND_PRIORITY) != background {
                     break; // the queue is in key order: foreground first
+                }
+                if self.running.len() >= self.config.max_num_seqs {
+                    // Every seat taken: a foreground request takes the newest background one's
+                    // (not scheduled yet: background requests come after), else it waits.
+                    let &(victim_key, victim) = self.running.last().expect("max_num_seqs is at least 1");
+                    if background || victim_key.0 < BACKGROUND_PRIORITY {
+                        break;
+                    }
+                    self.running.pop();
+                    out.preempted_req_ids.push(self.requests[victim].id);
+                    self.preempt(victim);
                 }
                 cursor = Some(key);
                 let req = &mut self.requests[slot];

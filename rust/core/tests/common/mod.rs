@@ -103,6 +103,8 @@ pub struct Driver {
     pub last: UpdateResult,
     /// The budget each step is scheduled with (see `Scheduler::schedule_with_budget`).
     pub token_budget: Option<usize>,
+    /// The most background requests each step may schedule (ditto).
+    pub max_background: Option<usize>,
 }
 
 impl Driver {
@@ -116,6 +118,7 @@ impl Driver {
             steps: 0,
             last: UpdateResult::default(),
             token_budget: None,
+            max_background: None,
         }
     }
 
@@ -149,7 +152,7 @@ impl Driver {
     /// One schedule/forward/update round. `draft` proposes drafts for a request's tokens.
     pub fn step(&mut self, mut draft: impl FnMut(&[u32]) -> Vec<u32>) -> SchedulerOutput {
         let decoding = self.decoding();
-        let out = self.sched.schedule_with_budget(self.token_budget).unwrap();
+        let out = self.sched.schedule_with_budget(self.token_budget, self.max_background).unwrap();
         let cfg = self.sched.config().clone();
         let scheduled: usize = out.num_scheduled_tokens.iter().map(|&n| n as usize).sum();
         assert!(scheduled <= cfg.max_num_batched_tokens, "budget exceeded: {scheduled}");
