@@ -14,6 +14,11 @@ request not abandoned on purpose answered completely, with its usage); no 5xx. I
 drift of each measure and exits 1 when a check fails. Loopback only, bounded by --minutes and
 --max-requests. Writes --out (JSON) with every sample.
 
+The KV pool is reserved at start and its pages are faulted in as blocks are first written, so
+RSS grows until every block has been used once (the prefix cache keeps blocks, so a long run
+gets there); a run shorter than that passes --num-kv-blocks small enough to be filled during
+the warm-up.
+
   python bench/soak.py --minutes 30
 """
 
@@ -196,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rss-drift", type=float, default=0.05)
     ap.add_argument("--max-requests", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="the server's KV pool (default: its own)")
     args = ap.parse_args(argv)
     head = harness.header(__file__, argv)
     harness.print_header(head)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base = start_server(None, "--device", args.device, "--max-num-seqs", "32", workdir=Path(tmp))
+        pool = [] if args.num_kv_blocks is None else ["--num-kv-blocks", str(args.num_kv_blocks)]
+        proc, base = start_server(None, "--device", args.device, "--max-num-seqs", "32", *pool, workdir=Path(tmp))
         try:
             result = asyncio.run(soak(args, base, proc.pid))
         finally:

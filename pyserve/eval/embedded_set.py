@@ -7,6 +7,9 @@ textwrap), so no item's text was trained on:
 - continuation: the same kind of prefix, and four candidate next lines (the true one and three
   lines from other held-out functions); the true one must have the highest loglikelihood.
 - perplexity: a whole held-out function after its `def` line.
+- line-prefix: like next-line (any held-out function, cut anywhere), scored with partial credit (the share of the true line the first
+  generated line gets right before it differs): at this model size an exact line is rare for
+  any model, while how far a model gets separates a larger one from a smaller one.
 - code: small tasks with unit tests, written here (a chat request, the answer run with the tests
   in the sandbox); the embedded 4.2M model rarely passes them, larger models should.
 
@@ -47,7 +50,8 @@ def _candidates(held: list[tuple[Path, str]]) -> list[tuple[str, list[str]]]:
     return found
 
 
-def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, seed: int = 0) -> list[dict]:
+def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, line_prefix: int = 48,
+          seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     _, held = corpus.source_files()
     fns = _candidates(held)
@@ -80,6 +84,21 @@ def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, seed
     for i, (module, lines) in enumerate(fns[start: start + perplexity]):
         items.append({"id": f"perplexity-{i}", "source": module, "prompt": lines[0],
                       "scorer": "perplexity", "reference": "\n" + "\n".join(lines[1:]) + "\n"})
+    # Every held-out function in turn (those above too, cut elsewhere), until there are enough.
+    taken: set[tuple[int, int]] = set()
+    for n in range(line_prefix * 4):
+        f = n % len(fns)
+        module, lines = fns[f]
+        cut = rng.randrange(2, len(lines) - 1)
+        while cut < len(lines) - 1 and not lines[cut].strip():
+            cut += 1
+        if (f, cut) in taken or not lines[cut].strip():
+            continue
+        taken.add((f, cut))
+        items.append({"id": f"line-prefix-{len(taken) - 1}", "source": module, "prompt": "\n".join(lines[:cut]),
+                      "scorer": "line_prefix", "reference": lines[cut].strip(), "max_tokens": 32})
+        if len(taken) == line_prefix:
+            break
     for name, request, tests in CODE_TASKS:
         items.append({"id": f"code-{name}", "source": "written for this set",
                       "messages": [{"role": "user", "content": request}], "scorer": "code", "tests": tests,

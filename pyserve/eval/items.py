@@ -6,6 +6,8 @@ with that scorer's fields:
   exact        reference: the output, stripped, equals it
   contains     reference: the output contains it
   regex        pattern: re.search finds it in the output
+  line_prefix  reference (one line): partial credit, the share of the reference the output's first
+               line (blank lines and the whitespace around it aside) reproduces before it differs
   json_schema  schema: the output parses as JSON valid under it
   numeric      reference, tolerance (absolute, default 0), relative (default 0): the first number
                in the output is within max(tolerance, relative * |reference|) of reference
@@ -78,6 +80,18 @@ class RegexItem(_Item):
         return v
 
 
+class LinePrefixItem(_Item):
+    scorer: Literal["line_prefix"]
+    reference: Annotated[str, Field(min_length=1)]
+
+    @field_validator("reference")
+    @classmethod
+    def _one_line(cls, v: str) -> str:
+        if "\n" in v.strip() or not v.strip():
+            raise ValueError("must be one non-blank line")
+        return v
+
+
 class JsonSchemaItem(_Item):
     scorer: Literal["json_schema"]
     schema_: Annotated[dict[str, Any], Field(alias="schema")]
@@ -142,10 +156,10 @@ class PerplexityItem(_Item):
         return False
 
 
-EvalItem = Annotated[Union[ExactItem, ContainsItem, RegexItem, JsonSchemaItem, NumericItem, ChoiceItem, CodeItem,
-                           PerplexityItem], Field(discriminator="scorer")]
+EvalItem = Annotated[Union[ExactItem, ContainsItem, RegexItem, LinePrefixItem, JsonSchemaItem, NumericItem, ChoiceItem,
+                           CodeItem, PerplexityItem], Field(discriminator="scorer")]
 _ADAPTER = TypeAdapter(EvalItem)
-SCORERS = ("exact", "contains", "regex", "json_schema", "numeric", "choice", "code", "perplexity")
+SCORERS = ("exact", "contains", "regex", "line_prefix", "json_schema", "numeric", "choice", "code", "perplexity")
 
 
 def _field(loc: tuple) -> str:

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 
 from pyserve.eval.code_sandbox import program_of, run_tests
-from pyserve.eval.items import (ChoiceItem, CodeItem, ContainsItem, ExactItem, JsonSchemaItem, NumericItem,
-                                PerplexityItem, RegexItem)
+from pyserve.eval.items import (ChoiceItem, CodeItem, ContainsItem, ExactItem, JsonSchemaItem, LinePrefixItem,
+                                NumericItem, PerplexityItem, RegexItem)
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -33,6 +33,8 @@ def score_text(item, output: str) -> Score:
         return Score(float(item.reference in output))
     if isinstance(item, RegexItem):
         return Score(float(re.search(item.pattern, output) is not None))
+    if isinstance(item, LinePrefixItem):
+        return _line_prefix(item.reference.strip(), output)
     if isinstance(item, JsonSchemaItem):
         return _json_schema(item, output)
     if isinstance(item, NumericItem):
@@ -49,6 +51,16 @@ def score_text(item, output: str) -> Score:
         result = run_tests(program, item.tests, item.timeout_s, item.memory_mb)
         return Score(float(result.passed), result.reason)
     raise TypeError(f"{type(item).__name__} is not scored on generated text")
+
+
+def _line_prefix(reference: str, output: str) -> Score:
+    line = next((x.strip() for x in output.splitlines() if x.strip()), "")
+    same = 0
+    for a, b in zip(line, reference):
+        if a != b:
+            break
+        same += 1
+    return Score(same / len(reference), f"{same} of {len(reference)} characters")
 
 
 def _json_schema(item: JsonSchemaItem, output: str) -> Score:

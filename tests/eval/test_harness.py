@@ -22,7 +22,7 @@ DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data
 def test_the_shipped_set_is_drawn_from_held_out_modules_only():
     items = load_eval_set(DATA / "embedded.jsonl")
     kinds = {i.scorer for i in items}
-    assert kinds == {"regex", "choice", "perplexity", "code"}
+    assert kinds == {"regex", "line_prefix", "choice", "perplexity", "code"}
     held = {"csv.py", "fractions.py", "json", "shlex.py", "textwrap.py"}
     assert held == set(corpus.HELD_OUT)
     for item in items:

@@ -42,6 +42,7 @@ def test_every_scorer_parses(tmp_path):
     ({"id": "x", "scorer": "exact", "reference": "r"}, r"line 2: give exactly one of prompt and messages"),
     ({"id": "x", "prompt": "p", "scorer": "exact"}, r"line 2: reference: Field required"),
     ({"id": "x", "prompt": "p", "scorer": "regex", "pattern": "(a"}, r"line 2: pattern: not a valid regular expression"),
+    ({"id": "x", "prompt": "p", "scorer": "line_prefix", "reference": "a\nb"}, r"line 2: reference: .*must be one non-blank line"),
     ({"id": "x", "prompt": "p", "scorer": "json_schema", "schema": {"type": "nope"}}, r"line 2: schema: not a valid JSON schema"),
     ({"id": "x", "prompt": "p", "scorer": "choice", "choices": ["a", "b"], "answer": 2}, r"line 2: answer 2 is not an index"),
     ({"id": "x", "prompt": "p", "scorer": "code", "tests": "assert 1", "timeout_s": 0}, r"line 2: timeout_s: Input should be greater than 0"),

@@ -14,8 +14,10 @@ import soak  # noqa: E402
 
 def test_short_soak_passes_its_checks(tmp_path):
     out = tmp_path / "soak.json"
+    # 512 blocks: the pool is used once over during the warm-up (its pages are faulted in as
+    # blocks are first written; the default pool of 8192 takes longer than this run to fill).
     code = soak.main(["--minutes", "0.33", "--concurrency", "4", "--sample-every", "2", "--warmup-minutes", "0.1",
-                      "--max-rss-drift", "0.2", "--out", str(out)])
+                      "--max-rss-drift", "0.2", "--num-kv-blocks", "512", "--out", str(out)])
     report = json.loads(out.read_text())
     assert code == 0, report["checks"]
     assert report["sent"] == report["completed"] + report["abandoned"] and report["lost"] == 0
