@@ -3,10 +3,11 @@
 Each line is a request to this same server, in process (through its app: the same validation and
 answers as over HTTP), at the scheduler's background priority (BACKGROUND_PRIORITY): interactive
 requests are scheduled first, a step that computes an interactive prompt runs no batch line, and
-batch lines are preempted when KV blocks run short, and while interactive requests run (and for
-a second after) a step runs only a few batch lines (engine/background.py). At most
-`max_in_flight` lines are in the engine at once. Lines are sent grouped by how their prompt begins, so that lines sharing a prefix run together (one
-prefill, then prefix-cache hits), and by length within a group, so similar lengths batch together.
+batch lines give up their KV blocks and seats to interactive requests, and while interactive
+requests run (and for a second after) a step runs only a few batch lines (engine/background.py).
+At most `max_in_flight` lines are in the engine at once. Lines are sent grouped by how their
+prompt begins, so that lines sharing a prefix run together (one prefill, then prefix-cache hits),
+and by length within a group, so similar lengths batch together.
 
 Status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; failed
 when the file cannot be a batch input; cancelling -> cancelled; expired past the completion
@@ -175,6 +176,7 @@ class BatchRunner:
                                              ("\n".join(rows) + "\n").encode())
                 batch[field] = record.id
         self._set(batch, status)
+
 
 async def _take(room: asyncio.Semaphore) -> bool:
     """Takes a place in `room`; False when none came free within POLL_SECONDS."""

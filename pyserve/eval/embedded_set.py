@@ -7,9 +7,10 @@ textwrap), so no item's text was trained on:
 - continuation: the same kind of prefix, and four candidate next lines (the true one and three
   lines from other held-out functions); the true one must have the highest loglikelihood.
 - perplexity: a whole held-out function after its `def` line.
-- line-prefix: like next-line (any held-out function, cut anywhere), scored with partial credit (the share of the true line the first
-  generated line gets right before it differs): at this model size an exact line is rare for
-  any model, while how far a model gets separates a larger one from a smaller one.
+- line-prefix: like next-line (any held-out function, cut anywhere), scored with partial credit
+  (the share of the true line the first generated line gets right before it differs): at this
+  model size an exact line is rare for any model, while how far a model gets separates a
+  larger one from a smaller one.
 - code: small tasks with unit tests, written here (a chat request, the answer run with the tests
   in the sandbox); the embedded 4.2M model rarely passes them, larger models should.
 

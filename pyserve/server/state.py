@@ -84,7 +84,8 @@ class ServerMetrics:
         return cls(
             registry=reg,
             ttft=reg.add(Histogram("pyserve:time_to_first_token_seconds", "Time to first token.")),
-            itl=reg.add(Histogram("pyserve:inter_token_latency_seconds", "Time between generated tokens (a non-streamed choice: its mean gap, once per token).")),
+            itl=reg.add(Histogram("pyserve:inter_token_latency_seconds",
+                                  "Time between generated tokens (a non-streamed choice: its mean gap, once per token).")),
             e2e=reg.add(Histogram("pyserve:e2e_request_latency_seconds", "Request latency, arrival to finish.")),
             outcomes=reg.add(Counter("pyserve:request_outcomes_total", "Finished requests by outcome.")),
             lora_requests=reg.add(Counter("pyserve:lora_requests_total", "Requests per LoRA adapter.")),

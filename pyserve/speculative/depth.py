@@ -23,8 +23,8 @@ measures instead of assuming, separately for each batch-size bucket (powers of t
 A new bucket is explored first, cheapest first: some steps at depth 0, some at half depth, then
 some at full depth only where guesses accepted PROBE_ACCEPTANCE of the time would pay by what
 the first two measured (a large batch, whose first steps at full depth would cost more than its
-whole short run gains, stops exploring there). Then k in 0..max_k maximises expected tokens per second for B requests of which C may
-speculate: B / a0 at k = 0, else
+whole short run gains, stops exploring there). Then k in 0..max_k maximises expected tokens per
+second for B requests of which C may speculate: B / a0 at k = 0, else
 (B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + c + d * k).
 Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha (acceptance
 moves with the text: a stretch of hard tokens must not switch speculation off for good), where
@@ -193,7 +193,8 @@ class DepthController:
         bucket = self._bucket(batch_size)
         bucket.choices += 1
         k = bucket.exploring(self.max_k)
-        if k == self.max_k and bucket.spec.count and not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+        if k == self.max_k and bucket.spec.count and \
+                not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
             k = None  # even good guesses would not pay here: exploring ends
         explored = k is None
         if explored:
