@@ -98,8 +98,12 @@ impl Scheduler {
                 let num_spec = (start + num_new).saturating_sub(req.num_tokens());
                 req.spec_token_ids.truncate(num_spec);
                 let num_logits = if reaches_end { 1 + num_spec } else { 0 };
-                let s =
-                    ScheduledRequest { id: req.id, num_tokens: num_new, num_spec_tokens: num_spec, num_logits };
+                let s = ScheduledRequest {
+                    id: req.id,
+                    num_tokens: num_new,
+                    num_spec_tokens: num_spec,
+                    num_logits,
+                };
                 plan.push((slot, s, start));
                 add_lora(&mut loras, req.namespace.adapter_id);
                 budget -= num_new;
