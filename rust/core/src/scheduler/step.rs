@@ -6,8 +6,7 @@ use std::ops::Bound::{Excluded, Unbounded};
 use super::{insert_sorted, Planned, QueueKey, Scheduler, BACKGROUND_PRIORITY};
 use crate::error::{step_err, Result};
 use crate::output::{ScheduledRequest, SchedulerOutput, UpdateResult};
-use crate::request::RequestStatus;
-use crate::request_table::Slot;
+use crate::request::{RequestId, RequestStatus};
 
 impl Scheduler {
     /// Decides one step within `max_num_batched_tokens`. Call [`Self::update`] with its results
@@ -83,9 +82,7 @@ impl Scheduler {
                         scheduled = false; // a background request never preempts a foreground one
                         break;
                     }
-                    self.running.pop();
-                    out.preempted_req_ids.push(self.requests[victim].id);
-                    self.preempt(victim);
+                    self.preempt_last(&mut out.preempted_req_ids);
                     if victim == slot {
                         scheduled = false;
                         break;
@@ -127,13 +124,11 @@ impl Scheduler {
                 if self.running.len() >= self.config.max_num_seqs {
                     // Every seat taken: a foreground request takes the newest background one's
                     // (not scheduled yet: background requests come after), else it waits.
-                    let &(victim_key, victim) = self.running.last().expect("max_num_seqs is at least 1");
+                    let &(victim_key, _) = self.running.last().expect("max_num_seqs is at least 1");
                     if background || victim_key.0 < BACKGROUND_PRIORITY {
                         break;
                     }
-                    self.running.pop();
-                    out.preempted_req_ids.push(self.requests[victim].id);
-                    self.preempt(victim);
+                    self.preempt_last(&mut out.preempted_req_ids);
                 }
                 cursor = Some(key);
                 let req = &mut self.requests[slot];
@@ -300,8 +295,12 @@ impl Scheduler {
         token_budget.min(max).saturating_sub(decode_tokens).max(self.config.block_size)
     }
 
-    fn preempt(&mut self, slot: Slot) {
+    /// Preempts the last running request (the lowest priority, newest): its blocks are freed, its
+    /// id joins `preempted`, and it waits at the head of its priority's queue.
+    fn preempt_last(&mut self, preempted: &mut Vec<RequestId>) {
+        let (_, slot) = self.running.pop().expect("a running request to preempt");
         let req = &mut self.requests[slot];
+        preempted.push(req.id);
         self.kv.free(req);
         req.num_computed_tokens = 0;
         req.spec_token_ids.clear();
