@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{drafts_with, Driver};
+use common::{drafts_with, no_drafts, Driver};
 use pyserve_core::{NewRequest, Scheduler, SchedulerConfig};
 
 fn driver(max_num_batched_tokens: usize) -> Driver {
@@ -17,10 +17,6 @@ fn req(id: u64, prompt_len: usize, max_tokens: usize) -> NewRequest {
     let mut r = NewRequest::new(id, (0..prompt_len as u32).map(|t| (t * 7 + id as u32) % 40).collect());
     r.max_tokens = Some(max_tokens);
     r
-}
-
-fn no_drafts(_: &[u32]) -> Vec<u32> {
-    Vec::new()
 }
 
 /// A driver whose requests `1..=n` are decoding (prefilled, one output token each).

@@ -5,9 +5,32 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use pyserve_core::{FinishReason, NewRequest, RequestId, Scheduler, SchedulerOutput, UpdateResult};
+use pyserve_core::{
+    FinishReason, NewRequest, RequestId, Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult,
+};
 
 pub const VOCAB: u32 = 40;
+
+/// A config of `num_blocks` blocks of `block_size` tokens, a step budget of `budget` tokens and
+/// sequences of at most 256 tokens; the engine's defaults otherwise.
+pub fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+    let mut c = SchedulerConfig::new(num_blocks, block_size);
+    c.max_num_batched_tokens = budget;
+    c.max_model_len = 256;
+    c
+}
+
+/// A request for `prompt` that stops after `max_tokens` output tokens.
+pub fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    let mut r = NewRequest::new(id, prompt);
+    r.max_tokens = Some(max_tokens);
+    r
+}
+
+/// A proposer with no guesses.
+pub fn no_drafts(_: &[u32]) -> Vec<u32> {
+    Vec::new()
+}
 
 /// Next token after `ctx`: a hash of the whole context.
 pub fn next_token(ctx: &[u32]) -> u32 {
