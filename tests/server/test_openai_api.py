@@ -225,19 +225,15 @@ def test_sigterm_drains_in_flight_stream_and_exits_zero(model_dirs):
     assert proc.wait(timeout=60) == 0
 
 
-def _metric(server: str, name: str) -> float:
-    text = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
-
-
 def test_a_request_not_streamed_is_timed_from_its_first_token(client, server):
     """No deltas reach the server while it runs: its first token's time comes from the engine, and
     its inter-token gaps count once per token after the first."""
     ttft, itl = "pyserve:time_to_first_token_seconds", "pyserve:inter_token_latency_seconds"
-    before = [_metric(server, f"{m}_{part}") for m in (ttft, itl) for part in ("count", "sum")]
+    names = [f"{m}_{part}" for m in (ttft, itl) for part in ("count", "sum")]
+    before = list(map(scrape_metrics(server, KEY).__getitem__, names))
     r = client.completions.create(model=MODEL, prompt="def", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 6
-    after = [_metric(server, f"{m}_{part}") for m in (ttft, itl) for part in ("count", "sum")]
+    after = list(map(scrape_metrics(server, KEY).__getitem__, names))
     assert after[0] - before[0] == 1 and after[2] - before[2] == 5
     assert 0 < after[1] - before[1] < 5 and 0 < after[3] - before[3] < 5
