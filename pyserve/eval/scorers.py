@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -55,11 +56,7 @@ def score_text(item, output: str) -> Score:
 
 def _line_prefix(reference: str, output: str) -> Score:
     line = next((x.strip() for x in output.splitlines() if x.strip()), "")
-    same = 0
-    for a, b in zip(line, reference):
-        if a != b:
-            break
-        same += 1
+    same = len(os.path.commonprefix([line, reference]))
     return Score(same / len(reference), f"{same} of {len(reference)} characters")
 
 
