@@ -18,8 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from pyserve.batches.asgi_call import post_json
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings
@@ -68,35 +67,30 @@ async def run_batch(engine: AsyncEngine, model_name: str, input_path: Path, outp
     limit = asyncio.Semaphore(MAX_CONCURRENT)
     progress = _Progress(len(todo))
 
-    async def run_one(client: httpx.AsyncClient, i: int) -> None:
+    async def run_one(i: int) -> None:
         custom_id, item, _ = parsed[i]
         body = dict(item["body"])
         body.setdefault("model", model_name)
         body["stream"] = False
         try:
             async with limit:
-                resp = await client.post(item["url"], json=body)
-            payload = resp.json()
+                status, payload = await post_json(app, item["url"], body, {})
         except Exception as e:  # noqa: BLE001 - one line's failure must not stop the batch
             results[i] = _record(custom_id, None, {"code": "internal_error", "message": repr(e)})
         else:
-            if resp.status_code == 200:
+            if status == 200:
                 response = {"status_code": 200, "request_id": payload.get("id"), "body": payload}
                 results[i] = _record(custom_id, response, None)
             else:
                 err = payload.get("error") or {}
-                response = {"status_code": resp.status_code, "request_id": None, "body": payload}
+                response = {"status_code": status, "request_id": None, "body": payload}
                 results[i] = _record(custom_id, response, {"code": err.get("code") or err.get("type"),
                                                            "message": err.get("message")})
         progress.advance()
 
     await engine.start()
     try:
-        # NOTE: raise_app_exceptions=False turns an app exception into its 500 response; by default
-        # httpx re-raises it here, which would end the whole batch.
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://pyserve.batch", timeout=None) as client:
-            await asyncio.gather(*(run_one(client, i) for i in todo))
+        await asyncio.gather(*(run_one(i) for i in todo))
     finally:
         await engine.stop()
     progress.close()
