@@ -13,6 +13,10 @@ from pathlib import Path
 
 from pyserve.default_model import resolve_model, served_name
 
+# uvicorn's pure-Python HTTP parser even where httptools is installed: h11 refuses a request
+# whose head outgrows its 16 KiB buffer (httptools' parser takes any size of header).
+HTTP_PARSER = "h11"
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from pyserve.engine.config import EngineConfig
@@ -129,7 +133,7 @@ def serve(args: argparse.Namespace) -> None:
         app = build_app(models, settings, on_load_failure=load_failed)
     except (ValueError, OSError) as e:
         sys.exit(f"pyserve serve: {e}")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=HTTP_PARSER,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
     # one a no-op so a drained server exits 0.
@@ -179,7 +183,7 @@ def _run_router(settings, args: argparse.Namespace) -> None:
 
     refused: list[Exception] = []
     app = build_router_app(settings, on_refused=refused.append)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="critical",
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="critical", http=HTTP_PARSER,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
