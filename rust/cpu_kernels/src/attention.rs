@@ -158,7 +158,7 @@ fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result
         return shape(format!("num_q_heads {hq} is not a multiple of num_kv_heads {hkv}"));
     }
     let row = bs * hkv * d;
-    if cache.keys.len() % row != 0 || cache.values.len() != cache.keys.len() {
+    if !cache.keys.len().is_multiple_of(row) || cache.values.len() != cache.keys.len() {
         return shape("keys and values must both be [num_blocks, block_size, num_kv_heads, head_dim]".into());
     }
     let num_seqs = batch.seq_lens.len();

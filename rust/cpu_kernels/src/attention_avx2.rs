@@ -39,7 +39,7 @@ pub unsafe fn run_sequences(
 
 /// The head dims the intrinsics serve: 1 to 16 vectors.
 fn serves(head_dim: usize) -> bool {
-    head_dim % LANES == 0 && (1..=16).contains(&(head_dim / LANES))
+    head_dim.is_multiple_of(LANES) && (1..=16).contains(&(head_dim / LANES))
 }
 
 /// `attention::attend` with intrinsics, for a head dim that `serves`.

@@ -13,7 +13,7 @@ use crate::vector::dot;
 pub struct LayerOpError(String);
 
 fn rows_of(name: &str, len: usize, width: usize) -> Result<usize, LayerOpError> {
-    if width == 0 || len % width != 0 {
+    if width == 0 || !len.is_multiple_of(width) {
         return Err(LayerOpError(format!("{name}: {len} values is not a whole number of rows of {width}")));
     }
     Ok(len / width)
@@ -94,7 +94,7 @@ pub fn rotary(
     sin: &[f32],
 ) -> Result<(), LayerOpError> {
     let rows = rows_of("x", x.len(), row_width)?;
-    if head_dim % 2 != 0 || heads * head_dim > row_width {
+    if !head_dim.is_multiple_of(2) || heads * head_dim > row_width {
         return Err(LayerOpError(format!(
             "heads: {heads} heads of {head_dim} (an even size) must fit in rows of {row_width}"
         )));

@@ -141,7 +141,7 @@ fn check_rows(x: &[f32], k: usize, n: usize, bias: Option<&[f32]>, y: &[f32]) ->
     if let Some(b) = bias.filter(|b| b.len() != n) {
         return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
     }
-    if x.len() % k != 0 {
+    if !x.len().is_multiple_of(k) {
         return Err(LinearError(format!("x: {} values is not a whole number of rows of {k}", x.len())));
     }
     let rows = x.len() / k;

@@ -94,10 +94,13 @@ impl RowWeights for Q4Weights<'_> {
         self.bias.map_or(dot, |b| dot + b[o])
     }
     /// Groups of 16 inputs or more take the kernel that applies each scale once per group
-    /// (`linear_q4_avx2`).
+    /// (`linear_q4_avx2`), or its AVX-512 twin for groups of 32 or more where the CPU has
+    /// AVX-512F (`linear_q4_avx512`).
     #[cfg(target_arch = "x86_64")]
     unsafe fn run_outputs_avx2(&self, x: &[f32], rows: usize, outputs: Range<usize>, y: &SharedOutputs) {
-        if self.group >= 16 {
+        if self.group >= crate::linear_q4_avx512::STEP && crate::vector::avx512_available() {
+            crate::linear_q4_avx512::run_outputs(x, rows, self, outputs, y)
+        } else if self.group >= 16 {
             crate::linear_q4_avx2::run_outputs(x, rows, self, outputs, y)
         } else {
             crate::linear_avx2::run_outputs(x, rows, self, outputs, y)
@@ -139,6 +142,40 @@ mod tests {
         q.chunks(2).map(|p| p[0] | (p[1] << 4)).collect()
     }
 
+    /// y [rows, n] in float64 from the dequantized weights.
+    fn reference(
+        x: &[f32],
+        q: &[u8],
+        scales: &[f32],
+        offsets: &[f32],
+        bias: Option<&[f32]>,
+        k: usize,
+        n: usize,
+        group: usize,
+    ) -> Vec<f64> {
+        let (rows, groups) = (x.len() / k, k / group);
+        let mut y = vec![0.0; rows * n];
+        for r in 0..rows {
+            for o in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|j| {
+                        let g = o * groups + j / group;
+                        x[r * k + j] as f64 * (q[o * k + j] as f64 * scales[g] as f64 + offsets[g] as f64)
+                    })
+                    .sum();
+                y[r * n + o] = dot + bias.map_or(0.0, |b| b[o] as f64);
+            }
+        }
+        y
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], k: usize) {
+        for (&got, &want) in got.iter().zip(want) {
+            let got = got as f64;
+            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
+        }
+    }
+
     #[test]
     fn matches_a_float64_reference_of_the_dequantized_weight() {
         for (rows, k, n, group) in [
@@ -165,20 +202,50 @@ mod tests {
                 };
                 let mut y = vec![f32::NAN; rows * n];
                 linear_q4(&x, &w, &mut y).unwrap();
-                for r in 0..rows {
-                    for o in 0..n {
-                        let dot: f64 = (0..k)
-                            .map(|j| {
-                                let g = o * groups + j / group;
-                                x[r * k + j] as f64
-                                    * (q[o * k + j] as f64 * scales[g] as f64 + offsets[g] as f64)
-                            })
-                            .sum();
-                        let want = dot + bias.map_or(0.0, |b| b[o] as f64);
-                        let got = y[r * n + o] as f64;
-                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
-                    }
-                }
+                assert_close(&y, &reference(&x, &q, &scales, &offsets, bias, k, n, group), k);
+            }
+        }
+    }
+
+    /// Each x86 half the CPU can run, called directly (the dispatch runs only one of them per
+    /// CPU): the reference's values, and a row's bits the same alone as beside six others.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn each_vector_half_matches_the_reference_and_keeps_a_rows_bits() {
+        type Half = unsafe fn(&[f32], usize, &Q4Weights<'_>, Range<usize>, &SharedOutputs);
+        let mut halves: Vec<(&str, Half)> = Vec::new();
+        if crate::vector::avx2_fma_available() {
+            halves.push(("avx2", crate::linear_q4_avx2::run_outputs));
+        }
+        if crate::vector::avx512_available() {
+            halves.push(("avx512", crate::linear_q4_avx512::run_outputs));
+        }
+        let (rows, k, n, group) = (7, 256, 13, 64);
+        let (x, q) = (values(rows * k, 10), nibbles(n * k, 11));
+        let (scales, offsets) = (values(n * k / group, 12), values(n * k / group, 13));
+        let packed = pack(&q);
+        let w = Q4Weights {
+            packed: &packed,
+            scales: &scales,
+            offsets: &offsets,
+            group,
+            bias: None,
+            fan_in: k,
+            fan_out: n,
+        };
+        let want = reference(&x, &q, &scales, &offsets, None, k, n, group);
+        for (name, half) in halves {
+            let run = |x: &[f32]| {
+                let mut y = vec![f32::NAN; x.len() / k * n];
+                let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
+                // SAFETY: the CPU has the half's features; the shapes are linear_q4's checked ones.
+                unsafe { half(x, x.len() / k, &w, 0..n, &out) };
+                y
+            };
+            let all = run(&x);
+            assert_close(&all, &want, k);
+            for r in 0..rows {
+                assert_eq!(run(&x[r * k..][..k]), all[r * n..][..n], "{name}, row {r}");
             }
         }
     }

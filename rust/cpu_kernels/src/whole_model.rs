@@ -223,7 +223,7 @@ fn check(
 ) -> Result<(), LayerError> {
     let shape = |m: String| Err(LayerError::Shape(m));
     let (hidden, vocab) = (model.norm.len(), model.head.fan_out());
-    if hidden == 0 || model.embed.len() % hidden != 0 || model.head.fan_in() != hidden {
+    if hidden == 0 || !model.embed.len().is_multiple_of(hidden) || model.head.fan_in() != hidden {
         return shape(format!(
             "embed ({} values) and head ({} inputs) must have rows of the norm's {hidden}",
             model.embed.len(),
@@ -235,7 +235,7 @@ fn check(
         return shape(format!("{} caches for {} layers", caches.len(), model.layers.len()));
     }
     let dim = heads.dim;
-    if dim == 0 || rope.cos.len() != rope.sin.len() || rope.cos.len() % dim != 0 {
+    if dim == 0 || rope.cos.len() != rope.sin.len() || !rope.cos.len().is_multiple_of(dim) {
         return shape(format!(
             "cos and sin: {} and {} values, not rows of {dim}",
             rope.cos.len(),
