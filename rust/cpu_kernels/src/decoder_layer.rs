@@ -86,7 +86,9 @@ pub fn decoder_layer_on(
         return Err(LayerError::Shape(format!("qkv: {} outputs, the heads need {width}", w.qkv.fan_out())));
     }
     let capacity = cache.keys.len() / kvd.max(1);
-    if cache.values.len() != cache.keys.len() || !cache.keys.len().is_multiple_of((kvd * cache.block_size).max(1)) {
+    if cache.values.len() != cache.keys.len()
+        || !cache.keys.len().is_multiple_of((kvd * cache.block_size).max(1))
+    {
         return Err(LayerError::Shape(format!(
             "k_cache and v_cache: {} and {} values, not whole blocks of {} x {kvd}",
             cache.keys.len(),

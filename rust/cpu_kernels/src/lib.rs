@@ -1,5 +1,5 @@
 //! CPU kernels pyserve runs between torch ops, with AVX2 and FMA where the CPU has them (and
-//! AVX-512 for 4-bit weights), on the calling thread or on threads the caller lends (`ForkJoin`):
+//! AVX-512 for quantized weights), on the calling thread or on threads the caller lends (`ForkJoin`):
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
@@ -23,6 +23,8 @@ mod linear_q4_avx2;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx512;
 mod linear_q8;
+#[cfg(target_arch = "x86_64")]
+mod linear_q8_avx512;
 mod lora;
 #[cfg(target_arch = "x86_64")]
 mod lora_avx2;

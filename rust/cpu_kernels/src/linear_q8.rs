@@ -10,7 +10,9 @@
 //! Layouts (row-major): `x [rows, fan_in]` f32, `weight [fan_out, fan_in]` i8, `scales
 //! [fan_out]` f32, `bias [fan_out]` f32, `y [rows, fan_out]` f32.
 
-use crate::linear::{run_checked, LinearError, RowWeights};
+use std::ops::Range;
+
+use crate::linear::{run_checked, LinearError, RowWeights, SharedOutputs};
 use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One int8 linear layer's parameters.
@@ -74,6 +76,16 @@ impl RowWeights for Q8Weights<'_> {
     fn row_ptr(&self, o: usize) -> *const u8 {
         self.weight.as_ptr().wrapping_add(o * self.fan_in) as *const u8
     }
+    /// Layers whose fan_in is a multiple of 16 take the AVX-512 half where the CPU has AVX-512F
+    /// (`linear_q8_avx512`); others `linear`'s AVX2 tiles over `load8`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn run_outputs_avx2(&self, x: &[f32], rows: usize, outputs: Range<usize>, y: &SharedOutputs) {
+        if self.fan_in.is_multiple_of(crate::linear_q8_avx512::STEP) && crate::vector::avx512_available() {
+            crate::linear_q8_avx512::run_outputs(x, rows, self, outputs, y)
+        } else {
+            crate::linear_avx2::run_outputs(x, rows, self, outputs, y)
+        }
+    }
     /// Eight int8 weights widened in registers: sign-extend to i32 (`vpmovsxbd`), then to f32.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -124,6 +136,51 @@ mod tests {
             let mut one = vec![0.0; n];
             linear_q8(&x[r * k..][..k], &w, &mut one).unwrap();
             assert_eq!(one, all[r * n..][..n], "row {r}");
+        }
+    }
+
+    /// Each x86 half the CPU can run, called directly (the dispatch runs only one of them per
+    /// CPU): the reference's values, and a row's bits the same alone as beside others (up to a
+    /// chunk's sixteen rows: tiles of four rows, and the shorter last one).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn each_vector_half_matches_the_reference_and_keeps_a_rows_bits() {
+        let mut halves = Vec::new();
+        if crate::vector::avx2_fma_available() {
+            halves.push("avx2");
+        }
+        if crate::vector::avx512_available() {
+            halves.push("avx512");
+        }
+        let (rows, k, n) = (11, 96, 14);
+        let (x, q, scales, b) = (values(rows * k, 8), int8s(n * k, 9), values(n, 10), values(n, 11));
+        let w = Q8Weights { weight: &q, scales: &scales, bias: Some(&b), fan_in: k, fan_out: n };
+        for name in halves {
+            let run = |x: &[f32]| {
+                let mut y = vec![f32::NAN; x.len() / k * n];
+                let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
+                // SAFETY: the CPU has the half's features; the shapes are linear_q8's checked ones.
+                unsafe {
+                    match name {
+                        "avx2" => crate::linear_avx2::run_outputs(x, x.len() / k, &w, 0..n, &out),
+                        _ => crate::linear_q8_avx512::run_outputs(x, x.len() / k, &w, 0..n, &out),
+                    }
+                }
+                y
+            };
+            let all = run(&x);
+            for r in 0..rows {
+                for o in 0..n {
+                    let dot: f64 = (0..k).map(|i| x[r * k + i] as f64 * q[o * k + i] as f64).sum();
+                    let want = dot * scales[o] as f64 + b[o] as f64;
+                    let got = all[r * n + o] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64,
+                        "{name}: {got} vs {want}"
+                    );
+                }
+                assert_eq!(run(&x[r * k..][..k]), all[r * n..][..n], "{name}, row {r}");
+            }
         }
     }
 
