@@ -52,7 +52,8 @@ def test_regex_choice_grammar_and_json_object(llm):
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t) for t in texts[0])
     assert all(t in ("yes", "no", "maybe so") for t in texts[1])
     assert all(re.fullmatch(r"SELECT [a-z]{1,6}(, [a-z]{1,6})? FROM t", t) for t in texts[2])
-    assert all(re.fullmatch(r"\([0-9]+\)", t) for t in texts[3]), texts[3]
+    for t, c in zip(texts[3], outs[3].outputs):  # unbounded digits: a sample may end at max_tokens
+        assert re.fullmatch(r"\([0-9]+\)" if c.finish_reason == "stop" else r"\([0-9]*", t), (c.finish_reason, t)
     for t, c in zip(texts[4], outs[4].outputs):
         if c.finish_reason == "stop":
             assert isinstance(json.loads(t), dict)
