@@ -70,7 +70,7 @@ pub unsafe fn run_outputs(
                 }
             }
         } else {
-            // Several rows: the tile's values widened once, then read back for each pair of rows.
+            // Several rows: the tile's values widened once, then read back for every two rows.
             for a in 0..width {
                 for i in (0..k).step_by(STEP) {
                     let (even, odd) = Packed(w).q32(o + a, i);
@@ -81,16 +81,23 @@ pub unsafe fn run_outputs(
             let widened = Widened { values: &scratch, first: o, fan_in: k };
             let mut r = 0;
             while r < rows {
-                let pair = rows - r >= 2;
-                for a in (0..width).step_by(2) {
-                    match (pair, width - a >= 2) {
-                        (true, true) => block::<2, 2, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (true, false) => block::<1, 2, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (false, true) => block::<2, 1, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (false, false) => block::<1, 1, _>(x, &x_sums, w, &widened, o + a, r, y),
+                // Four weight rows by up to two input rows: eight sums in registers, each with
+                // its group's partial sum beside it.
+                let n = 2.min(rows - r);
+                if width == TILE_OUTPUTS {
+                    match n {
+                        2 => block::<TILE_OUTPUTS, 2, _>(x, &x_sums, w, &widened, o, r, y),
+                        _ => block::<TILE_OUTPUTS, 1, _>(x, &x_sums, w, &widened, o, r, y),
+                    }
+                } else {
+                    for o in o..o + width {
+                        match n {
+                            2 => block::<1, 2, _>(x, &x_sums, w, &widened, o, r, y),
+                            _ => block::<1, 1, _>(x, &x_sums, w, &widened, o, r, y),
+                        }
                     }
                 }
-                r += if pair { 2 } else { 1 };
+                r += n;
             }
         }
         o += width;
