@@ -237,6 +237,16 @@ pub(crate) mod tests {
         }
     }
 
+    /// A quantized layer's outputs against its float64 reference, within a tolerance that grows
+    /// with the fan_in `k` (the sums' rounding).
+    pub(crate) fn assert_close(got: &[f32], want: &[f64], k: usize) {
+        assert_eq!(got.len(), want.len());
+        for (&got, &want) in got.iter().zip(want) {
+            let got = got as f64;
+            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
+        }
+    }
+
     /// Deterministic values in [-1, 1].
     pub(crate) fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).max(1);

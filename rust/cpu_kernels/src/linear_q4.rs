@@ -132,7 +132,7 @@ impl RowWeights for Q4Weights<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::tests::{values, TwoParts};
+    use crate::linear::tests::{assert_close, values, TwoParts};
 
     fn nibbles(n: usize, seed: u32) -> Vec<u8> {
         values(n, seed).iter().map(|v| ((v + 1.0) * 7.5).round() as u8 & 0xF).collect()
@@ -142,17 +142,11 @@ mod tests {
         q.chunks(2).map(|p| p[0] | (p[1] << 4)).collect()
     }
 
-    /// y [rows, n] in float64 from the dequantized weights.
-    fn reference(
-        x: &[f32],
-        q: &[u8],
-        scales: &[f32],
-        offsets: &[f32],
-        bias: Option<&[f32]>,
-        k: usize,
-        n: usize,
-        group: usize,
-    ) -> Vec<f64> {
+    /// y [rows, n] in float64 from the dequantized weights: `q` the unpacked nibbles, `w` the
+    /// layer's scales, offsets, bias and shape (its packed bytes are not read).
+    fn reference(x: &[f32], q: &[u8], w: &Q4Weights<'_>) -> Vec<f64> {
+        let (k, n, group) = (w.fan_in, w.fan_out, w.group);
+        let (scales, offsets, bias) = (w.scales, w.offsets, w.bias);
         let (rows, groups) = (x.len() / k, k / group);
         let mut y = vec![0.0; rows * n];
         for r in 0..rows {
@@ -167,13 +161,6 @@ mod tests {
             }
         }
         y
-    }
-
-    fn assert_close(got: &[f32], want: &[f64], k: usize) {
-        for (&got, &want) in got.iter().zip(want) {
-            let got = got as f64;
-            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
-        }
     }
 
     #[test]
@@ -202,7 +189,7 @@ mod tests {
                 };
                 let mut y = vec![f32::NAN; rows * n];
                 linear_q4(&x, &w, &mut y).unwrap();
-                assert_close(&y, &reference(&x, &q, &scales, &offsets, bias, k, n, group), k);
+                assert_close(&y, &reference(&x, &q, &w), k);
             }
         }
     }
@@ -233,7 +220,7 @@ mod tests {
             fan_in: k,
             fan_out: n,
         };
-        let want = reference(&x, &q, &scales, &offsets, None, k, n, group);
+        let want = reference(&x, &q, &w);
         for (name, half) in halves {
             let run = |x: &[f32]| {
                 let mut y = vec![f32::NAN; x.len() / k * n];

@@ -99,10 +99,23 @@ impl RowWeights for Q8Weights<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::tests::{values, TwoParts};
+    use crate::linear::tests::{assert_close, values, TwoParts};
 
     fn int8s(n: usize, seed: u32) -> Vec<i8> {
         values(n, seed).iter().map(|v| (v * 127.0).round() as i8).collect()
+    }
+
+    /// y [rows, n] in float64: each row's dot products with the int8 weights, scaled, plus bias.
+    fn reference(x: &[f32], q: &[i8], scales: &[f32], bias: Option<&[f32]>, k: usize, n: usize) -> Vec<f64> {
+        let rows = x.len() / k;
+        let mut y = vec![0.0; rows * n];
+        for r in 0..rows {
+            for o in 0..n {
+                let dot: f64 = (0..k).map(|i| x[r * k + i] as f64 * q[o * k + i] as f64).sum();
+                y[r * n + o] = dot * scales[o] as f64 + bias.map_or(0.0, |b| b[o] as f64);
+            }
+        }
+        y
     }
 
     #[test]
@@ -113,14 +126,7 @@ mod tests {
                 let mut y = vec![f32::NAN; rows * n];
                 let w = Q8Weights { weight: &q, scales: &scales, bias, fan_in: k, fan_out: n };
                 linear_q8(&x, &w, &mut y).unwrap();
-                for r in 0..rows {
-                    for o in 0..n {
-                        let dot: f64 = (0..k).map(|i| x[r * k + i] as f64 * q[o * k + i] as f64).sum();
-                        let want = dot * scales[o] as f64 + bias.map_or(0.0, |b| b[o] as f64);
-                        let got = y[r * n + o] as f64;
-                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64, "{got} vs {want}");
-                    }
-                }
+                assert_close(&y, &reference(&x, &q, &scales, bias, k, n), k);
             }
         }
     }
@@ -155,6 +161,7 @@ mod tests {
         let (rows, k, n) = (11, 96, 14);
         let (x, q, scales, b) = (values(rows * k, 8), int8s(n * k, 9), values(n, 10), values(n, 11));
         let w = Q8Weights { weight: &q, scales: &scales, bias: Some(&b), fan_in: k, fan_out: n };
+        let want = reference(&x, &q, &scales, Some(&b), k, n);
         for name in halves {
             let run = |x: &[f32]| {
                 let mut y = vec![f32::NAN; x.len() / k * n];
@@ -169,16 +176,8 @@ mod tests {
                 y
             };
             let all = run(&x);
+            assert_close(&all, &want, k);
             for r in 0..rows {
-                for o in 0..n {
-                    let dot: f64 = (0..k).map(|i| x[r * k + i] as f64 * q[o * k + i] as f64).sum();
-                    let want = dot * scales[o] as f64 + b[o] as f64;
-                    let got = all[r * n + o] as f64;
-                    assert!(
-                        (got - want).abs() < 1e-4 * (1.0 + want.abs()) * k as f64,
-                        "{name}: {got} vs {want}"
-                    );
-                }
                 assert_eq!(run(&x[r * k..][..k]), all[r * n..][..n], "{name}, row {r}");
             }
         }
