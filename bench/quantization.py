@@ -1,16 +1,18 @@
-"""Weight-only quantization (int8; int4 in groups of 64) against fp32, same process, fp32
-activations on the CPU.
+"""Quantization at load (weight-only int8; int4 in groups of 64; w8a8: int8 weights and
+activations) against fp32, same process, on the CPU.
 
   speed    greedy decode of a ~118M-parameter Llama (10 layers, hidden 1024, GQA 16/8, vocab 512,
            random weights, built here: memory-bound on this machine) at batch 1 (128 tokens) and
-           batch 32 (32 tokens each), fp32 and int8 engines interleaved --runs times; output tok/s
-           and the ratios (goals: int8 >= 2.5x and int4 >= 3.5x at batch 1, int8 >= 1.5x at
-           batch 32); the embedded model at batch 1 too
+           batch 32 (32 tokens each), fp32 and quantized engines interleaved --runs times; output
+           tok/s and the ratios (goals: int8 >= 2.5x and int4 >= 3.5x at batch 1, int8 >= 1.5x
+           at batch 32); the embedded model at batch 1 too. w8a8 only where the CPU has VNNI
+           (elsewhere the engine refuses it; the bench says so)
   quality  the embedded model on its held-out text (the standard-library modules it never
            trained on, `corpus.source_files()`): perplexity and top-1 agreement of the quantized
            weights against fp32, computed with transformers on the dequantized weights (the
            values pyserve's kernels compute with: tests/model/test_quantized_linear.py holds
-           them to greedy parity); goals int8 +0.5% / 97%, int4 +5% / 90%
+           them to greedy parity), w8a8 on its reference layers (the same); goals int8 +0.5% /
+           97%, int4 +5% / 90%
   load     seconds from `LLM(...)` to ready, each method, both models (quantizing at load)
 
 Writes bench/results/quantization.json.
@@ -29,7 +31,8 @@ from batch1_decode import build
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import TARGET_DIR
 from pyserve.default_model.training import corpus
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, fast_int8_matmul
+from pyserve.testing.quantized_reference import use_w8a8_reference
 
 BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=10, num_attention_heads=16,
            num_key_value_heads=8, vocab_size=512)
@@ -49,7 +52,8 @@ def loaded(model: str, quantization: str | None) -> tuple[LLM, float]:
     return llm, time.perf_counter() - start
 
 
-METHODS = (None, "int8", "int4")  # int4 in groups of 64 (the default group size)
+# int4 in groups of 64 (the default group size); w8a8 where the engine serves it
+METHODS = (None, "int8", "int4") + (("w8a8",) if fast_int8_matmul() else ())
 
 
 def quality(max_chars: int) -> dict[str, dict[str, float]]:
@@ -72,6 +76,8 @@ def quality(max_chars: int) -> dict[str, dict[str, float]]:
                     layer = Int8Linear.from_linear(lin) if method == "int8" else Int4Linear.from_linear(lin, 64)
                     lin.weight.copy_(layer.dequantized())
         models[method] = m
+    models["w8a8"] = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval()
+    use_w8a8_reference(models["w8a8"])
     window = 1024
     nll = dict.fromkeys(models, 0.0)
     agree = dict.fromkeys(models, 0)
@@ -98,6 +104,8 @@ def main() -> None:
     args = ap.parse_args()
     head = harness.header(__file__)
     harness.print_header(head)
+    if "w8a8" not in METHODS:
+        print("w8a8 not measured: this CPU has no VNNI (or oneDNN is off), where the engine refuses it")
     big = build(Path("/tmp/pyserve-bench-quant-118m"), BIG)
     report: dict = {**head, "load_s": {}}
     results: dict[str, dict] = {}

@@ -31,9 +31,10 @@ class EngineConfig:
     max_lora_rank: int = option(64, "largest adapter rank accepted")
     seed: int = option(0, "seed of the shared sampling generator")
     quantization: str | None = option(  # checked by the model worker (model/quantized_linear.py)
-        None, "weight-only quantization at load: int8 (symmetric, one scale per output channel), int4 "
-        "(a scale and zero point per group of inputs) or fp8 (e4m3, one scale per output channel; CUDA "
-        "compute capability 8.9+)", type=str)
+        None, "quantization at load: int8 (weights only, symmetric, one scale per output channel), int4 "
+        "(weights only, a scale and zero point per group of inputs), fp8 (e4m3 weights, one scale per output "
+        "channel; CUDA compute capability 8.9+) or w8a8 (int8's weights and int8 activations, a scale per "
+        "row; CPUs with VNNI: for batches, where int8's f32 arithmetic is the limit)", type=str)
     quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
     tensor_parallel_size: int = option(
         1, "ranks the model is split over (heads, MLP features and vocabulary), each a process on this machine "

@@ -1,5 +1,7 @@
-"""Weight-only quantized linear layers, quantized at load: int8 (symmetric, one scale per output
-channel) and int4 (asymmetric, a scale and a zero point per group of `group_size` inputs).
+"""Quantized linear layers, quantized at load: weight-only int8 (symmetric, one scale per output
+channel) and int4 (asymmetric, a scale and a zero point per group of `group_size` inputs); and
+w8a8, int8's weights with int8 activations (each row of x quantized like a weight row as the
+layer runs), for CPUs whose oneDNN multiplies int8 (VNNI, AMX).
 
 Decode reads every weight once per step, so a quarter of the bytes is up to four times the
 speed where weights dominate. On a CPU every step runs `_core.linear_q8` (cpu_linear's few-rows
@@ -20,6 +22,13 @@ computes (x q^T) * s + bias, i.e. x (q * s)^T + bias. int4: per row and group, s
 15, zero z = round(-min / s) in [0, 15], q = round(w / s) + z clamped to [0, 15], w ~ (q - z) * s;
 the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear_q4`).
 `dequantized()` is what a layer multiplies by, in both cases.
+
+w8a8: where a weight-only layer's arithmetic is f32 (at most the CPU's f32 FMA peak, which
+oneDNN's f32 GEMM already nears at 32 rows), int8 products run 4x as many multiply-adds per
+instruction (VNNI) or more (AMX tiles). The layer quantizes x per row like quantize_int8 (sx =
+max |x| / 127), sums xq q^T exactly in int32 (`torch._int_mm`: oneDNN where the CPU has VNNI, a
+plain loop elsewhere, which check_device refuses to serve) and computes (xq q^T) * sx * s + bias.
+Integer sums are exact, so a row gets the same bits alone or in a batch.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from torch import nn
 from pyserve import _core
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
 
-METHODS = ("int8", "int4", "fp8")
+METHODS = ("int8", "int4", "fp8", "w8a8")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 GROUP_SIZES = (32, 64, 128)
 
@@ -179,6 +188,22 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
+class W8A8Linear(Int8Linear):
+    """Int8Linear's weights with int8 activations: y = (xq q^T) * sx * s + bias, where (xq, sx)
+    = quantize_int8(x), each row of x with a scale of its own, the sums exact in int32. It has no
+    Rust kernel, so it is never part of `_core.decoder_layer`."""
+
+    def kernel_weights(self) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scales = quantize_int8(x)
+        out = torch._int_mm(xq, self.qweight.t()).float() * x_scales[:, None] * self.scales
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype)
+
+
 class Fp8Linear(Int8Linear):
     """Int8Linear with float8 (e4m3) weights: served on CUDA GPUs of compute capability 8.9+ (the
     worker checks) by the same W8A16 kernel; elsewhere it computes with the dequantized weight
@@ -187,11 +212,23 @@ class Fp8Linear(Int8Linear):
     quantize = staticmethod(quantize_fp8)
 
 
-QUANTIZED = (Int8Linear, Int4Linear)  # Fp8Linear is an Int8Linear
+QUANTIZED = (Int8Linear, Int4Linear)  # Fp8Linear and W8A8Linear are Int8Linears
+LAYERS = {"int8": Int8Linear, "fp8": Fp8Linear, "w8a8": W8A8Linear}  # of one scale per output channel
+
+
+def fast_int8_matmul() -> bool:
+    """Whether torch multiplies int8 matrices on oneDNN here (a VNNI CPU, oneDNN enabled); elsewhere
+    `torch._int_mm` is a plain loop, ~60x slower than f32 at 32 rows."""
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and torch.cpu._is_vnni_supported()
 
 
 def check_device(method: str | None, device: torch.device) -> None:
-    """fp8 weights are served only where the GPU computes with them natively."""
+    """fp8 weights are served only where the GPU computes with them natively, w8a8 only on a CPU
+    whose oneDNN multiplies int8."""
+    if method == "w8a8" and (device.type != "cpu" or not fast_int8_matmul()):
+        raise ValueError(f"quantization: w8a8 (int8 activations) runs on CPUs with VNNI (AVX512-VNNI or AMX), "
+                         f"where oneDNN multiplies int8 matrices; this engine runs on {device}"
+                         f"{'' if device.type != 'cpu' else ' without it'} (int8 quantizes the weights only)")
     if method == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
         raise ValueError(f"quantization: fp8 weights need a CUDA GPU of compute capability 8.9 or later "
                          f"(Ada, Hopper); this engine runs on {device}")
@@ -204,8 +241,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int = 64) -> int
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        layer = Int4Linear.from_linear(child, group_size) if method == "int4" else \
-            (Int8Linear if method == "int8" else Fp8Linear).from_linear(child)
+        layer = Int4Linear.from_linear(child, group_size) if method == "int4" else LAYERS[method].from_linear(child)
         setattr(parent, name, layer)
     return len(targets)
 
@@ -218,7 +254,7 @@ def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
-    if isinstance(first, Int8Linear):  # fp8 too
+    if isinstance(first, Int8Linear):  # fp8 and w8a8 too
         return type(first)(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
     if any(p.group_size != first.group_size for p in parts):
         return None

@@ -40,9 +40,11 @@ from pyserve.speculative.verify import Verifier
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def check_parallel(cfg: ModelConfig, size: int, device: torch.device) -> None:
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device, quantization: str | None) -> None:
     """ValueError naming the field when the model cannot be served over `size` ranks here."""
     check_divisible(cfg, size)
+    if quantization == "w8a8":  # a rank's slice of x would be quantized by a scale of its own
+        raise ValueError("quantization: w8a8 is not split over ranks (tensor_parallel_size 1, or int8)")
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size {size} is more ranks than this machine's "
                          f"{torch.cuda.device_count()} CUDA devices")
@@ -121,7 +123,7 @@ class ModelWorker:
         self.followers = self.group = None
         with contextlib.ExitStack() as undo:  # a worker that fails to build leaves no rank behind
             if tensor_parallel_size > 1:
-                check_parallel(cfg, tensor_parallel_size, self.device)
+                check_parallel(cfg, tensor_parallel_size, self.device, quantization)
                 spec = RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
                                 max_model_len, seed, quantization, quantization_group_size, backend, max_loras,
                                 max_lora_rank)

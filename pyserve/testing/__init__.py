@@ -10,6 +10,8 @@ installed wheel (`from pyserve.testing import build_model`), so neither puts the
   in_process   the app and its engine in the test's event loop, behind httpx's ASGI transport
   quantized_checkpoints  tiny pre-quantized checkpoints (compressed-tensors, GPTQ, AWQ) and
                their full-precision references
+  quantized_reference  w8a8's arithmetic with exact int64 sums, as layers of a transformers
+               model (imports torch: import the module itself)
 
 Importing it is cheap: torch, transformers, peft, tokenizers and httpx load inside the functions
 that need them. Nothing in `pyserve` imports it.

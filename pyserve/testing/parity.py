@@ -16,13 +16,16 @@ def prompts(vocab: int, seed: int = 0, lengths=(3, 17, 40, 9, 64, 1, 25)) -> lis
     return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model_dir, prompt_list, max_tokens=MAX_TOKENS):
+def hf_greedy(model_dir, prompt_list, max_tokens=MAX_TOKENS, prepare=None):
     """Greedy continuation by full recomputation with transformers, plus the top-2 margin at
-    every step."""
+    every step. `prepare(model)`, if given, changes the loaded model in place first (a reference
+    of pyserve's arithmetic that transformers does not have)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if prepare is not None:
+        prepare(model)
     results = []
     with torch.no_grad():
         for prompt in prompt_list:

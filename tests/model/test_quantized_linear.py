@@ -1,6 +1,7 @@
-"""Weight-only quantization (int8, int4 in groups): the quantizers, the CPU kernels against the
-dequantized reference, greedy parity with transformers running the dequantized weights, and
-the engine with a quantized model (bytes, LoRA, speculation, refused methods)."""
+"""Quantization at load (int8, int4 in groups; w8a8): the quantizers, the CPU kernels against the
+dequantized reference (w8a8: against exact integer sums), greedy parity with transformers running
+the same arithmetic, and the engine with a quantized model (bytes, LoRA, speculation, refused
+methods)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from torch import nn
 
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.default_model import ADAPTER_DIRS
-from pyserve.model.quantized_linear import (Fp8Linear, Int4Linear, Int8Linear, quantize_fp8, quantize_int4,
-                                            quantize_int8, unpack_int4)
+from pyserve.model import quantized_linear
+from pyserve.model.quantized_linear import (Fp8Linear, Int4Linear, Int8Linear, W8A8Linear, fast_int8_matmul,
+                                            quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
 from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
+from pyserve.testing.quantized_reference import W8A8Reference, use_w8a8_reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -55,6 +58,29 @@ def test_the_cpu_kernel_computes_with_the_dequantized_weight(rows, bias, make):
     assert torch.allclose(layer(x), reference, rtol=1e-5, atol=1e-5)
     # a row's result does not depend on the rows beside it
     assert torch.equal(layer(x[3 % rows :][:1]), layer(x)[3 % rows][None])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_quantizes_each_row_of_x_and_sums_exactly(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 37, bias=bias)
+    layer = W8A8Linear.from_linear(linear)
+    x = torch.randn(rows, 96) * torch.linspace(0.1, 10.0, rows)[:, None]  # rows of different scales
+    got = layer(x)
+    assert torch.equal(got, W8A8Reference(layer)(x))
+    assert torch.equal(layer(x[3 % rows :][:1]), got[3 % rows][None])  # alone or beside other rows
+    # an int8 step of each row's largest value: within a few percent of the f32 layer
+    assert torch.allclose(got, linear(x), rtol=0.05, atol=0.02 * float(x.abs().max()))
+    assert layer.kernel_weights() is None  # never inside _core.decoder_layer
+
+
+def test_w8a8_is_refused_where_int8_matmuls_are_not_fast_and_over_ranks(monkeypatch):
+    with pytest.raises(ValueError, match="quantization: w8a8 is not split over ranks"):
+        LLM(quantization="w8a8", tensor_parallel_size=2)
+    monkeypatch.setattr(quantized_linear, "fast_int8_matmul", lambda: False)
+    with pytest.raises(ValueError, match=r"quantization: w8a8 \(int8 activations\) runs on CPUs with VNNI"):
+        LLM(quantization="w8a8")
 
 
 def test_quantize_fp8_scales_each_row_to_e4m3s_largest_value():
@@ -115,17 +141,30 @@ def test_greedy_parity_with_transformers_on_the_dequantized_weights(arch, method
     assert stats["quantization"] == method
 
 
-def test_embedded_model_int8_with_lora_and_speculation():
+@pytest.mark.skipif(not fast_int8_matmul(), reason="w8a8 is served only where oneDNN multiplies int8 (VNNI)")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w8a8_greedy_parity_with_transformers_running_its_arithmetic(arch, model_dirs):
+    reference = hf_greedy(model_dirs[arch], prompts(300), prepare=use_w8a8_reference)
+    with LLM(str(model_dirs[arch]), quantization="w8a8", block_size=4, num_kv_blocks=512) as llm:
+        outs = llm.generate(prompts(300), GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert_parity([o.outputs[0].token_ids for o in outs], reference)
+    assert stats["quantization"] == "w8a8"
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(
+    not fast_int8_matmul(), reason="w8a8 is served only where oneDNN multiplies int8 (VNNI)"))])
+def test_embedded_model_quantized_with_lora_and_speculation(method):
     prompt = ["def read_config(path):\n"]
-    with LLM(quantization="int8") as q8:
+    with LLM(quantization=method) as q8:
         plain = q8.generate(prompt, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)[0]
         assert q8.stats()["weight_bytes"] < 0.55 * 16_786_432  # the embedding (4 MB) stays f32
-    with LLM(quantization="int8", speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
+    with LLM(quantization=method, speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
                                                       "adaptive": False}) as spec:
         fast = spec.generate(prompt, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)[0]
         assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
     assert fast.outputs[0].token_ids == plain.outputs[0].token_ids
-    with LLM(quantization="int8", enable_lora=True, max_lora_rank=16) as lora:
+    with LLM(quantization=method, enable_lora=True, max_lora_rank=16) as lora:
         adapter = LoRARequest("docstrings", 1, str(ADAPTER_DIRS["docstrings"]))
         base, tuned = lora.generate(prompt * 2, SamplingParams(temperature=0.0, max_tokens=48),
                                     lora_request=[None, adapter], use_tqdm=False)
