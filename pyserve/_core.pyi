@@ -170,6 +170,19 @@ def linear_q4(
     nibble of byte j), dequantized in registers as q * scales + offsets per row and group of
     `group` inputs (scales, offsets [fan_out, fan_in / group] f32)."""
 
+def linear_w8a8(
+    x: np.ndarray,
+    weight: np.ndarray,
+    scales: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    threads: int = 1,
+) -> None:
+    """`linear_q8`'s weights with int8 activations: each row of x quantized with a scale sx of its
+    own (max |x| / 127, rounded half to even), out = ((xq @ weight^T) * sx) * scales (+ bias),
+    the sums exact in int32 (VNNI where the CPU has it): the bits of torch._int_mm followed by
+    the same float steps."""
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
     C-contiguous. Raises ValueError naming the argument at fault."""
@@ -184,9 +197,11 @@ def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.nd
     """Rotates heads 0..heads of each row of x [rows, width] in place ("rotate half" RoPE), cos
     and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""
 
-# (weight f32, bias or None), int8 (weight, scales [fan_out], bias or None), or 4-bit (packed,
-# scales, offsets, group, bias or None): see linear, linear_q8, linear_q4
+# (weight f32, bias or None), int8 (weight, scales [fan_out], bias or None), w8a8 (the same and
+# "w8a8"), or 4-bit (packed, scales, offsets, group, bias or None): see linear, linear_q8,
+# linear_w8a8, linear_q4
 Projection = (tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None]
+              | tuple[np.ndarray, np.ndarray, np.ndarray | None, str]
               | tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None])
 
 def decoder_layer(
@@ -215,8 +230,7 @@ def decoder_layer(
     updated in place: RMSNorm, fused q/k/v projection, rotary, the new K/V written at `slots`,
     paged attention of each row over its own prefix (block_tables [rows, width] int32, seq_lens
     [rows] int32), output projection, residual add + RMSNorm, fused gate/up, SiLU product, down
-    projection, residual add. Linears are (weight [fan_out, fan_in], bias or None), or int8
-    (weight, scales, bias: `linear_q8`); caches
+    projection, residual add. Linears are any `Projection`; caches
     [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the
     index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
     at fault."""

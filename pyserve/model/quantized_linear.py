@@ -26,9 +26,11 @@ the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear
 w8a8: where a weight-only layer's arithmetic is f32 (at most the CPU's f32 FMA peak, which
 oneDNN's f32 GEMM already nears at 32 rows), int8 products run 4x as many multiply-adds per
 instruction (VNNI) or more (AMX tiles). The layer quantizes x per row like quantize_int8 (sx =
-max |x| / 127), sums xq q^T exactly in int32 (`torch._int_mm`: oneDNN where the CPU has VNNI, a
-plain loop elsewhere, which check_device refuses to serve) and computes (xq q^T) * sx * s + bias.
-Integer sums are exact, so a row gets the same bits alone or in a batch.
+max |x| / 127), sums xq q^T exactly in int32 and computes ((xq q^T) * sx) * s + bias: a few rows
+on `_core.linear_w8a8` (vpdpbusd, the weights streamed once, like linear_q8), more on
+`torch._int_mm` (oneDNN where the CPU has VNNI, a plain loop elsewhere, which check_device
+refuses to serve). Integer sums are exact, so both give the same bits and a row gets them alone
+or in a batch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 
 from pyserve import _core
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
+from pyserve.model.cpu_linear import FEW_ROWS
 
 METHODS = ("int8", "int4", "fp8", "w8a8")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -189,14 +192,20 @@ class Int8Linear(nn.Module):
 
 
 class W8A8Linear(Int8Linear):
-    """Int8Linear's weights with int8 activations: y = (xq q^T) * sx * s + bias, where (xq, sx)
-    = quantize_int8(x), each row of x with a scale of its own, the sums exact in int32. It has no
-    Rust kernel, so it is never part of `_core.decoder_layer`."""
+    """Int8Linear's weights with int8 activations: y = ((xq q^T) * sx) * s + bias, where (xq, sx)
+    = quantize_int8(x), each row of x with a scale of its own, the sums exact in int32. Up to
+    FEW_ROWS fp32 rows on the CPU run `_core.linear_w8a8` (VNNI; also inside the layer and
+    whole-model kernels), more `torch._int_mm` (oneDNN): the same bits."""
 
-    def kernel_weights(self) -> None:
-        return None
+    def kernel_weights(self) -> tuple | None:
+        return (self.q_view, self.scales_view, self.bias_view, "w8a8") if self.cpu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu and x.dtype == torch.float32 and x.shape[0] <= FEW_ROWS:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            _core.linear_w8a8(x.contiguous().numpy(), self.q_view, self.scales_view, self.bias_view, out.numpy(),
+                              threads=torch.get_num_threads())
+            return out
         xq, x_scales = quantize_int8(x)
         out = torch._int_mm(xq, self.qweight.t()).float() * x_scales[:, None] * self.scales
         if self.bias is not None:

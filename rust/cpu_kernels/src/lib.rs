@@ -3,7 +3,8 @@
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
-//!   weights; `linear_q4`: 4-bit weights in groups);
+//!   weights; `linear_q4`: 4-bit weights in groups; `linear_w8a8`: int8 weights and int8
+//!   activations, exact integer sums);
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
 //! - `whole_model`: a whole model's forward over a few rows, and its greedy guesses several
@@ -25,6 +26,7 @@ mod linear_q4_avx512;
 mod linear_q8;
 #[cfg(target_arch = "x86_64")]
 mod linear_q8_avx512;
+mod linear_w8a8;
 mod lora;
 #[cfg(target_arch = "x86_64")]
 mod lora_avx2;
@@ -39,6 +41,7 @@ pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};
 pub use linear_q8::{linear_q8, linear_q8_on, Q8Weights};
+pub use linear_w8a8::{linear_w8a8, linear_w8a8_on, W8A8Weights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};
 pub use projection::{project_on, Projection};

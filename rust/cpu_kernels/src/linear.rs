@@ -137,7 +137,13 @@ pub(crate) fn run_checked<W: RowWeights>(
 }
 
 /// Checks the shapes of the step's arrays against fan_in `k` and fan_out `n`; returns the rows.
-fn check_rows(x: &[f32], k: usize, n: usize, bias: Option<&[f32]>, y: &[f32]) -> Result<usize, LinearError> {
+pub(crate) fn check_rows(
+    x: &[f32],
+    k: usize,
+    n: usize,
+    bias: Option<&[f32]>,
+    y: &[f32],
+) -> Result<usize, LinearError> {
     if let Some(b) = bias.filter(|b| b.len() != n) {
         return Err(LinearError(format!("bias: {} values for fan_out {n}", b.len())));
     }

@@ -1,4 +1,4 @@
-//! `linear`, `linear_q8`, `linear_q4`: the CPU few-rows linear kernel of `pyserve-cpu-kernels`
+//! `linear`, `linear_q8`, `linear_q4`, `linear_w8a8`: the CPU few-rows linear kernel of `pyserve-cpu-kernels`
 //! over numpy views of the step's tensors (no copies), with the GIL released while it runs.
 
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
@@ -8,7 +8,7 @@ use pyserve_cpu_kernels::project_on;
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
-use crate::projection::{projection, Weight};
+use crate::projection::{projection, Weight, W8A8_TAG};
 
 /// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ weight [fan_out, fan_in] f32 ^T (+ bias
 /// [fan_out] f32), overwritten. ValueError names the argument at fault. With `threads` > 1 the
@@ -40,6 +40,23 @@ pub fn linear_q8(
     threads: usize,
 ) -> PyResult<()> {
     run(py, x, Weight::Q8(weight, scales, bias), out, threads)
+}
+
+/// out [rows, fan_out] f32 = ((xq [rows, fan_in] @ weight [fan_out, fan_in] int8 ^T) * sx) *
+/// scales (+ bias), overwritten: each row of x quantized to int8 with a scale sx of its own, the
+/// sums exact in int32 (w8a8).
+#[pyfunction]
+#[pyo3(signature = (x, weight, scales, bias, out, threads=1))]
+pub fn linear_w8a8(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArray2<'_, i8>,
+    scales: PyReadonlyArray1<'_, f32>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    run(py, x, Weight::W8A8(weight, scales, bias, W8A8_TAG.to_owned()), out, threads)
 }
 
 /// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` with

@@ -2,12 +2,14 @@
 //! shared by the `linear*` functions and by `decoder_layer`.
 
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights};
+use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights, W8A8Weights};
 
 use crate::arrays::contiguous;
 
-/// (weight f32, bias), (weight int8, scales, bias) or (packed u8, scales, offsets, group, bias).
+/// (weight f32, bias), (weight int8, scales, bias), (weight int8, scales, bias, "w8a8": int8
+/// activations too) or (packed u8, scales, offsets, group, bias).
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
     Q4(
@@ -17,6 +19,7 @@ pub enum Weight<'py> {
         usize,
         Option<PyReadonlyArray1<'py, f32>>,
     ),
+    W8A8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>, String),
     Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
 }
@@ -26,11 +29,14 @@ impl Weight<'_> {
     pub fn shape(&self) -> [usize; 2] {
         match self {
             Weight::F32(w, _) => [w.shape()[0], w.shape()[1]],
-            Weight::Q8(w, _, _) => [w.shape()[0], w.shape()[1]],
+            Weight::Q8(w, _, _) | Weight::W8A8(w, _, _, _) => [w.shape()[0], w.shape()[1]],
             Weight::Q4(p, _, _, _, _) => [p.shape()[0], p.shape()[1] * 2],
         }
     }
 }
+
+/// What ends a w8a8 projection's tuple (its arrays are an int8 one's).
+pub const W8A8_TAG: &str = "w8a8";
 
 /// The kernel's view of `w` (no copies). An array that is not C-contiguous is named `name` when
 /// given (a layer's projection: "qkv"), else by its own role ("weight", "scales", "bias", ...).
@@ -54,6 +60,21 @@ pub fn projection<'a>(w: &'a Weight<'_>, name: Option<&str>) -> PyResult<Project
             fan_in,
             fan_out,
         }),
+        Weight::W8A8(weight, scales, b, kind) => {
+            if kind != W8A8_TAG {
+                return Err(PyValueError::new_err(format!(
+                    "{}: a projection of int8 weights with a fourth element must end with {W8A8_TAG:?}, not {kind:?}",
+                    named("weight")
+                )));
+            }
+            Projection::W8A8(W8A8Weights {
+                weight: contiguous(&named("weight"), weight)?,
+                scales: contiguous(&named("scales"), scales)?,
+                bias: bias(b)?,
+                fan_in,
+                fan_out,
+            })
+        }
         Weight::Q4(packed, scales, offsets, group, b) => Projection::Q4(Q4Weights {
             packed: contiguous(&named("packed"), packed)?,
             scales: contiguous(&named("scales"), scales)?,
