@@ -103,7 +103,7 @@ def load_model(
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a cached buffer some exporters keep
         param = params.get(name)
-        if param is None and quantized is not None and quantized.owns(name):
+        if quantized is not None and quantized.owns(name, tensor):
             owner, _, leaf = name.rpartition(".")
             packed.setdefault(owner, {})[leaf] = tensor
             num_tensors, num_bytes = num_tensors + 1, num_bytes + tensor.nbytes

@@ -1,6 +1,7 @@
 """Tiny pre-quantized checkpoints for the tests, each written from one tiny full-precision model:
 its decoder's linear layers quantized (min-max, in groups) and packed as compressed-tensors
-(by that library's own compressor), GPTQ (by AutoAWQ's exllama packer, which writes GPTQ's
+(by that library's own compressors: pack-quantized, or int-quantized with or without int8
+activations), GPTQ (by AutoAWQ's exllama packer, which writes GPTQ's
 layout) or AWQ (GEMM packing, written here by the format's definition), beside a full-precision
 reference checkpoint holding exactly the weights the packed one decodes to.
 """
@@ -71,9 +72,10 @@ def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 def write_quantized(src: Path, dst: Path, ref: Path, method: str, bits: int = 4, group: int = 32,
                     symmetric: bool = True, act_order: bool = False) -> dict[str, Quantized]:
-    """Writes `dst` (the packed checkpoint, `method` one of gptq / awq / compressed-tensors) and
-    `ref` (full precision, the weights `dst` decodes to) from the model in `src`; returns each
-    layer's integers."""
+    """Writes `dst` (the packed checkpoint, `method` one of gptq / awq / compressed-tensors /
+    compressed-tensors-int (int-quantized, W8A16) / compressed-tensors-w8a8 (int-quantized, dynamic
+    per-token int8 activations)) and `ref` (full precision, the weights `dst` decodes to) from the
+    model in `src`; returns each layer's integers."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +91,8 @@ def write_quantized(src: Path, dst: Path, ref: Path, method: str, bits: int = 4,
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         del tensors["lm_head.weight"]
-    packers = {"gptq": _gptq_tensors, "awq": _awq_tensors, "compressed-tensors": _compressed_tensors}
+    packers = {"gptq": _gptq_tensors, "awq": _awq_tensors, "compressed-tensors": _compressed_tensors,
+               "compressed-tensors-int": _int_quantized, "compressed-tensors-w8a8": _int_quantized}
     for name, quantized in layers.items():
         del tensors[f"{name}.weight"]
         for suffix, t in packers[method](quantized, bits, group, symmetric).items():
@@ -111,13 +114,25 @@ def _config(method: str, bits: int, group: int, symmetric: bool, act_order: bool
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
     if method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig
+
+    fmt = "pack-quantized" if method == "compressed-tensors" else "int-quantized"
+    scheme = _scheme(bits, group, symmetric, method == "compressed-tensors-w8a8")
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
+                              quantization_status="compressed").model_dump(mode="json")
+
+
+def _scheme(bits: int, group: int, symmetric: bool, int8_activations: bool = False):
+    """compressed-tensors' scheme of the layers (-1: one group a row); with int8 activations,
+    W8A8's dynamic per-token ones."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "channel" if group == -1 else "group"
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=None if group == -1 else group))
-    return QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=["lm_head"],
-                              quantization_status="compressed").model_dump(mode="json")
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
+                               group_size=None if group == -1 else group)
+    activations = QuantizationArgs(num_bits=8, type="int", symmetric=True, dynamic=True,
+                                   strategy="token") if int8_activations else None
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
 
 
 def _gptq_tensors(qz: Quantized, bits: int, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
@@ -140,13 +155,19 @@ def _awq_tensors(qz: Quantized, bits: int, group: int, symmetric: bool) -> dict[
 def _compressed_tensors(qz: Quantized, bits: int, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
     """Packed by compressed-tensors' own compressor from the weight and its signed scale and zero."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    strategy = "channel" if qz.scales.shape[1] == 1 else "group"
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
-        group_size=None if strategy == "channel" else group))
+    return dict(PackedQuantizationCompressor.compress(_state(qz, bits), _scheme(bits, group, symmetric)))
+
+
+def _int_quantized(qz: Quantized, bits: int, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
+    """int8 weights as they are, by compressed-tensors' int-quantized compressor (the activations'
+    scheme does not change the weights' tensors)."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+
+    return dict(IntQuantizationCompressor.compress(_state(qz, bits), _scheme(bits, group, symmetric, True)))
+
+
+def _state(qz: Quantized, bits: int) -> dict[str, torch.Tensor]:
+    """What a compressor quantizes: the weight (exactly on the grid), its scale and signed zero."""
     offset = 1 << (bits - 1)
-    state = {"weight": qz.dequantized(), "weight_scale": qz.scales,
-             "weight_zero_point": (qz.zeros - offset).to(torch.int8)}
-    return dict(PackedQuantizationCompressor.compress(state, scheme))
+    return {"weight": qz.dequantized(), "weight_scale": qz.scales, "weight_zero_point": (qz.zeros - offset).to(torch.int8)}

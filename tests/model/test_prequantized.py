@@ -14,9 +14,11 @@ from safetensors.torch import load_file, save_file
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.model.config import UnsupportedModelError
 from pyserve.model.errors import WeightsError
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear
+from pyserve.model import quantized_linear
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, W8A8Linear, fast_int8_matmul
 from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, prompts
 from pyserve.testing.quantized_checkpoints import AWQ_ORDER, awq_packing_utils, write_quantized
+from pyserve.testing.quantized_reference import W8A8Reference
 from pyserve.testing.tiny_models import make_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -25,6 +27,8 @@ CASES = {  # id: (method, bits, group, symmetric, act_order, the layer pyserve s
     "ct-w4a16-sym": ("compressed-tensors", 4, 32, True, False, Int4Linear),
     "ct-w4a16-asym": ("compressed-tensors", 4, 64, False, False, Int4Linear),
     "ct-w8a16-channel": ("compressed-tensors", 8, -1, True, False, Int8Linear),
+    "ct-int-w8a16": ("compressed-tensors-int", 8, -1, True, False, Int8Linear),
+    "ct-int-w8a8": ("compressed-tensors-w8a8", 8, -1, True, False, W8A8Linear),
     "gptq-4bit-sym": ("gptq", 4, 32, True, False, Int4Linear),
     "gptq-4bit-asym-act-order": ("gptq", 4, 32, False, True, Int4Linear),
     "gptq-4bit-per-row": ("gptq", 4, -1, True, False, Int4Linear),
@@ -40,24 +44,40 @@ def _served_layers(llm: LLM) -> dict[str, torch.nn.Module]:
             if isinstance(m, (Int4Linear, Int8Linear, torch.nn.Linear)) and ".layers." in name}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _w8a8_reference(layers):
+    """A transformers model's decoder linears replaced by W8A8Reference of the checkpoint's own
+    integers (the head stays full precision, as the checkpoint leaves it)."""
+    def prepare(model):
+        for name, qz in layers.items():
+            parent, _, child = name.rpartition(".")
+            linear = model.get_submodule(name)
+            layer = W8A8Linear((qz.q - 128).to(torch.int8), qz.scales.float()[:, 0], linear.bias)
+            setattr(model.get_submodule(parent), child, W8A8Reference(layer))
+    return prepare
+
+
+@pytest.mark.parametrize("case", [c if c != "ct-int-w8a8" else pytest.param(c, marks=pytest.mark.skipif(
+    not fast_int8_matmul(), reason="int8 activations are served only where oneDNN multiplies int8 (VNNI)"))
+    for c in CASES])
 def test_each_format_decodes_to_the_packed_weights_and_matches_transformers_greedy(case, model_dirs, tmp_path):
     method, bits, group, symmetric, act_order, served_as = CASES[case]
     src = model_dirs["qwen2" if case.startswith("awq") else "llama"]
     layers = write_quantized(src, tmp_path / "q", tmp_path / "ref", method, bits, group, symmetric, act_order)
-    reference = hf_greedy(tmp_path / "ref", prompts(300))
+    prepare = _w8a8_reference(layers) if served_as is W8A8Linear else None
+    reference = hf_greedy(tmp_path / "ref", prompts(300), prepare=prepare)
     with LLM(str(tmp_path / "q"), block_size=4, num_kv_blocks=256) as llm:
         outs = llm.generate(prompts(300), GREEDY, use_tqdm=False)
         stats = llm.stats()
         served = _served_layers(llm)
     assert_parity([o.outputs[0].token_ids for o in outs], reference)
-    expected_method = {"compressed-tensors": f"compressed-tensors-int{bits}"}.get(method, f"{method}-int{bits}")
-    assert stats["quantization"] == expected_method
+    expected_method = {"compressed-tensors": f"compressed-tensors-int{bits}", "compressed-tensors-int":
+                       f"compressed-tensors-int{bits}"}.get(method, f"{method}-int{bits}")
+    assert stats["quantization"] == (method if served_as is W8A8Linear else expected_method)
     # q/k/v and gate/up are fused where their layouts allow (act-order: the same input order)
     fused = {name: m for name, m in served.items() if name.endswith(("qkv_proj", "gate_up_proj"))}
     assert all(isinstance(m, served_as) or type(m).__name__ == "CpuLinear" for m in served.values())
     if served_as is not torch.nn.Linear:
-        assert all(isinstance(m, served_as) for m in served.values())
+        assert all(type(m) is served_as for m in served.values())
         down = served["model.layers.1.mlp.down_proj"]
         assert torch.equal(down.dequantized(), layers["model.layers.1.mlp.down_proj"].dequantized())
     if not act_order:
@@ -147,7 +167,7 @@ BAD_CONFIGS = [
     ("awq", lambda c: c.update(version="gemv"), "quantization_config.version"),
     ("compressed-tensors", lambda c: c.update(format="float-quantized"), "quantization_config.format"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
-     "quantization_config.config_groups.group_0.input_activations"),
+     "quantization_config.config_groups.group_0.input_activations.type"),
     ("compressed-tensors", lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=2),
      "quantization_config.config_groups.group_0.weights.num_bits"),
 ]
@@ -159,6 +179,33 @@ def test_an_unsupported_quantization_config_is_refused_naming_the_key(method, ed
     write_quantized(model_dirs["llama"], tmp_path / "q", tmp_path / "ref", method, 4, 32, method != "awq")
     _edit(tmp_path / "q", config=edit)
     with pytest.raises(UnsupportedModelError, match=key.replace(".", r"\.") + ":"):
+        LLM(str(tmp_path / "q"), block_size=4, num_kv_blocks=64)
+
+
+W8A8_BAD_CONFIGS = [
+    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "quantization_config.config_groups.group_0.input_activations.dynamic"),
+    (lambda c: c["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
+     "quantization_config.config_groups.group_0.input_activations.strategy"),
+    (lambda c: c["config_groups"]["group_0"]["weights"].update(symmetric=False),
+     "quantization_config.config_groups.group_0.weights"),
+    (lambda c: c.update(format="pack-quantized"), "quantization_config.format"),
+]
+
+
+@pytest.mark.parametrize("edit, key", W8A8_BAD_CONFIGS, ids=["static", "per-tensor", "asymmetric", "packed"])
+def test_int8_activations_other_than_dynamic_per_token_are_refused_naming_the_key(edit, key, model_dirs, tmp_path):
+    write_quantized(model_dirs["llama"], tmp_path / "q", tmp_path / "ref", "compressed-tensors-w8a8", 8, -1, True)
+    _edit(tmp_path / "q", config=edit)
+    with pytest.raises(UnsupportedModelError, match=key.replace(".", r"\.") + ":"):
+        LLM(str(tmp_path / "q"), block_size=4, num_kv_blocks=64)
+
+
+def test_a_w8a8_checkpoint_is_refused_where_int8_matmuls_are_not_fast(model_dirs, tmp_path, monkeypatch):
+    write_quantized(model_dirs["llama"], tmp_path / "q", tmp_path / "ref", "compressed-tensors-w8a8", 8, -1, True)
+    monkeypatch.setattr(quantized_linear, "fast_int8_matmul", lambda: False)
+    with pytest.raises(UnsupportedModelError, match=r"quantization_config: model\.layers\.0\.\w+\.\w+ has int8 "
+                                                    r"activations \(W8A8\): quantization: w8a8"):
         LLM(str(tmp_path / "q"), block_size=4, num_kv_blocks=64)
 
 

@@ -1,5 +1,5 @@
 """Pre-quantized Hugging Face checkpoints, detected from `quantization_config` in config.json:
-compressed-tensors (pack-quantized W4A16 / W8A16), GPTQ (4 and 8 bits, act-order included) and
+compressed-tensors (pack-quantized W4A16 / W8A16, int-quantized W8A16 / W8A8), GPTQ (4 and 8 bits, act-order included) and
 AWQ (GEMM packing). Each format's reader unpacks a layer's tensors into `IntWeights`, which
 int_weights.to_layer serves with pyserve's own quantized layers (see there for which)."""
 
@@ -28,8 +28,12 @@ class QuantizedCheckpoint:
         self.format = fmt
         self.method = fmt.method  # e.g. "gptq-int4", for stats()
 
-    def owns(self, tensor_name: str) -> bool:
-        return tensor_name.rpartition(".")[2] in self.format.suffixes
+    def owns(self, tensor_name: str, tensor: torch.Tensor) -> bool:
+        """Whether the tensor is part of a quantized layer: a format's suffix, except a floating
+        `weight` (an int-quantized layer's weight is integer; a layer left unquantized keeps its
+        float one)."""
+        leaf = tensor_name.rpartition(".")[2]
+        return leaf in self.format.suffixes and (leaf != "weight" or not tensor.is_floating_point())
 
     def layer(self, module_name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, dtype: torch.dtype,
               device: torch.device) -> nn.Module:

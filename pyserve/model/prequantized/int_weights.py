@@ -8,7 +8,8 @@ that into the layer with the fewest bytes that computes it exactly:
   the order its inputs are gathered in). Its kernel wants power-of-two groups of at least 8, so
   a group of another size (e.g. a whole 11008-wide row) is split into equal power-of-two groups
   sharing its scale and zero point.
-- 8 bits with one symmetric scale per output row: an Int8Linear (q - z is the int8 value).
+- 8 bits with one symmetric scale per output row: an Int8Linear (q - z is the int8 value); with
+  int8 activations (W8A8) a W8A8Linear, on a CPU with VNNI (check_device says why elsewhere).
 - anything else (8 bits in groups or asymmetric): the dequantized weight as a plain nn.Linear in
   the serving dtype; right, but with full-precision bytes and speed.
 """
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pyserve.model.config import UnsupportedModelError
 from pyserve.model.errors import WeightsError
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, W8A8Linear, check_device
 
 MIN_KERNEL_GROUP = 8
 
@@ -35,6 +37,7 @@ class IntWeights:
     scales: torch.Tensor  # [out, groups] float32
     group_size: int
     g_idx: torch.Tensor | None = None  # [in]: the group of each input column (act-order)
+    int8_activations: bool = False  # W8A8: each row of the input quantized to int8 as the layer runs
 
     def groups_of_columns(self) -> torch.Tensor:
         if self.g_idx is not None:
@@ -95,9 +98,17 @@ def to_layer(w: IntWeights, bias: torch.Tensor | None, dtype: torch.dtype, devic
         return Int4Linear(packed.to(device), scales.to(device), offsets.to(device), kernel_group,
                           None if bias is None else bias.to(device), None if order is None else order.to(device))
     symmetric_rows = w.bits == 8 and w.scales.shape[1] == 1 and torch.equal(w.zeros, torch.full_like(w.zeros, 128.0))
+    if w.int8_activations:
+        if not symmetric_rows:
+            raise WeightsError(f"{w.name}: int8 activations need 8-bit symmetric weights, one scale per row")
+        try:
+            check_device("w8a8", device)
+        except ValueError as e:
+            raise UnsupportedModelError(f"quantization_config: {w.name} has int8 activations (W8A8): {e}") from None
     if symmetric_rows:
         q = (w.q - 128).to(torch.int8)
-        return Int8Linear(q.to(device), w.scales[:, 0].to(device), None if bias is None else bias.to(device))
+        layer = W8A8Linear if w.int8_activations else Int8Linear
+        return layer(q.to(device), w.scales[:, 0].to(device), None if bias is None else bias.to(device))
     linear = nn.Linear(k, n, bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(w.dequantized().to(device=device, dtype=dtype), requires_grad=False)
     if bias is not None:
