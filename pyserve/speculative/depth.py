@@ -23,7 +23,9 @@ measures instead of assuming, separately for each batch-size bucket (powers of t
 A new bucket is explored first, cheapest first: some steps at depth 0, some at half depth, then
 some at full depth only where guesses accepted PROBE_ACCEPTANCE of the time would pay by what
 the first two measured (a large batch, whose first steps at full depth would cost more than its
-whole short run gains, stops exploring there). Then k in 0..max_k maximises expected tokens per
+whole short run gains, stops exploring there). A new bucket larger than one where such guesses
+were found not to pay is not explored at all: it stays at depth 0 (a larger batch's step is
+never widened more cheaply, relatively, than a smaller one's). Then k in 0..max_k maximises expected tokens per
 second for B requests of which C may speculate: B / a0 at k = 0, else
 (B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + c + d * k).
 Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha (acceptance
@@ -86,6 +88,9 @@ class Bucket:
         self.slope: float | None = None  # the last slope fitted to them
         self.draft = LinearFit()  # proposals: x = depth, y = seconds
         self.choices = 0
+        # Even guesses kept PROBE_ACCEPTANCE of the time would not pay here: measured by this
+        # bucket's exploration and probes, or inherited by a new bucket from a smaller one.
+        self.priced_out = False
 
     def exploring(self, max_k: int) -> int | None:
         """The depth to try while the bucket is new, else None: 0 until a step without drafts was
@@ -192,9 +197,15 @@ class DepthController:
             return self.max_k if num_candidates else 0
         bucket = self._bucket(batch_size)
         bucket.choices += 1
+        if bucket.choices == 1 and self._priced_out_below(batch_size):
+            bucket.priced_out = True  # inherited: this bucket is never explored
+        if bucket.priced_out and not bucket.spec.count:
+            self.steps_off, self.probe = self.steps_off + 1, None
+            return 0
         k = bucket.exploring(self.max_k)
         if k == self.max_k and bucket.spec.count and \
                 not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+            bucket.priced_out = True
             k = None  # even good guesses would not pay here: exploring ends
         explored = k is None
         if explored:
@@ -209,10 +220,19 @@ class DepthController:
             self.steps_off = 0
             # Only where guesses that good would pay at this batch size: a probe of a large
             # batch costs more than any acceptance could win back.
-            if explored and self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
-                self.probe = [0, 0]
-                return self.probe_depth
+            if explored:
+                bucket.priced_out = not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE)
+                if not bucket.priced_out:
+                    self.probe = [0, 0]
+                    return self.probe_depth
         return k
+
+    def _priced_out_below(self, batch_size: int) -> bool:
+        """Whether a smaller batch-size bucket found that even guesses kept PROBE_ACCEPTANCE of the
+        time would not pay: verifying k guesses a request costs a larger batch at least as large a
+        share of its step, so neither would they here."""
+        key = bucket_of(batch_size)
+        return any(b.priced_out for k, b in self.buckets.items() if k < key)
 
     def _best_depth(self, batch_size: int, num_candidates: int, bucket: Bucket, acceptance: float) -> int:
         a, b = bucket.spec_line()

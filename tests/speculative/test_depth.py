@@ -72,3 +72,26 @@ def test_guesses_kept_now_and_then_do_not_keep_it_probing():
     ctl = DepthController(8, has_draft_cost=True)
     depths = simulate(ctl, 400, lambda step, k: min(k, 3 if step % 5 < 3 else 0), verify=0.0015, per_draft=0.0002)
     assert depths[-200:].count(0) >= 180
+
+
+def run_batch(ctl: DepthController, batch: int, steps: int) -> list[int]:
+    """Steps of `batch` requests where every guess is kept, but verifying a draft token costs as
+    much as a plain step's share of a request (compute-bound); returns the depths chosen."""
+    depths = []
+    for _ in range(steps):
+        k = ctl.choose(batch, batch)
+        depths.append(k)
+        if k:
+            ctl.observe_proposal(batch, k, batch * k, 0.0005)
+            for _ in range(batch):
+                ctl.observe_verification(k, k)
+        ctl.observe_step(batch, batch * k, 0.001 * batch * (1 + k))
+    return depths
+
+
+def test_a_batch_larger_than_one_where_good_guesses_would_not_pay_is_not_explored():
+    ctl = DepthController(8, has_draft_cost=True)
+    assert any(run_batch(ctl, 4, 40))  # explored: guesses tried, then off
+    assert run_batch(ctl, 4, 40).count(0) == 40
+    assert run_batch(ctl, 16, 40).count(0) == 40 and run_batch(ctl, 64, 40).count(0) == 40  # never explored
+    assert any(run_batch(DepthController(8, has_draft_cost=True), 64, 40))  # alone, a large batch explores
