@@ -228,7 +228,8 @@ LAYERS = {"int8": Int8Linear, "fp8": Fp8Linear, "w8a8": W8A8Linear}  # of one sc
 def fast_int8_matmul() -> bool:
     """Whether torch multiplies int8 matrices on oneDNN here (a VNNI CPU, oneDNN enabled); elsewhere
     `torch._int_mm` is a plain loop, ~60x slower than f32 at 32 rows."""
-    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and torch.cpu._is_vnni_supported()
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and bool(torch.cpu.get_capabilities().get("avx512_vnni", False)))
 
 
 def check_device(method: str | None, device: torch.device) -> None:
