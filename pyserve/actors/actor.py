@@ -1,7 +1,7 @@
 """Actors: asyncio tasks with one job and a bounded inbox, and the system that supervises them.
 
-An actor shares nothing mutable; others talk to it by sending small messages to its inbox (an
-anyio memory object stream, so a full inbox applies back-pressure). An actor may run on a loop of
+An actor shares nothing mutable; others talk to it by sending small messages to its bounded
+inbox (pyserve.actors.inbox: a full inbox applies back-pressure). An actor may run on a loop of
 its own thread (pyserve.actors.loop_thread): a message sent from another thread is handed to the
 actor's loop, in order, and never blocks the sender. A crashed actor is never silent: the system
 records the failure, tells every registered listener (which fail their waiting requests), and
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
 
+from pyserve.actors.inbox import Inbox, InboxClosed, InboxFull
 from pyserve.actors.loop_thread import LoopThread
 
 log = structlog.get_logger("pyserve.actors")
@@ -35,7 +35,7 @@ class Actor:
 
     def __init__(self, name: str, inbox_size: int = 1024):
         self.name = name
-        self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Any](inbox_size)
+        self._inbox = Inbox(inbox_size)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop `run` runs on, once started
         self._closed = False
 
@@ -67,26 +67,24 @@ class Actor:
         closed (a sender blocked on a full inbox is woken up by that too). With room in the inbox
         it returns without yielding to the loop: the engine's step loop sends each step's output
         and yields once per step elsewhere. From another thread it never waits (see `post`)."""
-        try:
-            self.send_nowait(message)
-            return
-        except anyio.WouldBlock:
-            pass
-        try:
-            await self._inbox_send.send(message)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
-
-    def send_nowait(self, message: Any) -> None:
-        """Queues a message from synchronous code; raises anyio.WouldBlock when the inbox is full
-        and EngineDeadError once the actor is closed. From another thread it never raises
-        WouldBlock (see `post`)."""
         if self._elsewhere():
             self._hand_over(message)
             return
         try:
-            self._inbox_send.send_nowait(message)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            await self._inbox.put(message)
+        except InboxClosed as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
+
+    def send_nowait(self, message: Any) -> None:
+        """Queues a message from synchronous code; raises InboxFull when the inbox is full (or
+        senders wait for it) and EngineDeadError once the actor is closed. From another thread it
+        never raises InboxFull (see `post`)."""
+        if self._elsewhere():
+            self._hand_over(message)
+            return
+        try:
+            self._inbox.put_nowait(message)
+        except InboxClosed as e:
             raise EngineDeadError(f"actor {self.name} is closed") from e
 
     def post(self, message: Any) -> None:
@@ -95,7 +93,7 @@ class Actor:
         EngineDeadError once the actor is closed."""
         try:
             self.send_nowait(message)
-        except anyio.WouldBlock:
+        except InboxFull:
             task = asyncio.get_running_loop().create_task(self.send(message))
             _background.add(task)
             task.add_done_callback(_background.discard)
@@ -104,25 +102,28 @@ class Actor:
         """Stops accepting messages: pending and future sends fail with EngineDeadError."""
         self._closed = True
         if not self._elsewhere():
-            self._inbox_recv.close()
+            self._inbox.close()
             return
         try:
-            self._loop.call_soon_threadsafe(self._inbox_recv.close)
+            self._loop.call_soon_threadsafe(self._inbox.close)
         except RuntimeError:  # its loop is closed already
             pass
 
     async def receive(self) -> Any:
-        """The next message; waits (yielding to the loop) only when the inbox is empty."""
+        """The next message; waits (yielding to the loop) only when the inbox is empty.
+        EngineDeadError once the actor is closed."""
         try:
-            return self._inbox_recv.receive_nowait()
-        except anyio.WouldBlock:
-            return await self._inbox_recv.receive()
+            return await self._inbox.get()
+        except InboxClosed as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
 
     def receive_nowait(self) -> Any | None:
         try:
-            return self._inbox_recv.receive_nowait()
-        except anyio.WouldBlock:
+            return self._inbox.get_nowait()
+        except IndexError:
             return None
+        except InboxClosed as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
 
     async def run(self) -> None:
         raise NotImplementedError

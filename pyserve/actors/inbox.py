@@ -1,0 +1,109 @@
+"""An actor's inbox: a bounded FIFO for one reader on one asyncio loop.
+
+A full inbox applies back-pressure: `put` waits for room, and senders that waited go in the order
+they came, before any later message (`put_nowait` raises InboxFull while one waits). A closed
+inbox fails its waiting and later senders. A reader that finds it empty waits on one future that
+the next message resolves: no extra pass of the loop per message (anyio's memory streams yield to
+the loop once more on every wait, a scheduling round per message on the hot path of every step's
+output). Not thread-safe: other threads hand messages to the inbox's loop (Actor does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+
+class InboxFull(Exception):
+    """put_nowait on a full inbox, or on one that senders wait for."""
+
+
+class InboxClosed(Exception):
+    """The inbox was closed: no message goes in, and a reader finds none once it is empty."""
+
+
+class Inbox:
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"inbox size must be at least 1, got {size}")
+        self.size = size
+        self._items: deque[Any] = deque()
+        self._reader: asyncio.Future[None] | None = None  # the reader waiting for a message
+        self._senders: deque[asyncio.Future[None]] = deque()  # senders waiting for room, in order
+        self._reserved = 0  # slots freed for senders woken but not yet run
+        self._closed = False
+
+    def put_nowait(self, item: Any) -> None:
+        if self._closed:
+            raise InboxClosed
+        if self._senders or len(self._items) + self._reserved >= self.size:
+            raise InboxFull
+        self._append(item)
+
+    async def put(self, item: Any) -> None:
+        try:
+            self.put_nowait(item)
+            return
+        except InboxFull:
+            pass
+        turn = asyncio.get_running_loop().create_future()
+        self._senders.append(turn)
+        try:
+            await turn  # resolved with a slot reserved for this sender, or by close
+        except BaseException:  # cancelled: leave the queue, or pass on the slot it was given
+            if turn in self._senders:
+                self._senders.remove(turn)
+            elif self._reserved and not self._closed:
+                self._reserved -= 1
+                self._wake_sender()
+            raise
+        if self._closed:
+            raise InboxClosed
+        self._reserved -= 1
+        self._append(item)
+
+    def get_nowait(self) -> Any:
+        """The oldest message; IndexError when there is none (InboxClosed once closed)."""
+        if self._items:
+            item = self._items.popleft()
+            self._wake_sender()
+            return item
+        if self._closed:
+            raise InboxClosed
+        raise IndexError("inbox is empty")
+
+    async def get(self) -> Any:
+        while True:
+            try:
+                return self.get_nowait()
+            except IndexError:
+                pass
+            self._reader = asyncio.get_running_loop().create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+
+    def close(self) -> None:
+        self._closed = True
+        self._items.clear()
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
+        while self._senders:
+            turn = self._senders.popleft()
+            if not turn.done():
+                turn.set_result(None)
+
+    def _append(self, item: Any) -> None:
+        self._items.append(item)
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
+
+    def _wake_sender(self) -> None:
+        """Gives the first waiting sender the slot a message left."""
+        while self._senders and len(self._items) + self._reserved < self.size:
+            turn = self._senders.popleft()
+            if not turn.done():
+                self._reserved += 1
+                turn.set_result(None)
