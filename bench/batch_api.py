@@ -6,8 +6,10 @@ loopback):
                the report says whether it ran throughout); TTFT p50/p99 (to the first content
                token, client side) of each. Goal: p99 with the job <= 1.25x idle.
   throughput   a job of --lines completion lines (--tokens tokens each, ignore_eos) with no
-               interactive traffic, from in_progress to completed, against `LLM.generate` on the
-               same prompts in this process (the server idle meanwhile). Goal: >= 0.9x.
+               interactive traffic (submitted once the server's interactive mode, which holds for
+               a second after the last interactive request, has ended), from in_progress to
+               completed, against `LLM.generate` on the same prompts in this process (the server
+               idle meanwhile). Goal: >= 0.9x.
 Prompts are random words (text the model never saw), new to every engine and run (a prompt
 LLM.generate has seen is a prefix-cache hit). Each --in-flight value (`--batch-max-in-flight`;
 256 is the server's default) is a server of its own. Medians over --runs interleaved runs. Writes
@@ -29,6 +31,7 @@ import httpx
 import openai
 
 from pyserve import LLM, SamplingParams
+from pyserve.engine.background import INTERACTIVE_HOLD
 from pyserve.server.loopback import start_server, stop_server
 
 MODEL = "pyserve-default"
@@ -113,6 +116,7 @@ def main() -> None:
                         api.batches.cancel(job)
                     wait_status(api, job, ("cancelled", "completed"))
                     prompts, lines = completion_lines(rng, args.lines, args.tokens)
+                    time.sleep(INTERACTIVE_HOLD)  # no interactive traffic: the server has left its interactive mode
                     job = submit(api, lines)
                     started = wait_status(api, job, ("in_progress", "completed"))
                     ended = wait_status(api, job, ("completed",))

@@ -23,7 +23,8 @@ pub(crate) type QueueKey = (i32, i64);
 /// computes a foreground request's prompt schedules no background request, so background work
 /// never slows a first token; a foreground request takes a background one's KV blocks, or its
 /// seat when `max_num_seqs` run; otherwise they are scheduled after the foreground, as many as
-/// the caller's per-step limit allows (see `Scheduler::schedule_with_budget`).
+/// the caller's per-step limit allows, with at most a block of prompt tokens a step under such a
+/// limit (see `Scheduler::schedule_with_budget`).
 pub const BACKGROUND_PRIORITY: i32 = 1_000_000;
 
 /// One request's share of the step in flight, with its `num_computed_tokens` before the step.

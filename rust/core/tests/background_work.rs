@@ -106,3 +106,25 @@ fn a_foreground_request_preempts_background_work_for_blocks() {
     d.run_to_end(200, no_drafts);
     assert_eq!(d.finished.len(), 3, "the background work finished after it");
 }
+
+#[test]
+fn under_a_limit_background_prompts_take_at_most_a_block_a_step() {
+    let mut d = Driver::new(Scheduler::new(config(128, 4, 64)).unwrap());
+    let mut r = req(1, vec![1; 30], 4);
+    r.priority = BACKGROUND_PRIORITY;
+    d.add(r).unwrap();
+    d.max_background = Some(2);
+    let mut chunks = Vec::new();
+    while chunks.iter().sum::<usize>() < 30 {
+        chunks.push(d.step(no_drafts).num_scheduled_tokens[0] as usize);
+    }
+    assert_eq!(chunks, vec![4, 4, 4, 4, 4, 4, 4, 2], "a block (4 tokens) a step");
+    let mut r = req(2, vec![2; 30], 4);
+    r.priority = BACKGROUND_PRIORITY;
+    d.add(r).unwrap();
+    d.max_background = None;
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 30], "without a limit the prompt takes the whole step");
+    d.run_to_end(100, no_drafts);
+    assert_eq!(d.finished.len(), 2);
+}

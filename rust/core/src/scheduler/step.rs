@@ -23,8 +23,9 @@ impl Scheduler {
     /// scheduled as before, and requests computing a prompt share what the decodes leave of the
     /// budget, at least `block_size` tokens so that they always progress. With no request
     /// decoding, or `None`, the step may spend all of `max_num_batched_tokens`. At most
-    /// `max_background` background requests run in the step (`None`: no limit); the others
-    /// keep their blocks and wait.
+    /// `max_background` background requests run in the step (`None`: no limit), their prompts
+    /// at most `block_size` tokens of it (a step an interactive request may arrive during stays
+    /// short); the others keep their blocks and wait.
     pub fn schedule_with_budget(
         &mut self,
         token_budget: Option<usize>,
@@ -57,6 +58,9 @@ impl Scheduler {
                 Some(n) if background => plan.len() + n,
                 _ => usize::MAX,
             };
+            if background && max_background.is_some() {
+                prompt_budget = prompt_budget.min(self.config.block_size);
+            }
             let mut i = 0;
             while i < self.running.len() && budget > 0 && plan.len() < limit {
                 let (key, slot) = self.running[i];
