@@ -30,7 +30,7 @@ class Inbox:
         self.size = size
         self._items: deque[Any] = deque()
         self._reader: asyncio.Future[None] | None = None  # the reader waiting for a message
-        self._senders: deque[asyncio.Future[None]] = deque()  # senders waiting for room, in order
+        self._senders: deque[asyncio.Future[bool]] = deque()  # senders waiting for room, in order
         self._reserved = 0  # slots freed for senders woken but not yet run
         self._closed = False
 
@@ -47,20 +47,21 @@ class Inbox:
             return
         except InboxFull:
             pass
-        turn = asyncio.get_running_loop().create_future()
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._senders.append(turn)
         try:
-            await turn  # resolved with a slot reserved for this sender, or by close
+            granted = await turn  # True: a slot was reserved for this sender; False: closed
         except BaseException:  # cancelled: leave the queue, or pass on the slot it was given
             if turn in self._senders:
                 self._senders.remove(turn)
-            elif self._reserved and not self._closed:
+            elif turn.done() and not turn.cancelled() and turn.result():
                 self._reserved -= 1
                 self._wake_sender()
             raise
+        if granted:
+            self._reserved -= 1
         if self._closed:
             raise InboxClosed
-        self._reserved -= 1
         self._append(item)
 
     def get_nowait(self) -> Any:
@@ -93,7 +94,7 @@ class Inbox:
         while self._senders:
             turn = self._senders.popleft()
             if not turn.done():
-                turn.set_result(None)
+                turn.set_result(False)
 
     def _append(self, item: Any) -> None:
         self._items.append(item)
@@ -104,6 +105,6 @@ class Inbox:
         """Gives the first waiting sender the slot a message left."""
         while self._senders and len(self._items) + self._reserved < self.size:
             turn = self._senders.popleft()
-            if not turn.done():
+            if not turn.done():  # a cancelled sender's turn is skipped
                 self._reserved += 1
-                turn.set_result(None)
+                turn.set_result(True)

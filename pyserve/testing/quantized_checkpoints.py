@@ -170,4 +170,5 @@ def _int_quantized(qz: Quantized, bits: int, group: int, symmetric: bool) -> dic
 def _state(qz: Quantized, bits: int) -> dict[str, torch.Tensor]:
     """What a compressor quantizes: the weight (exactly on the grid), its scale and signed zero."""
     offset = 1 << (bits - 1)
-    return {"weight": qz.dequantized(), "weight_scale": qz.scales, "weight_zero_point": (qz.zeros - offset).to(torch.int8)}
+    return {"weight": qz.dequantized(), "weight_scale": qz.scales,
+            "weight_zero_point": (qz.zeros - offset).to(torch.int8)}

@@ -56,6 +56,21 @@ async def test_a_cancelled_sender_passes_on_its_slot():
     assert inbox.get_nowait() == 2
 
 
+async def test_a_sender_cancelled_while_waiting_gives_up_no_one_elses_slot():
+    inbox = Inbox(1)
+    inbox.put_nowait(0)
+    first, second = asyncio.create_task(inbox.put(1)), asyncio.create_task(inbox.put(2))
+    await asyncio.sleep(0)
+    first.cancel()  # its turn is cancelled before any slot frees...
+    assert inbox.get_nowait() == 0  # ...so this slot goes to `second`
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.wait_for(second, 1)
+    assert inbox.get_nowait() == 2
+    inbox.put_nowait(3)  # no slot is left reserved
+    with pytest.raises(InboxFull):
+        inbox.put_nowait(4)
+
+
 async def test_close_fails_waiting_and_later_senders_and_wakes_the_reader():
     full, empty = Inbox(1), Inbox(1)
     full.put_nowait(0)

@@ -1,7 +1,8 @@
 """Pre-quantized Hugging Face checkpoints, detected from `quantization_config` in config.json:
-compressed-tensors (pack-quantized W4A16 / W8A16, int-quantized W8A16 / W8A8), GPTQ (4 and 8 bits, act-order included) and
-AWQ (GEMM packing). Each format's reader unpacks a layer's tensors into `IntWeights`, which
-int_weights.to_layer serves with pyserve's own quantized layers (see there for which)."""
+compressed-tensors (pack-quantized W4A16 / W8A16, int-quantized W8A16 / W8A8), GPTQ (4 and 8
+bits, act-order included) and AWQ (GEMM packing). Each format's reader unpacks a layer's tensors
+into `IntWeights`, which int_weights.to_layer serves with pyserve's own quantized layers (see
+there for which)."""
 
 from __future__ import annotations
 
