@@ -25,8 +25,8 @@ some at full depth only where guesses accepted PROBE_ACCEPTANCE of the time woul
 the first two measured (a large batch, whose first steps at full depth would cost more than its
 whole short run gains, stops exploring there). A new bucket larger than one where such guesses
 were found not to pay is not explored at all: it stays at depth 0 (a larger batch's step is
-never widened more cheaply, relatively, than a smaller one's). Then k in 0..max_k maximises expected tokens per
-second for B requests of which C may speculate: B / a0 at k = 0, else
+never widened more cheaply, relatively, than a smaller one's). Then k in 0..max_k maximises
+expected tokens per second for B requests of which C may speculate: B / a0 at k = 0, else
 (B + C * fill * (alpha + ... + alpha^k)) / (a + b * C * k * fill + c + d * k).
 Depth 0 is interrupted every PROBE_EVERY steps by a probe that re-measures alpha (acceptance
 moves with the text: a stretch of hard tokens must not switch speculation off for good), where
