@@ -172,18 +172,28 @@ fn run_rows<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], weights: &W, y: &mut 
 /// At most CHUNK_ROWS rows: each tile of weight rows, once loaded, serves all of them.
 fn run_chunk<W: RowWeights>(pool: &dyn ForkJoin, x: &[f32], rows: usize, weights: &W, y: &mut [f32]) {
     let n = weights.fan_out();
-    let tiles = n.div_ceil(TILE_OUTPUTS);
-    let work = rows * weights.fan_in() * n;
-    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
     let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
-    let run = |tiles: Range<usize>| {
-        let outputs = tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
+    for_output_ranges(pool, n, rows * weights.fan_in() * n, &|outputs| {
         run_outputs(x, rows, weights, outputs, &out)
-    };
+    });
+}
+
+/// Runs `run` over outputs 0..n split into ranges of whole tiles (TILE_OUTPUTS), one range per
+/// part of `pool`'s work (`PARTS_PER_THREAD` per thread), or all of them on the calling thread
+/// when the call's `work` (multiply-adds) is under MIN_PARALLEL_WORK.
+pub(crate) fn for_output_ranges(
+    pool: &dyn ForkJoin,
+    n: usize,
+    work: usize,
+    run: &(dyn Fn(Range<usize>) + Sync),
+) {
+    let tiles = n.div_ceil(TILE_OUTPUTS);
+    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
+    let outputs = |tiles: Range<usize>| tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
     if parts <= 1 {
-        run(0..tiles);
+        run(outputs(0..tiles));
     } else {
-        pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
+        pool.run(parts, &|i| run(outputs(i * tiles / parts..(i + 1) * tiles / parts)));
     }
 }
 

@@ -15,9 +15,9 @@
 
 use std::ops::Range;
 
-use crate::linear::{check_rows, LinearError, RowWeights, SharedOutputs, TILE_OUTPUTS};
+use crate::linear::{check_rows, for_output_ranges, LinearError, RowWeights, SharedOutputs};
 use crate::linear_q8::Q8Weights;
-use crate::parallel::{ForkJoin, OnCallingThread, MIN_PARALLEL_WORK, PARTS_PER_THREAD};
+use crate::parallel::{ForkJoin, OnCallingThread};
 
 /// One w8a8 linear layer's parameters: int8's weights (its activations are quantized per call).
 pub struct W8A8Weights<'a> {
@@ -43,19 +43,10 @@ pub fn linear_w8a8_on(
     let rows = check(x, weights, y)?;
     let quantized = QuantizedRows::of(x, rows, weights.fan_in);
     let n = weights.fan_out;
-    let tiles = n.div_ceil(TILE_OUTPUTS);
-    let work = rows * weights.fan_in * n;
-    let parts = if work < MIN_PARALLEL_WORK { 1 } else { tiles.min(PARTS_PER_THREAD * pool.threads()) };
     let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
-    let run = |tiles: Range<usize>| {
-        let outputs = tiles.start * TILE_OUTPUTS..(tiles.end * TILE_OUTPUTS).min(n);
+    for_output_ranges(pool, n, rows * weights.fan_in * n, &|outputs| {
         run_outputs(&quantized, weights, outputs, &out)
-    };
-    if parts <= 1 {
-        run(0..tiles);
-    } else {
-        pool.run(parts, &|i| run(i * tiles / parts..(i + 1) * tiles / parts));
-    }
+    });
     Ok(())
 }
 
