@@ -17,14 +17,10 @@ from typing import Any
 
 import structlog
 
-from pyserve.actors.inbox import Inbox, InboxClosed, InboxFull
+from pyserve.actors.inbox import Inbox, InboxClosed
 from pyserve.actors.loop_thread import LoopThread
 
 log = structlog.get_logger("pyserve.actors")
-
-# Posted sends waiting on a full inbox; kept referenced until they finish.
-_background: set[asyncio.Task[None]] = set()
-
 
 class EngineDeadError(RuntimeError):
     """An actor crashed; the engine cannot serve any more requests."""
@@ -88,15 +84,16 @@ class Actor:
             raise EngineDeadError(f"actor {self.name} is closed") from e
 
     def post(self, message: Any) -> None:
-        """Queues a message from synchronous code without ever failing on a full inbox: the send
-        then waits in a task of its own (from another thread: on the actor's loop). Raises
-        EngineDeadError once the actor is closed."""
+        """Queues a message from synchronous code without ever failing on a full inbox: past the
+        bound it waits in the inbox's order for a slot (from another thread: handed to the
+        actor's loop first, in order). Raises EngineDeadError once the actor is closed."""
+        if self._elsewhere():
+            self._hand_over(message)
+            return
         try:
-            self.send_nowait(message)
-        except InboxFull:
-            task = asyncio.get_running_loop().create_task(self.send(message))
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+            self._inbox.post(message)
+        except InboxClosed as e:
+            raise EngineDeadError(f"actor {self.name} is closed") from e
 
     def close(self) -> None:
         """Stops accepting messages: pending and future sends fail with EngineDeadError."""

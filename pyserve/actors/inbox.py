@@ -1,7 +1,8 @@
 """An actor's inbox: a bounded FIFO for one reader on one asyncio loop.
 
-A full inbox applies back-pressure: `put` waits for room, and senders that waited go in the order
-they came, before any later message (`put_nowait` raises InboxFull while one waits). A closed
+A full inbox applies back-pressure: `put` waits for room, `post` queues a message past the bound
+without waiting, and both go in the order they came, before any later message (`put_nowait`
+raises InboxFull while one waits). A closed
 inbox fails its waiting and later senders. A reader that finds it empty waits on one future that
 the next message resolves: no extra pass of the loop per message (anyio's memory streams yield to
 the loop once more on every wait, a scheduling round per message on the hot path of every step's
@@ -30,7 +31,8 @@ class Inbox:
         self.size = size
         self._items: deque[Any] = deque()
         self._reader: asyncio.Future[None] | None = None  # the reader waiting for a message
-        self._senders: deque[asyncio.Future[bool]] = deque()  # senders waiting for room, in order
+        # Waiting for room, in order: a waiting put's turn, or a posted message.
+        self._senders: deque[asyncio.Future[bool] | _Posted] = deque()
         self._reserved = 0  # slots freed for senders woken but not yet run
         self._closed = False
 
@@ -40,6 +42,14 @@ class Inbox:
         if self._senders or len(self._items) + self._reserved >= self.size:
             raise InboxFull
         self._append(item)
+
+    def post(self, item: Any) -> None:
+        """Queues `item` without waiting: at once where there is room, else after the messages
+        and senders already waiting, as soon as a slot frees."""
+        try:
+            self.put_nowait(item)
+        except InboxFull:
+            self._senders.append(_Posted(item))
 
     async def put(self, item: Any) -> None:
         try:
@@ -93,7 +103,7 @@ class Inbox:
             self._reader.set_result(None)
         while self._senders:
             turn = self._senders.popleft()
-            if not turn.done():
+            if isinstance(turn, asyncio.Future) and not turn.done():
                 turn.set_result(False)
 
     def _append(self, item: Any) -> None:
@@ -102,9 +112,21 @@ class Inbox:
             self._reader.set_result(None)
 
     def _wake_sender(self) -> None:
-        """Gives the first waiting sender the slot a message left."""
+        """Gives the slots free to the first waiting: a posted message goes in, a waiting put is
+        woken with a slot reserved for it."""
         while self._senders and len(self._items) + self._reserved < self.size:
             turn = self._senders.popleft()
-            if not turn.done():  # a cancelled sender's turn is skipped
+            if isinstance(turn, _Posted):
+                self._append(turn.item)
+            elif not turn.done():  # a cancelled sender's turn is skipped
                 self._reserved += 1
                 turn.set_result(True)
+
+
+class _Posted:
+    """A message `post` queued past the bound."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Any):
+        self.item = item

@@ -28,6 +28,25 @@ async def test_waiting_senders_go_in_order_before_later_messages():
     assert inbox.get_nowait() == 5
 
 
+async def test_posts_past_the_bound_keep_their_order_before_later_messages():
+    inbox = Inbox(2)
+    for i in range(5):
+        inbox.post(i)  # 0 and 1 go in, 2-4 wait in order without a task
+    assert len(inbox._items) == 2
+    waiting = asyncio.create_task(inbox.put(5))
+    await asyncio.sleep(0)
+    assert inbox.get_nowait() == 0  # the freed slot goes to the first posted message
+    with pytest.raises(InboxFull):
+        inbox.put_nowait(6)
+    got = [await inbox.get() for _ in range(5)]
+    await waiting
+    assert got == [1, 2, 3, 4, 5]
+    inbox.post(7)
+    inbox.close()  # what still waits is dropped; posting now fails
+    with pytest.raises(InboxClosed):
+        inbox.post(8)
+
+
 async def test_a_reader_waits_for_the_next_message_and_never_holds_more_than_the_size():
     inbox = Inbox(3)
     reader = asyncio.create_task(inbox.get())
