@@ -51,7 +51,7 @@ def _candidates(held: list[tuple[Path, str]]) -> list[tuple[str, list[str]]]:
     return found
 
 
-def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, line_prefix: int = 48,
+def build(next_line: int = 24, continuation: int = 24, perplexity: int = 8, line_prefix: int = 240,
           seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     _, held = corpus.source_files()
