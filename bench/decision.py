@@ -7,15 +7,16 @@ The embedded pair is served on loopback (`pyserve serve`, no model: pyserve-defa
 pyserve-default-draft). Each generating item of pyserve/eval/data/embedded.jsonl runs on both
 models as `pyserve eval` runs it (the same client and scorers); the draft's answer is also asked
 for once more, not streamed, with its token logprobs, which give a cascade's confidence (the
-10th percentile, server.decision).
+mean logprob of the answer's first line, server.decision.confidence).
 
 - router: `pyserve route-train`'s classifier, cross-validated (each item routed by a router that
   did not see it), for several shares of large-model calls;
 - cascade: for several MIN_LOGPROB thresholds, an item escalates when the draft's confidence is
   below it; its figures (and large-model token shares) from the per-item scores of the
-  generating items; and the threshold a user would pick (the fewest large-model tokens at 95%
-  of its quality) chosen without the item it decides (leave-one-out), since the best of the
-  thresholds on the same items flatters the cascade;
+  generating items; and the threshold a user would pick, by either of two rules (the fewest
+  large-model tokens at 95% of its quality; the best quality with half its tokens), chosen
+  without the item it decides (leave-one-out), since the best of the thresholds on the same
+  items flatters the cascade;
 - then the whole eval set (the loglikelihood items too) through `pyserve eval` configurations:
   the draft, the target, and each cascade served (`--cascade`).
 
@@ -78,10 +79,11 @@ def cascade_figures(ids, small, large, conf, threshold) -> dict:
             **routed_figures(s, g, up, [large[i]["output_tokens"] for i in ids])}
 
 
-def cascade_cross_validated(ids, small, large, conf) -> dict:
-    """Each item escalates by the threshold chosen on the other items (the fewest large-model
-    tokens at >= 95% of the large model's quality there, among the midpoints between their
-    confidences); the figures of those decisions over all the items."""
+def cascade_cross_validated(ids, small, large, conf, rule: str) -> dict:
+    """Each item escalates by the threshold chosen on the other items, among the midpoints
+    between their confidences, by `rule`: "quality_floor", the fewest large-model tokens at >= 95%
+    of the large model's quality there; "token_budget", the best quality there with at most
+    half the large model's tokens. The figures of those decisions over all the items."""
     s = np.array([small[i]["score"] for i in ids])
     g = np.array([large[i]["score"] for i in ids])
     c = np.array([conf[i] for i in ids])
@@ -96,8 +98,10 @@ def cascade_cross_validated(ids, small, large, conf) -> dict:
             esc = c[rest] < t
             quality = np.where(esc, g[rest], s[rest]).mean() / max(g[rest].mean(), 1e-12)
             share = tokens[rest][esc].sum() / tokens[rest].sum()
-            if quality >= 0.95 and (best is None or share < best[1]):
+            if rule == "quality_floor" and quality >= 0.95 and (best is None or share < best[1]):
                 best = (t, share)
+            elif rule == "token_budget" and share <= 0.5 and (best is None or quality > best[1]):
+                best = (t, quality)
         up[k] = c[k] < best[0]
     return routed_figures(s, g, up, tokens.tolist())
 
@@ -140,7 +144,8 @@ def main() -> None:
     report = {"items": len(ids), "quality_small": routers[str(SHARES[0])]["quality_small"],
               "quality_large": routers[str(SHARES[0])]["quality_large"], "router_cross_validated": routers,
               "cascade_offline": cascades, "cascade_chosen": chosen,
-              "cascade_cross_validated": cascade_cross_validated(ids, small, large, conf),
+              "cascade_cross_validated": {rule: cascade_cross_validated(ids, small, large, conf, rule)
+                                          for rule in ("quality_floor", "token_budget")},
               "every_item_served": served_all,
               "per_item": {i: {"small": small[i]["score"], "large": large[i]["score"], "confidence": conf[i],
                                "large_tokens": large[i]["output_tokens"]} for i in ids}}
@@ -150,8 +155,9 @@ def main() -> None:
         Path(args.out).write_text(text + "\n")
     print(f"\ncascade at {chosen['min_logprob']}: {chosen['quality_vs_large']:.0%} of the large model's quality "
           f"with {chosen['large_tokens_share']:.0%} of its tokens (served: quality {served.quality}); "
-          f"its threshold chosen leave-one-out: {report['cascade_cross_validated']['quality_vs_large']:.0%} with "
-          f"{report['cascade_cross_validated']['large_tokens_share']:.0%}", file=sys.stderr)
+          "its threshold chosen leave-one-out, " + ", ".join(
+              f"{rule}: {cv['quality_vs_large']:.1%} with {cv['large_tokens_share']:.1%}"
+              for rule, cv in report["cascade_cross_validated"].items()), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ header.
   over the embedding of the request's text (the prompt; for chat, the messages but the system
   prompt) picks the small or the large model.
 - A cascade (`--cascade NAME=SMALL,LARGE,MIN_LOGPROB`): the small model answers first, not
-  streamed, with its token logprobs (the sampler has them anyway); if the 10th percentile of
-  its answer's token logprobs is below MIN_LOGPROB the request is escalated: the large model
+  streamed, with its token logprobs (the sampler has them anyway); if the mean logprob of its
+  answer's first line is below MIN_LOGPROB (see `confidence`) the request is escalated: the large model
   serves it as asked (`x-pyserve-escalated: yes`), its prefix cache holding what it has seen
   before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
   answer is then sent as SSE at once, an escalated request streams the large model's answer.
@@ -26,7 +26,6 @@ from pyserve.server.body import json_response
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.streaming import replayed
 
-CONFIDENCE_QUANTILE = 0.1
 MODEL_HEADER = "x-pyserve-model"
 
 
@@ -70,11 +69,26 @@ def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str 
 
 
 def confidence(body: dict) -> float:
-    """The 10th percentile of the first choice's token logprobs (chat or text completion)."""
+    """The mean logprob of the first line of the first choice's answer (chat or text completion):
+    its tokens up to the first one that ends a line after some text, or all of them; -inf
+    without logprobs. The first line is what a completion is asked for and where an answer
+    commits to its content; what a model writes on past it (up to max_tokens) is scored by no
+    one, and its logprobs drown the answer's (bench/README.md, the decision layer: over the
+    whole answer, the small model's confidence told nothing of where the large one did better)."""
     lp = body["choices"][0].get("logprobs") or {}
-    values = [t["logprob"] for t in lp["content"]] if "content" in lp else lp.get("token_logprobs") or []
-    values = [v for v in values if v is not None]
-    return float(np.quantile(values, CONFIDENCE_QUANTILE)) if values else float("-inf")
+    if "content" in lp:
+        tokens = [(t["token"], t["logprob"]) for t in lp["content"] or []]
+    else:
+        tokens = list(zip(lp.get("tokens") or [], lp.get("token_logprobs") or []))
+    values, text_seen = [], False
+    for token, value in tokens:
+        if value is not None:
+            values.append(value)
+        before, newline, _ = token.partition("\n")
+        if newline and (text_seen or before.strip()):
+            break
+        text_seen = text_seen or bool(token.strip())
+    return float(np.mean(values)) if values else float("-inf")
 
 
 async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callable[[], str], embed,

@@ -40,8 +40,8 @@ class ServerSettings:
         help="NAME=ROUTER.json: a served name whose requests the router (written by pyserve route-train) sends to its "
         "small or large model (repeatable)", default_factory=list, action="append", type=str)
     cascade: list[str] = option(
-        help="NAME=SMALL,LARGE,MIN_LOGPROB: a served name answered by SMALL, escalated to LARGE when the 10th "
-        "percentile of the answer's token logprobs is below MIN_LOGPROB (repeatable)",
+        help="NAME=SMALL,LARGE,MIN_LOGPROB: a served name answered by SMALL, escalated to LARGE when the mean "
+        "logprob of the first line of its answer is below MIN_LOGPROB (repeatable)",
         default_factory=list, action="append", type=str)
     data_dir: str | None = option(
         None, "directory for the Batch API's files and job state (SQLite); /v1/files and /v1/batches are off "

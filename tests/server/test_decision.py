@@ -16,6 +16,7 @@ from pyserve.embeddings.encoder import embed_texts
 from pyserve.embeddings.packaged import NAME as ENCODER, PackagedEncoder
 from pyserve.routing.router import Router
 from pyserve.routing.train import train_router
+from pyserve.server.decision import confidence
 from pyserve.testing import parse_metrics
 from pyserve.testing.in_process import serving_models
 
@@ -94,6 +95,25 @@ async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(m
         assert (routes["escalate"]["escalations"], routes["escalate"]["requests"]) == (2, {"small": 0, "large": 2})
         assert (routes["keep"]["escalations"], routes["keep"]["large_share"]) == (0, 0.0)
         assert routes["keep"]["kind"] == "cascade"
+
+
+def _text_body(tokens: list[str], logprobs: list[float | None]) -> dict:
+    return {"choices": [{"text": "".join(tokens), "logprobs": {"tokens": tokens, "token_logprobs": logprobs}}]}
+
+
+@pytest.mark.parametrize("tokens, logprobs, want", [
+    # leading line breaks and indent, then the line up to the token that ends it; the rest ignored
+    (["\n   ", " return", " x", "\n\n", " def", " f"], [-1.0, -2.0, -3.0, -4.0, -9.0, -9.0], -2.5),
+    (["a", "b\n", "c"], [-1.0, -3.0, -9.0], -2.0),  # a token with text before its line break ends the line
+    (["\nx", "y"], [-1.0, -2.0], -1.5),  # the break before the text does not: one line, all of it
+    (["a", "b"], [None, -2.0], -2.0),  # no logprob for a token: left out
+    ([], [], float("-inf")),
+])
+def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line(tokens, logprobs, want):
+    assert confidence(_text_body(tokens, logprobs)) == want
+    chat = {"choices": [{"message": {}, "logprobs": {"content": [{"token": t, "logprob": v}
+                                                               for t, v in zip(tokens, logprobs)]}}]}
+    assert confidence(chat) == want
 
 
 @pytest.mark.parametrize("settings, message", [
