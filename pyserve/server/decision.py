@@ -7,8 +7,8 @@ header.
   prompt) picks the small or the large model.
 - A cascade (`--cascade NAME=SMALL,LARGE,MIN_LOGPROB`): the small model answers first, not
   streamed, with its token logprobs (the sampler has them anyway); if the mean logprob of its
-  answer's first line is below MIN_LOGPROB (see `confidence`) the request is escalated: the large model
-  serves it as asked (`x-pyserve-escalated: yes`), its prefix cache holding what it has seen
+  answer's first line is below MIN_LOGPROB (see `confidence`) the request is escalated: the
+  large model serves it as asked (`x-pyserve-escalated: yes`), its prefix cache holding what it has seen
   before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
   answer is then sent as SSE at once, an escalated request streams the large model's answer.
 """
@@ -71,10 +71,10 @@ def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str 
 def confidence(body: dict) -> float:
     """The mean logprob of the first line of the first choice's answer (chat or text completion):
     its tokens up to the first one that ends a line after some text, or all of them; -inf
-    without logprobs. The first line is what a completion is asked for and where an answer
-    commits to its content; what a model writes on past it (up to max_tokens) is scored by no
-    one, and its logprobs drown the answer's (bench/README.md, the decision layer: over the
-    whole answer, the small model's confidence told nothing of where the large one did better)."""
+    without logprobs. The first line is what a completion is asked for and where a chat answer
+    commits to its content; past it a model may write on to max_tokens, and those tokens'
+    logprobs drowned the answer's (bench/README.md, the decision layer: over the whole answer,
+    the small model's confidence told nothing of where the large one did better)."""
     lp = body["choices"][0].get("logprobs") or {}
     if "content" in lp:
         tokens = [(t["token"], t["logprob"]) for t in lp["content"] or []]
