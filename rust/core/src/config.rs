@@ -97,11 +97,14 @@ mod tests {
         }
     }
 
+    /// A field's name and a change that makes it invalid.
+    type Spoiler = (&'static str, fn(&mut SchedulerConfig));
+
     #[test]
     fn defaults_are_valid_and_each_bad_field_is_named() {
         let ok = SchedulerConfig::new(64, 16);
         assert_eq!(field_of(&ok), None);
-        let cases: [(&str, fn(&mut SchedulerConfig)); 6] = [
+        let cases: [Spoiler; 6] = [
             ("num_blocks", |c| c.num_blocks = 1),
             ("block_size", |c| c.block_size = 12),
             ("max_num_batched_tokens", |c| c.max_num_batched_tokens = 8),
