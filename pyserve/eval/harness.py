@@ -208,6 +208,29 @@ def write_report(reports: list[ConfigReport], out_dir: Path, meta: dict) -> dict
     return paths
 
 
+LABEL_FONT_PT = 8
+LABEL_CHAR_PT = 4.8  # the average width of a character of the label font
+LABEL_LINE_PT = 10  # a label's height, with a little space
+
+
+def label_offsets(anchors: list[tuple[float, float]], widths: list[float], height: float) -> list[float]:
+    """Vertical offsets (pixels, up) for labels whose lower-left corners sit at `anchors` (pixels),
+    each `widths[i]` wide and `height` high, so no two overlap: each in turn (left to right)
+    takes the first of 0, +h, -h, +2h, -2h, ... that clears the labels placed before it."""
+    placed: list[tuple[float, float, float]] = []  # (left, right, bottom)
+    offsets = [0.0] * len(anchors)
+    for i in sorted(range(len(anchors)), key=lambda i: anchors[i]):
+        x, y = anchors[i]
+        for k in range(2 * len(anchors) + 1):
+            dy = height * ((k + 1) // 2) * (1 if k % 2 else -1)
+            bottom = y + dy
+            if all(x >= right or x + widths[i] <= left or abs(bottom - b) >= height for left, right, b in placed):
+                break
+        offsets[i] = dy
+        placed.append((x, x + widths[i], bottom))
+    return offsets
+
+
 def plot(reports: list[ConfigReport], path: Path) -> Path | None:
     """Quality against dollars per item, marker area by end-to-end latency, the frontier drawn."""
     try:
@@ -224,8 +247,14 @@ def plot(reports: list[ConfigReport], path: Path) -> Path | None:
         top = max(latency) or 1.0
         ax.scatter([r.dollars_per_item for r in ok], [r.quality for r in ok],
                    s=[40 + 400 * v / top for v in latency], alpha=0.6)
-        for r in ok:
-            ax.annotate(r.name, (r.dollars_per_item, r.quality), fontsize=8, xytext=(4, 4), textcoords="offset points")
+        ax.autoscale_view()
+        anchors = ax.transData.transform([(r.dollars_per_item, r.quality) for r in ok]).tolist()
+        points_per_px = 72 / fig.dpi
+        offsets = label_offsets(anchors, [LABEL_CHAR_PT * len(r.name) / points_per_px for r in ok],
+                                LABEL_LINE_PT / points_per_px)
+        for r, dy in zip(ok, offsets):
+            ax.annotate(r.name, (r.dollars_per_item, r.quality), fontsize=LABEL_FONT_PT,
+                        xytext=(4, 4 + dy * points_per_px), textcoords="offset points")
         front = sorted((r for r in ok if r.frontier), key=lambda r: r.dollars_per_item)
         ax.plot([r.dollars_per_item for r in front], [r.quality for r in front], "--", color="gray",
                 label="Pareto frontier")

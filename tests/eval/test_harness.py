@@ -14,6 +14,7 @@ import pytest
 
 from pyserve.default_model.training import corpus
 from pyserve.eval.configs import ConfigsError, load_plan
+from pyserve.eval.harness import label_offsets
 from pyserve.eval.items import load_eval_set
 
 DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data")
@@ -106,3 +107,15 @@ def test_a_bad_eval_line_stops_the_cli_before_any_server_starts(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode != 0 and "eval.jsonl line 2: scorer: missing" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_plot_labels_at_one_point_are_stacked_and_lone_ones_stay_put():
+    # three configurations at one point, one a little right of them (under their labels), one far
+    anchors = [(100.0, 50.0), (100.0, 50.0), (101.0, 50.0), (110.0, 52.0), (400.0, 50.0)]
+    widths = [60.0, 60.0, 60.0, 60.0, 60.0]
+    offsets = label_offsets(anchors, widths, 10.0)
+    assert offsets[:3] == [0.0, 10.0, -10.0] and offsets[4] == 0.0
+    boxes = [(x, x + w, y + dy) for (x, y), w, dy in zip(anchors, widths, offsets)]
+    for i, (l1, r1, b1) in enumerate(boxes):
+        for l2, r2, b2 in boxes[i + 1:]:
+            assert l1 >= r2 or l2 >= r1 or abs(b1 - b2) >= 10.0, (i, offsets)
