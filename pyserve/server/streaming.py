@@ -24,10 +24,10 @@ class TimedStreamingResponse(StreamingResponse):
     the body generator is closed (its cleanup aborts the engine requests) and the response ends
     unfinished, which makes the server drop the connection.
 
-    One timer a response looks at the pending send every WATCH_PERIOD x send_timeout, so a
-    stuck send is cut between 1 and 1 + WATCH_PERIOD times send_timeout after it began; a
-    timeout around every send (a timer armed and cancelled per chunk) cost a stream at batch 1
-    several percent of its tokens per second here (bench/README.md).
+    A single timer per response looks at the send in progress every WATCH_PERIOD x
+    send_timeout, so a stuck send is cut between 1 and 1 + WATCH_PERIOD times send_timeout after
+    it began; a timeout around every send (a timer armed and cancelled per chunk) cost a stream
+    at batch 1 a few percent of its tokens per second here (bench/README.md).
     """
 
     def __init__(self, content: AsyncGenerator[bytes, None], send_timeout: float, on_timeout: Callable[[], None],
