@@ -85,16 +85,13 @@ class Inbox:
         raise IndexError("inbox is empty")
 
     async def get(self) -> Any:
-        while True:
-            try:
-                return self.get_nowait()
-            except IndexError:
-                pass
+        while not self._items and not self._closed:
             self._reader = asyncio.get_running_loop().create_future()
             try:
                 await self._reader
             finally:
                 self._reader = None
+        return self.get_nowait()
 
     def close(self) -> None:
         self._closed = True
