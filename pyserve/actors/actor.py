@@ -39,6 +39,10 @@ class Actor:
         """Called on the loop the actor will run on, before its task starts."""
         self._loop = asyncio.get_running_loop()
 
+    def _dead(self) -> EngineDeadError:
+        """What a send to or a receive from the closed actor raises."""
+        return EngineDeadError(f"actor {self.name} is closed")
+
     def _elsewhere(self) -> bool:
         """Whether the caller runs outside the actor's loop (another thread's loop, or none)."""
         return self._loop is not None and asyncio._get_running_loop() is not self._loop
@@ -46,11 +50,11 @@ class Actor:
     def _hand_over(self, message: Any) -> None:
         """Queues a message sent from another thread: the actor's loop posts it, in order."""
         if self._closed:
-            raise EngineDeadError(f"actor {self.name} is closed")
+            raise self._dead()
         try:
             self._loop.call_soon_threadsafe(self._post_here, message)
         except RuntimeError as e:  # the actor's loop is closed
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     def _post_here(self, message: Any) -> None:
         try:
@@ -69,7 +73,7 @@ class Actor:
         try:
             await self._inbox.put(message)
         except InboxClosed as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     def send_nowait(self, message: Any) -> None:
         """Queues a message from synchronous code; raises InboxFull when the inbox is full (or
@@ -81,7 +85,7 @@ class Actor:
         try:
             self._inbox.put_nowait(message)
         except InboxClosed as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     def post(self, message: Any) -> None:
         """Queues a message from synchronous code without ever failing on a full inbox: past the
@@ -93,7 +97,7 @@ class Actor:
         try:
             self._inbox.post(message)
         except InboxClosed as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     def close(self) -> None:
         """Stops accepting messages: pending and future sends fail with EngineDeadError."""
@@ -112,7 +116,7 @@ class Actor:
         try:
             return await self._inbox.get()
         except InboxClosed as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     def receive_nowait(self) -> Any | None:
         try:
@@ -120,7 +124,7 @@ class Actor:
         except IndexError:
             return None
         except InboxClosed as e:
-            raise EngineDeadError(f"actor {self.name} is closed") from e
+            raise self._dead() from e
 
     async def run(self) -> None:
         raise NotImplementedError
