@@ -22,8 +22,9 @@ Steps:
                     and (on CUDA) the kernels compiled by the sweep after a warm-up: must be 0
   launch_host_time  host microseconds per decode-attention call at batch 1
   cuda_graph        one decode layer (KV write + attention) captured and replayed: same output
-  batch1_decode     a ~0.5B random Llama, bf16, batch 1 through the engine: tok/s and its share
-                    of the weight-read roofline (weight bytes / copy bandwidth)
+  batch1_decode     a ~0.5B random Llama, bf16, batch 1 through the engine, replaying CUDA graphs
+                    and eager (enforce_eager): the same tokens, tok/s and its share of the
+                    weight-read roofline (weight bytes / copy bandwidth)
 
 `--dry-run` runs every step at tiny shapes on the CPU under the Triton interpreter (fp32 and
 fp16), so CI keeps the script working; its timings mean nothing.
@@ -444,26 +445,42 @@ def cuda_graph(c: Check) -> list[dict]:
 
 
 def batch1_decode(c: Check) -> list[dict]:
+    """Replayed CUDA graphs (the default) and op-by-op decode (enforce_eager), the same tokens."""
     from pyserve import LLM, SamplingParams
     from pyserve.testing import build_model
 
     s = c.s
+    params = SamplingParams(temperature=0.0, max_tokens=s["tokens"], ignore_eos=True)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         overrides = dict(s["model"], torch_dtype=s["dtypes"][0] if not c.dry else "float32")
         model_dir = build_model(Path(tmp) / "m", "llama", **overrides)
-        llm = LLM(str(model_dir), device=s["device"], attention_backend="triton", num_kv_blocks=64,
-                  enable_prefix_caching=False)
-        params = SamplingParams(temperature=0.0, max_tokens=s["tokens"], ignore_eos=True)
-        llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)  # warm-up: compiles
-        start = time.perf_counter()
-        out = llm.generate([[9, 10, 11, 12]], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        nbytes = sum(p.numel() * p.element_size() for p in llm.engine.worker.model.parameters())
-        llm.close()
-    tok_s = len(out[0].outputs[0].token_ids) / seconds
-    roofline = c.copy_gbs * 1e9 / 2 / nbytes  # copy bandwidth counts a read and a write
-    return [{"name": f"batch-1 decode, {nbytes / 1e6:.0f} MB of weights (eager)", "tok_s": tok_s,
-             "roofline_tok_s": roofline, "of_roofline": tok_s / roofline, "ok": True}]
+        for mode, eager in (("CUDA graphs", False), ("eager", True)):
+            llm = LLM(str(model_dir), device=s["device"], attention_backend="triton", num_kv_blocks=64,
+                      enable_prefix_caching=False, enforce_eager=eager)
+            llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)  # warm-up: compiles and captures
+            start = time.perf_counter()
+            out = llm.generate([[9, 10, 11, 12]], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            worker = llm.engine.worker
+            nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+            graphs = worker.decode_graphs
+            llm.close()
+            tokens = out[0].outputs[0].token_ids
+            tok_s = len(tokens) / seconds
+            roofline = c.copy_gbs * 1e9 / 2 / nbytes  # copy bandwidth counts a read and a write
+            rows.append({"name": f"batch-1 decode, {nbytes / 1e6:.0f} MB of weights ({mode})", "tok_s": tok_s,
+                         "roofline_tok_s": roofline, "of_roofline": tok_s / roofline, "tokens": tokens,
+                         "graphs": None if graphs is None else len(graphs.graphs),
+                         "graphs_failed": None if graphs is None or graphs.failed is None else repr(graphs.failed),
+                         "ok": True})
+    graphed, eager = rows
+    graphed["same_tokens_as_eager"] = graphed["tokens"] == eager["tokens"]
+    graphed["speedup_vs_eager"] = graphed["tok_s"] / eager["tok_s"]
+    graphed["ok"] = graphed["same_tokens_as_eager"] and (c.dry or (graphed["graphs"] and not graphed["graphs_failed"]))
+    for row in rows:
+        del row["tokens"]
+    return rows
 
 
 STEPS = [kernel_tests, correctness, large_kv_pool, decode_bandwidth, extend_rows, prefill, lora, quantized_matmul,

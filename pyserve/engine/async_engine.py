@@ -100,6 +100,7 @@ class AsyncEngine:
             quantization_group_size=config.quantization_group_size,
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_timeout=config.distributed_timeout,
+            enforce_eager=config.enforce_eager,
         )
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,

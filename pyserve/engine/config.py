@@ -41,6 +41,8 @@ class EngineConfig:
         "(on CUDA one device each; on CPUs torch.distributed's gloo)")
     distributed_timeout: float = option(
         60.0, "seconds a tensor-parallel collective may wait on a rank before the engine is failed")
+    enforce_eager: bool = option(False, "CUDA: run decode steps op by op instead of replaying CUDA graphs "
+                                        "(captured per batch and context bucket the first time one runs)")
     gpu_memory_fraction: float = 0.85
     kv_cache_share: float = 1.0  # of the automatic KV budget, for servers of several models (server/model_specs.py)
     attention_backend: str | None = None

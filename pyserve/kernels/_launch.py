@@ -8,24 +8,27 @@ integer that changes from step to step (a batch size, a block table's width, a s
 stride that follows them) must be named in `do_not_specialize`, or serving compiles new variants
 as batches change. Inside `recording()` every launch's key is collected: tests and
 bench/gpu_check.py check that a sweep of batch sizes and table widths stays within a small,
-fixed set.
+fixed set. `observing(f)` shows every launch to `f` (the CUDA-graph tests compare a replay's
+launches with its capture's).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-_recorded: dict[str, set[tuple]] | None = None
+# Called with (kernel name, grid, runtime names, arguments) before every launch, while set.
+Observer = Callable[[str, tuple[int, ...], tuple[str, ...], dict], None]
+_observer: Observer | None = None
 
 
 def launch(kernel, grid: tuple[int, ...], runtime: tuple[str, ...], **args) -> None:
     """`kernel[grid](**args)`; `runtime`: the kernel's `do_not_specialize` names."""
-    if _recorded is not None:
-        _recorded[kernel.__name__].add(variant_key(runtime, args))
+    if _observer is not None:
+        _observer(kernel.__name__, grid, runtime, args)
     kernel[grid](**args)
 
 
@@ -43,11 +46,19 @@ def variant_key(runtime: tuple[str, ...], args: dict) -> tuple:
 
 
 @contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+    """Calls `observer` before every launch inside the block."""
+    global _observer
+    saved, _observer = _observer, observer
+    try:
+        yield
+    finally:
+        _observer = saved
+
+
+@contextmanager
 def recording() -> Iterator[dict[str, set[tuple]]]:
     """Collects the variant key of every launch inside the block, by kernel name."""
-    global _recorded
-    saved, _recorded = _recorded, defaultdict(set)
-    try:
-        yield _recorded
-    finally:
-        _recorded = saved
+    recorded: dict[str, set[tuple]] = defaultdict(set)
+    with observing(lambda name, grid, runtime, args: recorded[name].add(variant_key(runtime, args))):
+        yield recorded

@@ -166,19 +166,32 @@ def _decode_stage2_kernel(
 
 class DecodeWorkspace:
     """The partial outputs and log-sum-exps of stage 1, grown when a step needs more, else
-    reused (every layer and step of an engine shares one)."""
+    reused (every layer and step of an engine shares one). A workspace made with `fixed` is
+    allocated once and never replaced (CUDA graphs replay on its addresses): a step that needs
+    more than it holds is refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixed: tuple[int, int, torch.device] | None = None) -> None:
+        """`fixed`: (elements of mid_lse, head_dim, device) to allocate now, for good."""
         self._o: torch.Tensor | None = None
         self._lse: torch.Tensor | None = None
+        self.fixed = fixed is not None
+        if fixed is not None:
+            n, head_dim, device = fixed
+            self._allocate(n, head_dim, device)
+
+    def _allocate(self, n: int, head_dim: int, device) -> None:
+        self._lse = torch.empty(max(n, 1), dtype=torch.float32, device=device)
+        self._o = torch.empty(max(n * head_dim, 1), dtype=torch.float32, device=device)
 
     def views(self, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int, device) -> tuple:
         """(mid_o [num_seqs, num_q_heads, num_splits, head_dim], mid_lse [.., num_splits]) f32."""
         n = num_seqs * num_q_heads * num_splits
         if self._lse is None or self._lse.numel() < n or self._o.numel() < n * head_dim \
                 or self._o.device != torch.device(device):
-            self._lse = torch.empty(max(n, 1), dtype=torch.float32, device=device)
-            self._o = torch.empty(max(n * head_dim, 1), dtype=torch.float32, device=device)
+            if self.fixed:
+                raise ValueError(f"a decode step of {num_seqs} rows x {num_q_heads} heads x {num_splits} splits "
+                                 f"needs more than the fixed workspace holds")
+            self._allocate(n, head_dim, device)
         return (self._o[:n * head_dim].view(num_seqs, num_q_heads, num_splits, head_dim),
                 self._lse[:n].view(num_seqs, num_q_heads, num_splits))
 

@@ -296,8 +296,8 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self) -> None:
-        self.workspace = decode.DecodeWorkspace()
+    def __init__(self, workspace: decode.DecodeWorkspace | None = None) -> None:
+        self.workspace = workspace or decode.DecodeWorkspace()
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> None:
         """Launches every variant a step of this model uses (the KV write, decode with one split

@@ -20,6 +20,7 @@ from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, TorchBackend, make_backend
 from pyserve.model.config import ModelConfig
+from pyserve.model.decode_graphs import DecodeGraphs
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
@@ -113,6 +114,7 @@ class ModelWorker:
         quantization_group_size: int = 64,
         tensor_parallel_size: int = 1,
         distributed_timeout: float = 60.0,
+        enforce_eager: bool = False,
     ):
         check_method(quantization, quantization_group_size)
         self.device = resolve_device(device)
@@ -155,6 +157,7 @@ class ModelWorker:
             # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
             # path's kernels take the step's own arrays.
             self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
+            self.decode_graphs = None  # set below where decode steps replay CUDA graphs
             self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
             shard = (self.group.rank, self.group.size) if self.group is not None else (0, 1)
             self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton", shard) if max_loras \
@@ -171,6 +174,10 @@ class ModelWorker:
                 self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
                 if self.lora is not None:
                     self.lora.warm_up()
+            if self.step_buffers is not None and self.device.type == "cuda" and not enforce_eager \
+                    and self.group is None:  # a tensor-parallel step announces itself to the ranks: eager
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
+                                                  -(-max_model_len // block_size))
             self.max_lora_rank = max_lora_rank
             self.proposer: ModelProposer | None = None
             if draft_model is not None:
@@ -260,8 +267,11 @@ class ModelWorker:
                 self.model.lockstep.adapter_ids = adapter_ids
         if self.step_buffers is not None and self.lora is None and len(out.input_ids) == out.num_reqs \
                 and len(rows.requests) == out.num_reqs and prompt_rows is None:  # a decode step, on the fixed buffers
-            input_ids, positions, meta, _ = self.step_buffers.stage(out)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(out)
+            else:
+                input_ids, positions, meta, _ = self.step_buffers.stage(out)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
             return self._sample(self._logits(hidden, rows)[0], rows)
         if self.whole_model is not None and prompt_rows is None and len(out.input_ids) <= FEW_ROWS:
             logits = self.whole_model.forward(out.input_ids, out.positions,

@@ -23,6 +23,6 @@ def test_the_dry_run_runs_every_step_and_writes_its_report(tmp_path):
     counts = rows["compile_count"][0]
     assert (counts["_decode_stage1_kernel"], counts["_decode_stage2_kernel"], counts["_extend_attention_kernel"]) \
         == (2, 1, 1)
-    assert rows["batch1_decode"][0]["tok_s"] > 0
+    assert rows["batch1_decode"][0]["tok_s"] > 0 and rows["batch1_decode"][0]["same_tokens_as_eager"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("\n| ") == 1 + sum(len(step) for step in rows.values())  # header + one line per case
