@@ -11,10 +11,23 @@ CUDA); nothing is allocated per step once the buckets were seen.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from pyserve.model.attention import AttentionMetadata
+
+
+class DecodeRows(NamedTuple):
+    """A decode step's arrays as `StepBuffers.stage` reads them (a SchedulerOutput has the same
+    fields): one token per row."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray  # int32 [rows, width]
 
 
 def bucket(n: int) -> int:
@@ -44,7 +57,7 @@ class StepBuffers:
 
     def stage(self, out) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
         """(input_ids, positions, metadata, batch bucket B) of a decode-only SchedulerOutput `out`
-        (one token per request, every request with logits), padded to B rows."""
+        (one token per request, every request with logits) or DecodeRows, padded to B rows."""
         n = len(out.input_ids)
         b = bucket(n)
         if b > self.max_batch:

@@ -185,6 +185,7 @@ class ModelWorker:
                     draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
                     block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
                     quantization=quantization, quantization_group_size=quantization_group_size,
+                    graphs_for_batch=max_num_seqs if self.decode_graphs is not None else None,
                 )
             self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
             self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)

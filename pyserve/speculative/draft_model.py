@@ -24,12 +24,14 @@ import torch
 
 from pyserve.model.attention import AttentionMetadata
 from pyserve.model.config import ModelConfig
+from pyserve.model.decode_graphs import DecodeGraphs
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.quantized_linear import quantize_linears
 from pyserve.model.noise import NoiseKey
 from pyserve.model.cpu_linear import FEW_ROWS, can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.model.step_buffers import DecodeRows, StepBuffers
 from pyserve.model.whole_model import WholeModel
 from pyserve.speculative.proposer import ProposalBatch
 
@@ -42,7 +44,9 @@ CATCH_UP_ROWS = 4 * FEW_ROWS
 class DraftModelProposer:
     def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
                  quantization: str | None = None, quantization_group_size: int = 64,
-                 max_model_len: int, backend, sampler: Sampler):
+                 max_model_len: int, backend, sampler: Sampler, graphs_for_batch: int | None = None):
+        """`graphs_for_batch`: the draft's one-token steps of up to this many requests replay CUDA
+        graphs (model.decode_graphs); None: they run op by op."""
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -56,6 +60,8 @@ class DraftModelProposer:
         self.kv_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
         self.whole_model = WholeModel.of(self.model, self.kv_caches)
         self.backend = backend
+        self.decode_graphs = None if graphs_for_batch is None else DecodeGraphs(
+            self.model, self.kv_caches, StepBuffers(device, graphs_for_batch), -(-max_model_len // block_size))
         self.sampler = sampler
         self.num_computed: dict[int, int] = {}  # request id -> its tokens in the draft's KV
         self.fed_guesses: dict[int, int] = {}  # request id -> guesses fed after those, awaiting verification
@@ -126,9 +132,7 @@ class DraftModelProposer:
             for i in feed.tolist():
                 self.fed_guesses[reqs[i].internal_id] += 1
             pos = pos + 1
-            step = self._forward(tokens[feed].astype(np.int32), pos[feed], np.arange(len(feed)),
-                                 batch.block_tables[feed], (pos[feed] + 1).astype(np.int32),
-                                 np.arange(len(feed) + 1, dtype=np.int32), last=np.arange(len(feed)))
+            step = self._decode(tokens[feed], pos[feed], batch.block_tables[feed])
             if len(feed) == len(reqs):
                 logits = step
             else:  # rows stay aligned with `rows`; unfed rows are unused
@@ -187,9 +191,23 @@ class DraftModelProposer:
         q = self.sampler.probs(logits, rows)
         return q, (q / self.sampler.exponential(q, rows, offset=j)).argmax(dim=-1).cpu().numpy()
 
-    def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
+    def _decode(self, ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """Logits of one token per request (request i's at positions[i]): a replayed graph where
+        the draft has them."""
+        n = len(ids)
+        if self.decode_graphs is None:
+            return self._forward(ids.astype(np.int32), positions, np.arange(n), block_tables,
+                                 (positions + 1).astype(np.int32), np.arange(n + 1, dtype=np.int32), last=np.arange(n))
+        step = DecodeRows(ids, positions, self._slots(block_tables, np.arange(n), positions), positions + 1, block_tables)
+        return self.model.compute_logits(self.decode_graphs.run(step))
+
+    def _slots(self, block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV slot of each position, row[i]'s table holding positions[i]."""
         bs = self.block_size
-        slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        return block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+
+    def _forward(self, ids, positions, row, block_tables, seq_lens, qsl, last) -> torch.Tensor:
+        slots = self._slots(block_tables, row, positions)
         meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), seq_lens, qsl, self.device)
         hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device),
                             self.kv_caches, meta, self.backend)

@@ -3,20 +3,28 @@ capture records the forward and a replay reruns it on the buffers' current conte
 tests check what makes a real CUDA-graph replay right. The same greedy tokens as the eager path;
 one capture per (batch, width) bucket; and every replay launches exactly the kernels its capture
 did, with the same grids and scalars, on the same addresses of everything that outlives a step
-(buffers, KV cache, weights, workspace): what a CUDA graph bakes in. The real capture runs in
+(buffers, KV cache, weights, workspace): what a CUDA graph bakes in. The draft model's
+one-token steps likewise. The real capture runs in
 bench/gpu_check.py when a GPU is lent."""
 
 from __future__ import annotations
 
 from collections.abc import Container
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from pyserve import LLM, SamplingParams
 from pyserve.kernels._launch import observing
+from pyserve.model.attention import make_backend
+from pyserve.model.config import ModelConfig
 from pyserve.model.decode_graphs import DecodeGraphs
+from pyserve.model.sampler import Sampler
 from pyserve.model.step_buffers import StepBuffers
+from pyserve.speculative.draft_model import DraftModelProposer
+from pyserve.speculative.proposer import ProposalBatch
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]  # as a batch: 3 rows in a bucket of 4
 CONFIG = dict(device="cpu", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
@@ -152,3 +160,36 @@ def test_the_graphs_workspace_holds_the_largest_bucket_and_never_moves(llama_dir
 def test_graphs_are_for_cuda_the_cpus_triton_path_decodes_eagerly_on_the_buffers(llama_dir):
     with LLM(str(llama_dir), attention_backend="triton", **CONFIG) as llm:
         assert llm.engine.worker.step_buffers is not None and llm.engine.worker.decode_graphs is None
+
+
+def test_the_drafts_one_token_steps_replay_graphs_with_the_eager_drafts(llama_dir):
+    """The draft model's guesses after the first, fed one token a request, through its own
+    graphs: the same guesses and KV cache as op by op, for one request then three (padded to 4)."""
+    cfg = ModelConfig.from_dir(llama_dir)
+    cpu = torch.device("cpu")
+
+    def proposer():
+        p = DraftModelProposer(str(llama_dir), cfg, dtype=torch.float32, device=cpu, num_blocks=64, block_size=4,
+                               max_model_len=64, backend=make_backend("triton"), sampler=Sampler(cfg.vocab_size, cpu))
+        p.whole_model = None  # every guess through the model's forward
+        return p
+
+    eager, graphed = proposer(), proposer()
+    capture = StandInCapture()
+    graphed.decode_graphs = DecodeGraphs(graphed.model, graphed.kv_caches, StepBuffers(cpu, 4), 16, capture=capture)
+    capture.long_lived = ()  # launches compared by kernels, grids and scalars alone here
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 9, 3)]
+    tables = np.zeros((3, 16), dtype=np.int32)
+    tables[0, :4], tables[1, :4], tables[2, :4] = np.arange(1, 5), np.arange(5, 9), np.arange(9, 13)
+    reqs = [SimpleNamespace(internal_id=i, params=SamplingParams(temperature=0.0)) for i in range(3)]
+    for n in (1, 3):
+        batch = ProposalBatch(reqs[:n], tables[:n], 4, [np.asarray(t, dtype=np.int64) for t in prompts[:n]])
+        want, got = eager.propose(batch, [None] * n), graphed.propose(batch, [None] * n)
+        assert got == want and all(len(g) == 4 for g in got)
+        for p in (eager, graphed):
+            p.accepted(0, 0)
+    for (k1, v1), (k2, v2) in zip(eager.kv_caches, graphed.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert {b for b, _ in graphed.decode_graphs.graphs} == {1, 4} and capture.replays
+    assert all(launches == capture.captures[i] for i, launches in capture.replays)
