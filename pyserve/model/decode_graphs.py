@@ -35,10 +35,18 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch
 
 
 def cuda_graph_capture(pool) -> Capture:
-    """Captures into a torch.cuda.CUDAGraph whose activations come from `pool`."""
+    """Captures into a torch.cuda.CUDAGraph whose activations come from `pool`, after one run on a
+    side stream (as torch's docs ask: libraries set up per-stream state on a first call, which a
+    capture must not record). Only this thread's CUDA calls are barred during the capture (other
+    threads may serve embeddings on the device meanwhile)."""
     def capture(forward):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # rewrites the KV the step's eager run wrote, with the same values
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             hidden = forward()
         return graph.replay, hidden
     return capture
