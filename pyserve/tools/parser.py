@@ -2,9 +2,12 @@
 
 A ToolCallParser is fed the whole text so far after each delta and says what is safe to hand
 out: content, each call's header (name) once complete, and each call's arguments as a growing
-raw substring of the model's JSON. Text that could still turn out to be a call's opening or
-closing is held back, so what was handed out never needs taking back: the concatenated argument
-fragments of a stream are, byte for byte, the arguments of the same text parsed at once.
+raw substring of the model's JSON. A call's arguments are the JSON value after its header, read
+by its brackets and strings (so a brace or a closing marker inside a string is the value's), and
+end where that value ends; an output cut off inside the value (max_tokens) gives the arguments
+as far as the model wrote them, as OpenAI's API does. Text that could still turn out to be a
+call's opening is held back, so what was handed out never needs taking back: the concatenated
+argument fragments of a stream are, byte for byte, the arguments of the same text parsed at once.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import re
 from dataclasses import dataclass, field
 
 _STRING = r'"((?:[^"\\]|\\.)*)"'
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(")?|[{}\[\]]')  # a string (group 1: its closing quote) or a bracket
+_SPACE = re.compile(r"\s*")
+_SCALAR = re.compile(r"[^\s,}\]]*")
 HEADER_WAIT_CHARS = 256  # an output opening with `{` is held this long for a call's header
 
 
@@ -35,12 +41,28 @@ class ParseDelta:
     calls: list[CallDelta] = field(default_factory=list)
 
 
-def _prefix_re(marker: str) -> str:
-    """A regex matching any prefix of `marker`, the empty one included."""
-    out = ""
-    for ch in reversed(marker):
-        out = "(?:" + re.escape(ch) + out + ")?"
-    return out
+def json_value_end(text: str, start: int) -> int | None:
+    """Where the JSON value that begins at `start` (after whitespace) ends: the index after its
+    last character; None when the text ends first. Brackets inside strings do not count."""
+    i = _SPACE.match(text, start).end()
+    if i == len(text):
+        return None
+    if text[i] not in '{["':  # a number or a literal: it ends where a separator follows
+        end = _SCALAR.match(text, i).end()
+        return end if end < len(text) else None
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text, i):
+        token = m.group()
+        if token[0] == '"':
+            if m.group(1) is None:
+                return None  # the text ends inside this string
+            if depth == 0:
+                return m.end()
+        else:
+            depth += 1 if token in "{[" else -1
+            if depth == 0:
+                return m.end()
+    return None
 
 
 def _partial(text: str, marker: str) -> int:
@@ -62,9 +84,6 @@ class ToolCallParser:
         self.open, self.close, self.separator, self.prefix = open_marker, close_marker, separator, prefix
         self._header = re.compile(r'\s*\{\s*"name"\s*:\s*' + _STRING + r'\s*,\s*"(?:' + "|".join(args_keys)
                                   + r')"\s*:\s*')
-        # Where an open call's text may be ending: the call's closing brace and what may follow it.
-        after = _prefix_re(close_marker) if close_marker else r"(?:;\s*(?:\{\s*" + _prefix_re('"name"') + ")?)?"
-        self._ending = re.compile(r"\}\s*" + after + "$")
         self._split = re.compile(re.escape(separator.strip()) + r'\s*(?=\{\s*"name")') if separator else None
         self._content_sent = 0
         self._calls: list[list] = []  # per call: [name, arguments sent]
@@ -98,12 +117,14 @@ class ToolCallParser:
         at = first
         while at != -1:
             body_start = at + len(self.open)
-            end = text.find(self.close, body_start)
-            body = text[body_start:] if end == -1 else text[body_start:end]
-            call = self._call(body, closed=end != -1 or final)
+            call = self._call(text[body_start:])
             if call is None:
                 break
-            calls.append(call)
+            name, args, value_end = call
+            calls.append((name, args))
+            if value_end is None:
+                break
+            end = text.find(self.close, body_start + value_end)  # after the value: a marker in a string is the value's
             if end == -1:
                 break
             at = text.find(self.open, end + len(self.close))
@@ -125,26 +146,21 @@ class ToolCallParser:
             return text, []
         calls = []
         pieces = self._split.split(head) if self._split else [head]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            call = self._call(piece, closed=final or not last)
+        for piece in pieces:
+            call = self._call(piece)
             if call is None:
                 break
-            calls.append(call)
+            calls.append(call[:2])
         return "", calls
 
-    def _call(self, body: str, closed: bool) -> tuple[str, str] | None:
-        """(name, arguments so far) of one call's text, or None before its header is complete;
-        an open call holds back a trailing brace that may close it."""
+    def _call(self, body: str) -> tuple[str, str, int | None] | None:
+        """(name, arguments so far, where in `body` the arguments end or None while they are
+        open) of one call's text, or None before its header is complete."""
         m = self._header.match(body)
         if m is None:
             return None
-        args = body[m.end() :]
-        if closed:
-            stripped = args.rstrip()
-            return (_unescape(m.group(1)), stripped[:-1] if stripped.endswith("}") else stripped)
-        ending = self._ending.search(args)
-        return _unescape(m.group(1)), args if ending is None else args[: ending.start()]
+        end = json_value_end(body, m.end())
+        return _unescape(m.group(1)), body[m.end() : end], end
 
 
 def _unescape(name: str) -> str:

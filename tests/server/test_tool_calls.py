@@ -91,6 +91,25 @@ def test_a_named_function_is_the_one_called(client):
         _valid(call)
 
 
+def test_a_call_cut_off_by_max_tokens_gives_the_arguments_written_so_far(client):
+    """The whole call first, then the same request cut at every length from the end of the
+    arguments to the closing marker: the arguments end where the model's JSON ended (never with
+    the wrapper's brace or marker), or are its prefix where the cut fell inside them."""
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, seed=0, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "add"}})
+    whole = client.chat.completions.create(**kw, max_tokens=120)
+    (call,) = whole.choices[0].message.tool_calls
+    full_args, used = call.function.arguments, whole.usage.completion_tokens
+    for max_tokens in range(used - 8, used):
+        r = client.chat.completions.create(**kw, max_tokens=max_tokens)
+        assert r.choices[0].finish_reason == "length"
+        (cut,) = r.choices[0].message.tool_calls
+        assert full_args.startswith(cut.function.arguments)
+        if cut.function.arguments.endswith("}"):
+            assert cut.function.arguments == full_args
+        assert _streamed(client, **kw, max_tokens=max_tokens)[1][0][2] == cut.function.arguments
+
+
 def test_auto_and_none(client):
     for seed in range(4):
         r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, seed=seed,

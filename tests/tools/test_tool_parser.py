@@ -22,7 +22,14 @@ CASES = [
     (HERMES, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n'
              '{"name": "g", "arguments": {"x": "</tool"}}\n</tool_call>',
      "", [ParsedCall("f", "{}"), ParsedCall("g", '{"x": "</tool"}')]),
-    (HERMES, '<tool_call>{ "name" : "h",  "arguments":{"k": 1} }</tool_call>', "", [ParsedCall("h", '{"k": 1} ')]),
+    (HERMES, '<tool_call>{ "name" : "h",  "arguments":{"k": 1} }</tool_call>', "", [ParsedCall("h", '{"k": 1}')]),
+    # Cut off by max_tokens: the arguments as far as they were written, never the wrapper's text.
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</', "", [ParsedCall("f", '{"a": 1}')]),
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": "x}', "", [ParsedCall("f", '{"a": "x}')]),
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call><tool_call>"}}\n</tool_call>', "",
+     [ParsedCall("f", '{"s": "</tool_call><tool_call>"}')]),  # markers inside a string are the value's
+    (LLAMA, '{"name": "f", "parameters": {"q": [1, {"r": 2', "", [ParsedCall("f", '{"q": [1, {"r": 2')]),
+    (LLAMA, '{"name": "f", "parameters": 5}', "", [ParsedCall("f", "5")]),
     (HERMES, "plain text with a < sign and <tool", "plain text with a < sign and <tool", []),
     (HERMES, "<tool_call> not json at all", "<tool_call> not json at all", []),
     (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', "", [ParsedCall("f", '{"a": 1}')]),  # no close: EOS
