@@ -4,6 +4,7 @@ rendered in a sandboxed Jinja environment."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,20 @@ from tokenizers import Tokenizer as HFTokenizer
 MAX_REPEAT = 100_000  # items a `*` repetition may make (the sandbox's own cap on `range`)
 MAX_POWER_BITS = 4096  # size of an integer `**` result
 MAX_RENDERED_CHARS = 4_000_000  # a longer rendered prompt is refused while it is being rendered
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, used by every ByteLevel tokenizer): printable Latin-1
+    bytes stand for themselves, the other 68 bytes for code points from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    alphabet = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in alphabet.values()]
+    alphabet.update({chr(256 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class ChatTemplateError(ValueError):
@@ -53,6 +68,8 @@ class Tokenizer:
     _compiled_template: tuple[str, Any] | None = field(default=None, repr=False)
     # token_text's memo, one dict per skip_special_tokens value (index 1: True).
     _token_texts: tuple[dict[int, str], dict[int, str]] = field(default_factory=lambda: ({}, {}), repr=False)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)  # token_bytes' memo
+    _byte_level: bool | None = field(default=None, repr=False)  # tokens spell bytes in GPT-2's alphabet
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -99,6 +116,26 @@ class Tokenizer:
         if text is None:
             text = memo[token_id] = self.inner.decode([token_id], skip_special_tokens=skip_special_tokens)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also where they are not whole UTF-8 characters (a byte-level
+        BPE token, a `<0xNN>` byte-fallback token), as OpenAI's logprobs `bytes` give them; an added
+        token's, and any other token's, are its text's."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        if self._byte_level is None:
+            self._byte_level = "ByteLevel" in json.dumps(json.loads(self.inner.to_str()).get("decoder"))
+        piece = self.inner.id_to_token(token_id)
+        added = token_id in self.inner.get_added_tokens_decoder()
+        if piece is not None and not added and self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            value = bytes(_BYTE_OF_CHAR[c] for c in piece)
+        elif piece is not None and not added and _BYTE_TOKEN.fullmatch(piece):
+            value = bytes([int(piece[3:5], 16)])
+        else:
+            value = self.inner.decode([token_id], skip_special_tokens=False).encode()
+        self._token_bytes[token_id] = value
+        return value
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.inner.id_to_token(token_id)

@@ -52,6 +52,7 @@ class CompletionContext:
         self._logged = False
         self.tools = tools if tools is not None and tools.format is not None else None  # calls to read out
         self._calls: dict[int, ChoiceCalls] = {}  # per choice, when calls are read out
+        self._streamed_chars: dict[int, int] = {}  # per choice: its streamed tokens' characters (text_offset)
         self.cache_status: str | None = None  # the semantic cache's word on this request (hit / miss / bypass)
         self.on_done: Callable[[dict], None] | None = None  # told the final body of a request that finished
 
@@ -226,7 +227,11 @@ class CompletionContext:
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def _delta_choice(self, idx: int, d: StreamDelta) -> dict:
-        lp = None if d.logprobs is None else self._logprobs(d.token_ids, d.logprobs)
+        lp = None
+        if d.logprobs is not None:
+            lp = self._logprobs(d.token_ids, d.logprobs, offset=self._streamed_chars.get(idx, 0))
+            if "tokens" in lp:
+                self._streamed_chars[idx] = self._streamed_chars.get(idx, 0) + sum(len(t) for t in lp["tokens"])
         if self.kind == "chat" and self.tools is not None:
             calls = self._choice_calls(idx)
             delta, has_calls = calls.delta(d.text, final=d.finish_reason is not None)
@@ -260,24 +265,33 @@ class CompletionContext:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": self._usage()}
 
-    def _logprobs(self, token_ids: list[int], entries) -> dict:
-        decode = self.engine.tokenizer.decode
+    def _logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
+        """The OpenAI logprobs of `token_ids`: chat's `content` (each token's bytes as it stands
+        for them, a piece of a character included), or the completions API's lists, where each
+        token's `top_logprobs` holds the sampled token besides the top k and `text_offset` counts
+        characters from `offset`, the choice's text before these tokens."""
+        tokenizer = self.engine.tokenizer
+        decode = tokenizer.decode
         if self.kind == "chat":
             content = []
             for tid, entry in zip(token_ids, entries):
                 text = decode([tid], skip_special_tokens=False)
-                top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list((e.decoded_token or "").encode())}
+                top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list(tokenizer.token_bytes(t))}
                        for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)][: self._num_top()]
-                content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
+                content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(tokenizer.token_bytes(tid)),
                                 "top_logprobs": top})
             return {"content": content}
-        tokens, token_logprobs, tops = [], [], []
+        tokens, token_logprobs, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, entries):
-            tokens.append(decode([tid], skip_special_tokens=False))
-            token_logprobs.append(entry[tid].logprob)
+            text = decode([tid], skip_special_tokens=False)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            sampled = entry[tid]
+            token_logprobs.append(sampled.logprob)
             best = sorted(entry.values(), key=lambda e: -e.logprob)[: self._num_top()]
-            tops.append({e.decoded_token: e.logprob for e in best})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
+            tops.append({e.decoded_token: e.logprob for e in best} | {sampled.decoded_token: sampled.logprob})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _echoed(self, i: int, output, c, idx: int) -> dict:
         """A completion choice with prompt i before it: text, and logprobs (the prompt's first token
@@ -287,12 +301,12 @@ class CompletionContext:
         lp = None
         if self.req.logprobs is not None:
             prompt = self.prompts[i]
-            head = self._logprobs(prompt[1:], output.prompt_logprobs[1:])
             first = self.engine.tokenizer.decode(prompt[:1], skip_special_tokens=False)
+            head = self._logprobs(prompt[1:], output.prompt_logprobs[1:], offset=len(first))
             lp = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
-                  "top_logprobs": [None, *head["top_logprobs"]]}
+                  "top_logprobs": [None, *head["top_logprobs"]], "text_offset": [0, *head["text_offset"]]}
             if tokens:
-                tail = self._logprobs(tokens, c.logprobs)
+                tail = self._logprobs(tokens, c.logprobs, offset=sum(len(t) for t in lp["tokens"]))
                 lp = {k: lp[k] + tail[k] for k in lp}
         finish = "length" if self.echo_only else c.finish_reason
         return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}

@@ -33,7 +33,9 @@ async def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(llama
         assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for j in range(1, len(ids)):
             assert math.isclose(lp["token_logprobs"][j], ref.prompt_logprobs[j][ids[j]].logprob, abs_tol=1e-5)
-            assert 1 <= len(lp["top_logprobs"][j]) <= 2  # keyed by text: byte pieces may share "\ufffd"
+            top = lp["top_logprobs"][j]  # the top 2 and the prompt's own token, keyed by text (pieces may share "\ufffd")
+            assert 1 <= len(top) <= 3 and math.isclose(top[lp["tokens"][j]], lp["token_logprobs"][j], abs_tol=1e-6)
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
         generated = ref.outputs[0].logprobs
         for j, tid in enumerate(ref.outputs[0].token_ids):
             assert math.isclose(lp["token_logprobs"][len(ids) + j], generated[j][tid].logprob, abs_tol=1e-5)

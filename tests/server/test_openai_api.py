@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from pyserve.embeddings.packaged import NAME as PACKAGED_EMBEDDING_MODEL
 from pyserve.testing import scrape_metrics, start_server, stop_server
@@ -105,6 +106,32 @@ def test_n_and_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="def", max_tokens=3, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_text_offsets(client):
+    """As OpenAI's legacy API: each top_logprobs holds the sampled token besides the top k (up to
+    k + 1 entries; logprobs=0 gives the sampled token alone), text_offset counts characters
+    from the choice's start, and a stream's offsets run on across its chunks."""
+    kw = dict(model=MODEL, prompt="def fib(n):", max_tokens=8, temperature=1.5, seed=3)
+    for k in (0, 1):
+        lp = client.completions.create(**kw, logprobs=k).choices[0].logprobs
+        assert all(top[token] == logprob and len(top) <= k + 1
+                   for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, logprobs=1, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(client, model_dirs):
+    """A byte-level token that is a piece of a character: its bytes, not U+FFFD's."""
+    tokenizer = HFTokenizer.from_file(str(model_dirs["llama"] / "tokenizer.json"))
+    piece = tokenizer.id_to_token(100)  # GPT-2's alphabet writes the bytes 0xA1-0xAC as themselves
+    assert 0xA1 <= ord(piece) <= 0xAC and tokenizer.decode([100]) == "\ufffd"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=1, logit_bias={"100": 100})
+    content = r.choices[0].logprobs.content
+    assert [e.bytes for e in content] == [[ord(piece)]] * 3
 
 
 def test_models_health_version_metrics(server):
