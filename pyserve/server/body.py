@@ -41,14 +41,38 @@ def validate(schema: type[BaseModel], data: dict[str, Any]):
         if not any(value == v and type(value) is type(v) or (value is None and v is None) for v in off):
             raise BadRequest(f"{key}: not supported by this server", param=key)
     try:
-        return schema.model_validate(data)
+        request = schema.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = _field_path(err["loc"])
-        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+        param, message = _explained(e.errors())
+        raise BadRequest(f"{param}: {message}" if param else message, param=param) from e
+    check = getattr(request, "check", None)
+    if check is not None:  # combinations of fields, each valid alone
+        check()
+    return request
+
+
+def _explained(errors: list[dict]) -> tuple[str | None, str]:
+    """(field, message) of the first field in error. A field of several accepted types has one
+    error per type: the one that says more than "wrong type" (a list too long, a value out of
+    range) is given; when each only says "wrong type", the types it accepts are listed."""
+    param = _field_path(errors[0]["loc"])
+    same = [e for e in errors if _field_path(e["loc"]) == param]
+    telling = [e for e in same if not e["type"].endswith(("_type", "_parsing"))]
+    if telling:  # named down to the item or key at fault ('messages.0.content.0.foo')
+        loc = telling[0]["loc"]
+        return ".".join(str(x) for x in loc if x != _member_tag(loc)) or None, telling[0]["msg"].removeprefix("Value error, ")
+    tags = list(dict.fromkeys(tag for e in same if (tag := _member_tag(e["loc"])) is not None))
+    if len(tags) > 1:
+        return param, f"expected {', '.join(tags[:-1])} or {tags[-1]}"
+    return param, errors[0]["msg"]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _member_tag(loc: tuple) -> str | None:
+    """The union member an error is about ('prompt.list[int].1' -> 'list[int]'), if any."""
+    return next((x for x in loc if isinstance(x, str) and (not x.isidentifier() or x in _TYPE_TAGS)), None)
 
 
 def _field_path(loc: tuple) -> str | None:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pyserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pyserve.server.errors import BadRequest
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 MAX_N = 16
@@ -40,8 +41,10 @@ GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # OpenAI pads chunks with random characters unless this is false; this server never pads.
+    include_obfuscation: Literal[False] | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -118,6 +121,11 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
 
+    def check(self) -> None:
+        """Refuses combinations of fields that are each valid alone, as OpenAI's API does."""
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options: allowed only with stream", param="stream_options")
+
     def wants_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk (stream_options.include_usage)."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -126,8 +134,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (digits 0-9), got {key!r}")
         return v
 
     @field_validator("guided_decoding_backend")
@@ -170,9 +178,10 @@ class SamplingFields(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: this server caches every prefix anyway
 
 
 class FunctionDef(BaseModel):
@@ -201,25 +210,34 @@ class NamedToolChoice(BaseModel):
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: str
     arguments: str
 
 
 class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
+    index: int | None = None  # kept by clients that gathered the call from a stream's deltas
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message; the fields of a response's message that a client may send back as they came
+    (refusal, annotations, audio, function_call, reasoning_content) are accepted when empty."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    refusal: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
+    reasoning_content: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -263,6 +281,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
+        if "parallel_tool_calls" in self.model_fields_set and self.tools is None:
+            raise BadRequest("parallel_tool_calls: allowed only with tools", param="parallel_tool_calls")
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

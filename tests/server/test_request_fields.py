@@ -75,6 +75,54 @@ def test_fields_without_effect_are_accepted_and_change_nothing(server, endpoint)
     assert labelled == plain
 
 
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),  # without tools
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("completions", {"stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options.include_obfuscation"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+     "messages.0.content.0.foo"),
+    ("chat", {"messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}, "messages.0.refusal"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}", "x": 1}}]}]},
+     "messages.1.tool_calls.0.function.x"),
+    ("completions", {"logit_bias": {"\u00b2": 5}}, "logit_bias"),  # a digit, not 0-9
+])
+def test_fields_set_but_not_served_are_400s_naming_the_nested_field(server, endpoint, body, param):
+    r = _post(server, endpoint, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(param + ": ")
+
+
+def test_a_response_message_sent_back_as_it_came_is_accepted(server):
+    """The empty fields of a response's message (refusal, annotations, ...) and a content part's
+    cache_control change nothing."""
+    history = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+               {"role": "assistant", "content": "hello", "refusal": None, "annotations": [], "audio": None,
+                "function_call": None, "tool_calls": None},
+               {"role": "user", "content": "and?"}]
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and?"}]
+    got = _post(server, "chat", messages=history, temperature=0, max_tokens=8)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == _post(server, "chat", messages=plain, temperature=0, max_tokens=8).json()["choices"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": []}, "prompt: List should have at least 1 item"),
+    ({"prompt": ["a"] * 65}, "prompt: List should have at most 64 items"),
+    ({"prompt": ["a", [1, 2]]}, "prompt: expected str, list[int], list[str] or list[list[int]]"),
+    ({"stop": ["x"] * 17}, "stop: List should have at most 16 items"),
+])
+def test_a_field_of_several_types_is_explained_by_the_type_the_value_took(server, body, message):
+    r = _post(server, "completions", **body)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
 def test_best_of_must_equal_n(server):
     assert _post(server, "completions", n=2, best_of=2).status_code == 200
     r = _post(server, "completions", n=1, best_of=3)
