@@ -145,12 +145,26 @@ async def _gather(pool: ReplicaPool, path: str, request: Request) -> dict[str, h
     return {r.url: a for r, a in zip(healthy, answers) if isinstance(a, httpx.Response) and a.status_code == 200}
 
 
-async def list_models(request: Request) -> Response:
+async def _cards(request: Request) -> dict[str, dict]:
+    """Every healthy replica's model cards by id (the first replica's card of an id)."""
     cards: dict[str, dict] = {}
     for answer in (await _gather(request.app.state.pool, "/v1/models", request)).values():
         for card in answer.json().get("data", []):
             cards.setdefault(card.get("id"), card)
-    return json_response({"object": "list", "data": list(cards.values())})
+    return cards
+
+
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": list((await _cards(request)).values())})
+
+
+async def retrieve_model(request: Request) -> Response:
+    model_id = request.path_params["model_id"]
+    card = (await _cards(request)).get(model_id)
+    if card is None:
+        return Response(error_body(404, "not_found_error", f"model {model_id!r} does not exist", "model",
+                                   "model_not_found"), 404, media_type="application/json")
+    return json_response(card)
 
 
 async def metrics(request: Request) -> Response:
@@ -195,6 +209,7 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset({"/health"})))
     routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
-    routes += [Route("/v1/models", list_models, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+    routes += [Route("/v1/models", list_models, methods=["GET"]),
+               Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
                Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

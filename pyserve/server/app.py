@@ -22,7 +22,7 @@ from pyserve.batches.routes import (cancel_batch, create_batch, delete_file, fil
 from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
-from pyserve.server.errors import APIError, error_body, error_response
+from pyserve.server.errors import APIError, NotFound, error_body, error_response
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
 from pyserve.server.models import ModelSpec
@@ -43,14 +43,26 @@ log = structlog.get_logger("pyserve.server")
 UPLOAD_ENVELOPE_BYTES = 64 << 10  # a multipart upload's parts and headers beside the file itself
 
 
-async def list_models(request: Request) -> Response:
-    state: ServerState = request.app.state.pyserve
+def _model_cards(state: ServerState) -> list[dict]:
     cards = state.models.cards()
     if state.encoder is not None:
-        cards.append({"id": state.encoder.name, "object": "model", "created": 0, "owned_by": "pyserve",
-                      "root": state.encoder.source, "parent": None, "max_model_len": state.encoder.max_input_tokens,
-                      "pyserve_kind": "embedding"})
-    return json_response({"object": "list", "data": cards})
+        cards.append({"id": state.encoder.name, "object": "model", "created": state.models.created,
+                      "owned_by": "pyserve", "root": state.encoder.source, "parent": None,
+                      "max_model_len": state.encoder.max_input_tokens, "pyserve_kind": "embedding"})
+    return cards
+
+
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": _model_cards(request.app.state.pyserve)})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{id}: the card of one model, adapter, route or encoder."""
+    model_id = request.path_params["model_id"]
+    card = next((c for c in _model_cards(request.app.state.pyserve) if c["id"] == model_id), None)
+    if card is None:
+        raise NotFound(f"model {model_id!r} does not exist", param="model", code="model_not_found")
+    return json_response(card)
 
 
 async def health(request: Request) -> Response:
@@ -145,6 +157,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             *([Route("/v1/cache", cache_info, methods=["GET"]),
                Route("/v1/cache/invalidate", invalidate, methods=["POST"])] if settings.semantic_cache else []),

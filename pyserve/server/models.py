@@ -6,6 +6,8 @@ of one; adapter names are unique across the server. The first model is the prima
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -58,6 +60,7 @@ class ModelTable:
         if len(self._models) != len(models):
             raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
         self.routes: dict[str, RouteSpec] = {}
+        self.created = int(time.time())  # the models' cards' `created`: when the server loaded them
 
     @property
     def primary(self) -> ServedModel:
@@ -101,12 +104,13 @@ class ModelTable:
         """/v1/models: each model, then its adapters (parent: the model)."""
         cards = []
         for m in self:
-            base = {"object": "model", "created": 0, "owned_by": "pyserve", "max_model_len": m.engine.max_model_len}
+            base = {"object": "model", "created": self.created, "owned_by": "pyserve",
+                    "max_model_len": m.engine.max_model_len}
             cards.append({"id": m.name, **base, "root": m.engine.model_path, "parent": None})
             cards += [{"id": a, **base, "root": e.lora.lora_path, "parent": m.name} for a, e in m.loras.entries.items()]
         for r in self.routes.values():
             large = self._models[r.large].engine
-            cards.append({"id": r.name, "object": "model", "created": 0, "owned_by": "pyserve", "root": None,
+            cards.append({"id": r.name, "object": "model", "created": self.created, "owned_by": "pyserve", "root": None,
                           "parent": None, "max_model_len": large.max_model_len,
                           "pyserve_route": {"kind": r.kind, "small": r.small, "large": r.large}})
         return cards

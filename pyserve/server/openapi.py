@@ -76,6 +76,10 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
         "/v1/completions": {"post": {"summary": "Text completion", **_generation(completion, gen_errors)}},
         "/v1/models": {"get": {"summary": "Served models and adapters",
                                "responses": {"200": {"description": "model list", "content": object_}, **_errors(*auth)}}},
+        "/v1/models/{model_id}": {"get": {
+            "summary": "One served model, adapter, route or encoder",
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "model card", "content": object_}, **_errors(*auth, "404")}}},
         "/health": {"get": {"summary": "Liveness", "security": [],
                             "responses": {"200": {"description": "serving", "content": object_},
                                           "503": {"description": "dead or stalled", "content": object_}}}},

@@ -91,6 +91,8 @@ def test_errors_come_back_as_the_replica_sent_them(router):
 def test_models_and_metrics_gather_every_replica(router, replicas):
     models = httpx.get(router + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{router}/v1/models/{MODEL}").json() == models["data"][0]
+    assert httpx.get(router + "/v1/models/nope").status_code == 404
     text = httpx.get(router + "/metrics").text
     for _, url in replicas:
         assert f'pyserve:num_requests_running{{replica="{url}",model="{MODEL}"}} 0' in text

@@ -138,6 +138,11 @@ def test_models_health_version_metrics(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server + "/v1/models", headers=auth).json()
     assert [m["id"] for m in models["data"]] == [MODEL, PACKAGED_EMBEDDING_MODEL]
+    assert abs(models["data"][0]["created"] - time.time()) < 3600  # when the server loaded it
+    for card in models["data"]:  # the openai client's models.retrieve
+        assert httpx.get(f"{server}/v1/models/{card['id']}", headers=auth).json() == card
+    missing = httpx.get(server + "/v1/models/nope", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert httpx.get(server + "/health").status_code == 200
     assert "version" in httpx.get(server + "/version", headers=auth).json()
     text = httpx.get(server + "/metrics", headers=auth).text
