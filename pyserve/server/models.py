@@ -61,6 +61,7 @@ class ModelTable:
             raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
         self.routes: dict[str, RouteSpec] = {}
         self.created = int(time.time())  # the models' cards' `created`: when the server loaded them
+        self.elsewhere: dict[str, str] = {}  # names served by other endpoints: what they are
 
     @property
     def primary(self) -> ServedModel:
@@ -96,6 +97,8 @@ class ModelTable:
             lora = model.loras.get(name)
             if lora is not None:
                 return model, lora
+        if name in self.elsewhere:
+            raise NotFound(f"model {name!r} is {self.elsewhere[name]}", param="model", code="model_not_found")
         names = ", ".join(map(repr, self.names()))
         raise NotFound(f"model {name!r} does not exist; this server serves {names}", param="model",
                        code="model_not_found")

@@ -175,12 +175,21 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
             seed=req.seed, stop=req.stop, max_tokens=max_tokens or room, ignore_eos=req.ignore_eos,
             logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-            stop_token_ids=req.stop_token_ids or [], skip_special_tokens=req.skip_special_tokens,
+            stop_token_ids=_stop_token_ids(req, vocab), skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req, vocab),
             structured_outputs=constraint, prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise BadRequest(str(e), param=_field_of(str(e))) from e
+
+
+def _stop_token_ids(req: SamplingFields, vocab: int) -> list[int]:
+    ids = req.stop_token_ids or []
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                         param="stop_token_ids")
+    return ids
 
 
 def _field_of(message: str) -> str | None:

@@ -103,6 +103,8 @@ class Startup:
                              for name, engine in engines.items()])
         check_routes(self._routes, models, None if encoder is None else encoder.name)
         models.routes = {r.name: r for r in self._routes}
+        if encoder is not None:
+            models.elsewhere[encoder.name] = "an embedding model: use /v1/embeddings"
         return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
 
     def _build_all(self) -> tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]:

@@ -91,6 +91,7 @@ def test_fields_without_effect_are_accepted_and_change_nothing(server, endpoint)
       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}", "x": 1}}]}]},
      "messages.1.tool_calls.0.function.x"),
     ("completions", {"logit_bias": {"\u00b2": 5}}, "logit_bias"),  # a digit, not 0-9
+    ("completions", {"stop_token_ids": [7, 10**6]}, "stop_token_ids"),  # outside the vocabulary
 ])
 def test_fields_set_but_not_served_are_400s_naming_the_nested_field(server, endpoint, body, param):
     r = _post(server, endpoint, **body)
@@ -121,6 +122,13 @@ def test_a_response_message_sent_back_as_it_came_is_accepted(server):
 def test_a_field_of_several_types_is_explained_by_the_type_the_value_took(server, body, message):
     r = _post(server, "completions", **body)
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
+def test_a_generation_request_naming_the_embedding_model_is_told_where_it_is_served(server):
+    encoder = next(m["id"] for m in httpx.get(server + "/v1/models").json()["data"] if m.get("pyserve_kind"))
+    r = _post(server, "chat", model=encoder)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["message"] == f"model {encoder!r} is an embedding model: use /v1/embeddings"
 
 
 def test_best_of_must_equal_n(server):
