@@ -13,6 +13,7 @@ import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -147,6 +148,9 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
     upload_limit = settings.batch_max_file_bytes + UPLOAD_ENVELOPE_BYTES
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                              path_limits={"/v1/files": upload_limit})]
+    if settings.allowed_origins:  # outermost: a preflight carries no API key
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                                        allow_headers=["*"]))
     internal_key = secrets.token_hex(16)  # what the batch runner's in-process requests present
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public),

@@ -16,6 +16,10 @@ class ServerSettings:
     max_waiting: int | None = option(None, "429 once this many sequences wait", type=int)
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
     public_metrics: bool = option(False, "serve /metrics without the API key")
+    allowed_origins: list[str] = option(
+        help="ORIGIN (e.g. https://app.example, or *) whose browser pages may call the API: CORS, preflights "
+        "answered before the API key is checked (repeatable; none by default)",
+        default_factory=list, action="append", type=str)
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter directory, loaded at start
     lora_root: str | None = option(  # enables runtime load/unload, restricted to this directory
         None, "enable /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters under DIR", type=str)
