@@ -174,8 +174,10 @@ class ModelWorker:
                 self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
                 if self.lora is not None:
                     self.lora.warm_up()
-            if self.step_buffers is not None and self.device.type == "cuda" and not enforce_eager \
-                    and self.group is None:  # a tensor-parallel step announces itself to the ranks: eager
+            # Decode steps replay CUDA graphs, but on rank 0 of a tensor-parallel group (each step is
+            # announced to the other ranks) and in an engine serving LoRA (its steps run op by op).
+            if (self.step_buffers is not None and self.device.type == "cuda" and not enforce_eager
+                    and self.group is None and self.lora is None):
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
                                                   -(-max_model_len // block_size))
             self.max_lora_rank = max_lora_rank
