@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pyserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pyserve.server.errors import BadRequest
@@ -238,6 +238,12 @@ class ChatMessage(BaseModel):
     audio: None = None
     function_call: None = None
     reasoning_content: None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant's may be its tool calls alone
+            raise ValueError(f"content: required in a {self.role} message")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

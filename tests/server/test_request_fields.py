@@ -87,6 +87,7 @@ def test_fields_without_effect_are_accepted_and_change_nothing(server, endpoint)
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
      "messages.0.content.0.foo"),
     ("chat", {"messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}, "messages.0.refusal"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages.0"),  # content is required but for an assistant's calls
     ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}", "x": 1}}]}]},
      "messages.1.tool_calls.0.function.x"),
