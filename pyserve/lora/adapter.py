@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -62,15 +62,21 @@ def load_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layer
     alpha = cfg.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(weights_file, "pt") as f:
-        for key in f.keys():
-            m = _KEY.match(key)
-            if m is None or m.group(3) not in targets:
-                raise LoraError(f"adapter weight {key} is not a LoRA weight of a target module")
-            layer, module, which = int(m.group(1)), m.group(3), m.group(4)
-            if layer >= num_layers:
-                raise LoraError(f"adapter weight {key}: the base model has {num_layers} layers")
-            pairs.setdefault((layer, module), {})[which] = f.get_tensor(key).float()
+    try:
+        with safe_open(weights_file, "pt") as f:
+            for key in f.keys():
+                m = _KEY.match(key)
+                if m is None or m.group(3) not in targets:
+                    raise LoraError(f"adapter weight {key} is not a LoRA weight of a target module")
+                layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+                if layer >= num_layers:
+                    raise LoraError(f"adapter weight {key}: the base model has {num_layers} layers")
+                tensor = f.get_tensor(key).float()
+                if not bool(torch.isfinite(tensor).all()):
+                    raise LoraError(f"adapter weight {key} holds NaN or infinite values")
+                pairs.setdefault((layer, module), {})[which] = tensor
+    except SafetensorError as e:  # a truncated or corrupt file
+        raise LoraError(f"adapter_model.safetensors cannot be read: {e}") from e
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:

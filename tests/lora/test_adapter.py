@@ -1,5 +1,5 @@
-"""PEFT adapter validation before use: rank, directory, pickled weights, target modules and shapes
-are checked, and a refused adapter leaves the engine serving."""
+"""PEFT adapter validation before use: rank, directory, pickled weights, target modules, shapes,
+a corrupt file and non-finite weights are checked, and a refused adapter leaves the engine serving."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from pyserve import LLM, LoRARequest, SamplingParams
 from pyserve.lora.adapter import LoraError, load_adapter
@@ -33,6 +34,20 @@ def test_adapters_are_validated_before_use(llama_dir, adapters, tmp_path):
         load_adapter(wrong, shapes, num_layers=2, max_rank=64)
     with pytest.raises(LoraError, match="do not fit"):
         load_adapter(adapters["attn4"], {**shapes, "q_proj": (64, 48)}, num_layers=2, max_rank=64)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(adapters["attn4"], truncated)
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(LoraError, match="cannot be read"):
+        load_adapter(truncated, shapes, num_layers=2, max_rank=64)
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(adapters["attn4"], poisoned)
+    tensors = load_file(poisoned / "adapter_model.safetensors")
+    key = next(iter(tensors))
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, poisoned / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=f"{key} holds NaN"):
+        load_adapter(poisoned, shapes, num_layers=2, max_rank=64)
     with LLM(str(llama_dir), block_size=4, num_kv_blocks=64, enable_lora=True, max_lora_rank=8) as llm:
         with pytest.raises(ValueError, match="max_lora_rank"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2),
