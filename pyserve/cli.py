@@ -105,6 +105,7 @@ def _served_models(args: argparse.Namespace) -> dict:
 def serve(args: argparse.Namespace) -> None:
     """Binds the socket at once and builds the engines behind it (/health: 503 "loading", then
     200); exits non-zero when one fails to load."""
+    import structlog
     import uvicorn
 
     from pyserve.logs import configure_logging
@@ -120,6 +121,10 @@ def serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         sys.exit(f"pyserve serve: --data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:
+        if args.data_dir or args.lora_root:  # the router forwards neither API to the replicas
+            sys.exit("pyserve serve: --data-dir (the Batch API) and --lora-root (adapters loaded at run time) are "
+                     "served by one server, not behind --data-parallel-size's router; give adapters with "
+                     "--lora-modules, and run batches against a server of its own")
         return _serve_data_parallel(args)
     models = _served_models(args)
     failures: list[BaseException] = []
@@ -138,6 +143,7 @@ def serve(args: argparse.Namespace) -> None:
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
     # one a no-op so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    structlog.get_logger("pyserve.cli").info("server_starting", url=f"http://{args.host}:{args.port}")
     server.run()
     if failures:
         sys.exit(f"pyserve serve: the model failed to load: {failures[0]!r}")
@@ -201,6 +207,9 @@ def batch(args: argparse.Namespace) -> None:
     configure_logging()
     if not Path(args.input).is_file():  # before the model loads
         sys.exit(f"pyserve batch: no input file {args.input}")
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+        sys.exit(f"pyserve batch: --output: {out_dir} is not a directory this process can write to")
     engine = _engine(_engine_config(args))
     name = args.served_model_name or served_name(args.model)
     num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
@@ -208,6 +217,20 @@ def batch(args: argparse.Namespace) -> None:
     health = engine.health()
     if health.status == "dead":  # the records say 503, but the batch did not run
         sys.exit(f"pyserve batch: the engine died: {health.error!r}")
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {port}")
+    return port
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    s.add_argument("--port", type=port_number, default=8000)
+    s.add_argument("--shutdown-timeout", type=seconds, default=30.0, help="seconds to drain on SIGTERM")
     s.add_argument("--lora-modules", nargs="*", default=[], type=lora_module, metavar="NAME=PATH",
                    help="adapters of the (first) model served from the start (the request's model field names one)")
     s.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=DIR",
@@ -235,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=serve)
     rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix")
     rt.add_argument("--host", default="127.0.0.1")
-    rt.add_argument("--port", type=int, default=8000)
-    rt.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    rt.add_argument("--port", type=port_number, default=8000)
+    rt.add_argument("--shutdown-timeout", type=seconds, default=30.0, help="seconds to drain on SIGTERM")
     add_flags(rt, RouterSettings)
     rt.set_defaults(func=router)
     b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")

@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
-from pyserve.cli import build_parser, lora_module
+from pyserve.cli import build_parser, lora_module, main
 from pyserve.default_model import ADAPTER_DIRS
+from pyserve.server.settings import ServerSettings
 from pyserve.testing import copy_model
 
 
@@ -33,6 +34,21 @@ def test_batch_needs_its_files_and_serve_its_address():
     assert (args.host, args.port, args.lora_modules) == ("127.0.0.1", 9000, [("tests", str(ADAPTER_DIRS["tests"]))])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["batch", "--input", "in.jsonl"])
+
+
+def test_bad_addresses_sizes_and_combinations_are_refused_before_anything_loads(tmp_path, capsys):
+    for argv in (["serve", "--port", "70000"], ["router", "--replica", "http://a", "--port", "-1"],
+                 ["serve", "--shutdown-timeout", "-5"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    for field, value in (("max_body_bytes", 0), ("max_waiting", -1)):
+        with pytest.raises(ValueError, match=field):
+            ServerSettings(served_model_name="m", **{field: value})
+    with pytest.raises(SystemExit, match="--data-dir"):
+        main(["serve", "--data-parallel-size", "2", "--data-dir", str(tmp_path)])
+    (tmp_path / "in.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="--output"):
+        main(["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / "out.jsonl")])
 
 
 def _serve(model_dir, workdir):

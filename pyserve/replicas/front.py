@@ -26,6 +26,7 @@ from pyserve.replicas.metrics_merge import merge_metrics
 from pyserve.replicas.pool import NotAReplica, Replica, ReplicaPool
 from pyserve.replicas.request_text import routing_text
 from pyserve.replicas.settings import RouterSettings
+from pyserve.server.app import version_info
 from pyserve.server.body import json_response
 from pyserve.server.errors import error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
@@ -211,5 +212,5 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
     routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
     routes += [Route("/v1/models", list_models, methods=["GET"]),
                Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-               Route("/health", health, methods=["GET"])]
+               Route("/health", health, methods=["GET"]), Route("/version", version_info, methods=["GET"])]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

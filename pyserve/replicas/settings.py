@@ -35,6 +35,8 @@ class RouterSettings:
                 raise ValueError(f"replica: {url!r} is not an http:// or https:// URL")
         if len(set(self.replica)) != len(self.replica):
             raise ValueError("replica: a URL is given twice")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
         for name in ("health_interval", "health_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -66,7 +66,9 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
-        for name in ("batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be at least 0, got {self.max_waiting}")
+        for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_stream_buffer < 1:

@@ -93,6 +93,7 @@ def test_models_and_metrics_gather_every_replica(router, replicas):
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.get(f"{router}/v1/models/{MODEL}").json() == models["data"][0]
     assert httpx.get(router + "/v1/models/nope").status_code == 404
+    assert httpx.get(router + "/version").json()["version"] == httpx.get(replicas[0][1] + "/version").json()["version"]
     text = httpx.get(router + "/metrics").text
     for _, url in replicas:
         assert f'pyserve:num_requests_running{{replica="{url}",model="{MODEL}"}} 0' in text
