@@ -1,6 +1,8 @@
 """The offline API (vLLM-style): `LLM(model=...).generate(prompts, sampling_params)`.
 
-LLM owns a private event loop; the same actors as the server run on it while a call is in flight.
+LLM owns a private event loop; the same actors as the server run on it while a call is in flight,
+in the caller's thread, or in a helper thread while the caller waits where the caller's thread
+runs an event loop of its own (a notebook, an async program).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from pyserve.default_model import resolve_model
 from pyserve.engine.async_engine import AsyncEngine
@@ -43,13 +48,29 @@ class LLM:
         config = EngineConfig(model=resolve_model(model), watchdog_timeout=None, **config)
         self.engine = AsyncEngine(config, own_thread=False)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self.engine.start())
+        self._run(self.engine.start())
         _open.add(self)
         self._next_request = 0
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name for `tokenizer`)."""
+        return self.engine.tokenizer
+
+    def _run(self, coro):
+        """`coro` run to completion on the LLM's loop."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this LLM is closed")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop runs in this thread
+            return self._loop.run_until_complete(coro)
+        with ThreadPoolExecutor(1, thread_name_prefix="pyserve-llm") as helper:
+            return helper.submit(self._loop.run_until_complete, coro).result()
 
     def generate(
         self,
@@ -58,12 +79,11 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt (text or token ids) to completion; outputs come back in input order.
-        A prompt that can never be served raises ValueError naming the field; the prompts queued
-        before it are aborted."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Runs every prompt to completion; outputs come back in input order. A prompt is text,
+        token ids (a list, a tuple or a numpy array), or vLLM's dict form ({"prompt": text} or
+        {"prompt_token_ids": ids}). A prompt that can never be served raises ValueError naming
+        the field; the prompts queued before it are aborted."""
+        prompts = [_prompt(p) for p in ([prompts] if _is_one_prompt(prompts) else prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -80,7 +100,7 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts (pass one, or one per prompt)")
-        return self._loop.run_until_complete(self._generate(prompts, params, loras, use_tqdm))
+        return self._run(self._generate(prompts, params, loras, use_tqdm))
 
     def chat(
         self,
@@ -106,7 +126,7 @@ class LLM:
 
     def close(self) -> None:
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.stop())
+            self._run(self.engine.stop())
             self._loop.close()
 
     def __del__(self) -> None:
@@ -148,6 +168,33 @@ class LLM:
         progress.close()
         await self.engine.wait_idle()  # so that stats() after the call counts no leftover sequence
         return [s.output for s in streams]
+
+
+def _is_one_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
+    return bool(prompts) and isinstance(prompts[0], (int, np.integer))
+
+
+def _prompt(prompt) -> Prompt:
+    """Text or a list of token ids, from any prompt form `generate` takes."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:
+            raise ValueError(f"prompts: {sorted(unknown)[0]!r} is not served here (a dict prompt takes 'prompt' "
+                             "or 'prompt_token_ids')")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("prompts: a dict prompt takes one of 'prompt' and 'prompt_token_ids'")
+        prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence) or not all(isinstance(t, (int, np.integer)) for t in prompt):
+        raise ValueError(f"prompts: a prompt is text or token ids, got {type(prompt).__name__}")
+    return list(prompt)
 
 
 class _Progress:

@@ -4,11 +4,13 @@ transformers, seeded n > 1, refusals that leave the engine serving, stats() and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +62,32 @@ def test_generate_accepts_a_string_a_token_list_or_a_list_of_both(llm, ref):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == ref
     assert llm.generate([], GREEDY, use_tqdm=False) == []
+
+
+def test_generate_accepts_vllms_dict_prompts_and_numpy_ids(llm, ref):
+    ids = llm.tokenizer.encode(PROMPT)
+    outs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}, np.array(ids), tuple(ids)], GREEDY,
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref] * 4
+    assert [o.prompt for o in outs] == [PROMPT, None, None, None]
+    assert llm.generate(np.array(ids), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert llm.generate({"prompt": PROMPT}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
+    for bad, match in (({"prompt": PROMPT, "multi_modal_data": {}}, "multi_modal_data"),
+                       ({"prompt": PROMPT, "prompt_token_ids": ids}, "one of"), ([1.5, 2.5], "text or token ids")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([bad], GREEDY, use_tqdm=False)
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_an_llm_made_and_used_inside_a_running_event_loop_as_in_a_notebook(model_dirs, ref):
+    async def notebook_cell():
+        with LLM(str(model_dirs["llama"]), **POOL) as inner:
+            return inner.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids, inner
+
+    tokens, closed = asyncio.run(notebook_cell())
+    assert tokens == ref
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.generate(PROMPT, GREEDY, use_tqdm=False)
 
 
 def test_one_sampling_params_per_prompt_in_input_order(llm):
