@@ -59,10 +59,31 @@ def _file(request: Request):
     return service, record
 
 
+def _page(request: Request, items: list[dict], default_limit: int, max_limit: int, public=lambda item: item) -> Response:
+    """OpenAI's list page of `items` (newest first, each with its "id"): those after the `after`
+    id, at most `limit` of them, as `public` shows them, with first_id, last_id and has_more."""
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    try:
+        limit = int(request.query_params.get("limit", default_limit))
+    except ValueError:
+        raise BadRequest("limit: must be an integer", param="limit") from None
+    if not 1 <= limit <= max_limit:
+        raise BadRequest(f"limit: must be 1 to {max_limit}, got {limit}", param="limit")
+    page = [public(item) for item in items[:limit]]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+
 async def list_files(request: Request) -> Response:
     service = _service(request)
-    records = service.store.files(tenant_of(request), request.query_params.get("purpose"))
-    return json_response({"object": "list", "data": [r.public() for r in records], "has_more": False})
+    files = [r.public() for r in service.store.files(tenant_of(request), request.query_params.get("purpose"))]
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order: must be asc or desc, got {order!r}", param="order")
+    return _page(request, files[::-1] if order == "asc" else files, 10_000, 10_000)
 
 
 async def retrieve_file(request: Request) -> Response:
@@ -131,19 +152,7 @@ async def retrieve_batch(request: Request) -> Response:
 
 async def list_batches(request: Request) -> Response:
     service = _service(request)
-    batches = service.store.batches(tenant_of(request))
-    after = request.query_params.get("after")
-    if after is not None:
-        ids = [b["id"] for b in batches]
-        batches = batches[ids.index(after) + 1:] if after in ids else []
-    try:
-        limit = int(request.query_params.get("limit", 20))
-    except ValueError:
-        raise BadRequest("limit: must be an integer", param="limit") from None
-    page = batches[: max(1, min(limit, 100))]
-    data = [_public_batch(service, b) for b in page]
-    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                          "last_id": data[-1]["id"] if data else None, "has_more": len(batches) > len(page)})
+    return _page(request, service.store.batches(tenant_of(request)), 20, 100, lambda b: _public_batch(service, b))
 
 
 async def cancel_batch(request: Request) -> Response:

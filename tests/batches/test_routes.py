@@ -155,6 +155,23 @@ def test_tenants_see_only_their_own_files_and_jobs(server):
     wait(mine, batch.id)
 
 
+def test_file_and_batch_lists_page_by_after_limit_and_order(server):
+    api = client(server, "paging")
+    files = [upload(api, lines(1, prefix=f"p{i}")) for i in range(3)]  # newest last
+    newest_first = [f.id for f in reversed(files)]
+    page = api.files.list(limit=2)
+    assert [f.id for f in page.data] == newest_first[:2] and page.has_more
+    rest = api.files.list(limit=2, after=page.data[-1].id)
+    assert [f.id for f in rest.data] == newest_first[2:] and not rest.has_more
+    assert [f.id for f in api.files.list(order="asc").data] == newest_first[::-1]
+    assert [f.id for f in api.files.list()] == newest_first  # the client follows has_more
+    for query, param in (("limit=0", "limit"), ("order=up", "order")):
+        r = httpx.get(f"{server}/v1/files?{query}", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.get(f"{server}/v1/batches?limit=101", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
 def test_bad_requests_name_the_field(server):
     api = client(server)
     f = upload(api, lines(1))
