@@ -219,6 +219,9 @@ def batch(args: argparse.Namespace) -> None:
         sys.exit(f"pyserve batch: the engine died: {health.error!r}")
 
 
+DEFAULTS_SHOWN = argparse.ArgumentDefaultsHelpFormatter
+
+
 def port_number(text: str) -> int:
     port = int(text)
     if not 0 <= port <= 65535:
@@ -240,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pyserve", description="LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=DEFAULTS_SHOWN)
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=port_number, default=8000)
@@ -256,13 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "that sends each request where its prefix is cached (see pyserve router)")
     add_flags(s, ServerSettings)
     s.set_defaults(func=serve)
-    rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix")
+    rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix", formatter_class=DEFAULTS_SHOWN)
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=port_number, default=8000)
     rt.add_argument("--shutdown-timeout", type=seconds, default=30.0, help="seconds to drain on SIGTERM")
     add_flags(rt, RouterSettings)
     rt.set_defaults(func=router)
-    b = sub.add_parser("batch", help="run an OpenAI Batch input file offline")
+    b = sub.add_parser("batch", help="run an OpenAI Batch input file offline", formatter_class=DEFAULTS_SHOWN)
     _engine_args(b)
     b.add_argument("--input", required=True)
     b.add_argument("--output", required=True)

@@ -43,7 +43,9 @@ class EngineConfig:
         60.0, "seconds a tensor-parallel collective may wait on a rank before the engine is failed")
     enforce_eager: bool = option(False, "CUDA: run decode steps op by op instead of replaying CUDA graphs "
                                         "(captured per batch and context bucket the first time one runs)")
-    gpu_memory_fraction: float = 0.85
+    gpu_memory_fraction: float = option(  # not vLLM's gpu_memory_utilization, a share of all memory
+        0.85, "CUDA: the share of the device memory free once the weights are loaded that the KV cache takes (the "
+        "rest is left to activations)")
     kv_cache_share: float = 1.0  # of the automatic KV budget, for servers of several models (server/model_specs.py)
     attention_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = option(  # parsed by SpeculativeConfig.parse
