@@ -58,6 +58,13 @@ async def run_batch(engine: AsyncEngine, model_name: str, input_path: Path, outp
     number of lines that got an error record."""
     lines = [ln for ln in input_path.read_text().splitlines() if ln.strip()]
     parsed = [_parse(ln) for ln in lines]
+    seen: set = set()
+    for i, (custom_id, item, error) in enumerate(parsed):  # as the server's Batch API, a custom_id names one line
+        if error is None and isinstance(custom_id, str) and custom_id in seen:
+            parsed[i] = (custom_id, None, {"code": "duplicate_custom_id",
+                                           "message": f"custom_id: {custom_id!r} is used by an earlier line"})
+        elif error is None and isinstance(custom_id, str):
+            seen.add(custom_id)
     results: list[dict | None] = [None] * len(parsed)
     for i, (custom_id, item, error) in enumerate(parsed):
         if error is not None:

@@ -51,6 +51,7 @@ def batch_run(model_dirs, tmp_path_factory):
                                  "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": PICK}}}),
         line("cmpl-choice", COMPLETIONS, {"prompt": "x", "max_tokens": 9, "structured_outputs": {"choice": ["red", "green"]}}),
         line("bad-regex", COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "(a"}}),
+        line("cmpl-ids", COMPLETIONS, {"prompt": [9], "max_tokens": 1}),  # a custom_id used twice
     ]
     tmp = tmp_path_factory.mktemp("batch")
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
@@ -67,7 +68,11 @@ def batch_run(model_dirs, tmp_path_factory):
 
 
 def by_id(records: list[dict]) -> dict:
-    return {r["custom_id"]: r for r in records}
+    """Each custom_id's record (its first line's, where a line repeats one)."""
+    out: dict = {}
+    for r in records:
+        out.setdefault(r["custom_id"], r)
+    return out
 
 
 def test_batch_exits_zero_with_one_record_per_line_in_order(batch_run):
@@ -77,7 +82,7 @@ def test_batch_exits_zero_with_one_record_per_line_in_order(batch_run):
     assert len(records) == batch_run["n_lines"]
     assert [r["custom_id"] for r in records] == ["chat-greedy", "cmpl-text", None, "chat-sampled", "embed",
                                                 "chat-long", "cmpl-ids", "bad-temp", "bad-model", "chat-json",
-                                                "cmpl-choice", "bad-regex"]
+                                                "cmpl-choice", "bad-regex", "cmpl-ids"]
     assert len({r["id"] for r in records}) == len(records)
     assert all(r["id"].startswith("batch_req_") for r in records)
 
@@ -119,6 +124,8 @@ def test_batch_bad_lines_get_error_records(batch_run):
     err = bad_temp["response"]["body"]["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == "temperature"
     assert bad_temp["error"]["code"] == "invalid_request_error" and "temperature" in bad_temp["error"]["message"]
+    twice = recs[-1]
+    assert twice["response"] is None and twice["error"]["code"] == "duplicate_custom_id"
     bad_model = by_id(recs)["bad-model"]
     assert bad_model["response"]["status_code"] == 404
     message = bad_model["response"]["body"]["error"]["message"]
@@ -137,7 +144,7 @@ def test_batch_lines_with_constraints(batch_run):
 def test_batch_reports_progress_on_stderr(batch_run):
     stderr = batch_run["proc"].stderr
     assert re.search(r"^batch: 10/10 requests done", stderr, re.M), stderr[-2000:]
-    assert "(5 lines with errors)" in stderr
+    assert "(6 lines with errors)" in stderr
     # the JSON log lines that share stderr stay whole
     for ln in stderr.splitlines():
         if ln.startswith("{"):
