@@ -4,14 +4,15 @@ tokens use them): a completion prompt or chat messages to token ids, and token i
 /tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
 model's chat template, `add_generation_prompt` default true); it answers {count, max_model_len,
 tokens, token_strs} (`token_strs` with `return_token_strs: true`, else null). /detokenize takes
-`tokens` and answers {prompt}. `model`, when given, names a served model or adapter (default: the primary model).
+`tokens` (and `skip_special_tokens`, default false: special tokens are text too, as vLLM gives
+them) and answers {prompt}, so that /tokenize of messages then /detokenize gives the rendered chat. `model`, when given, names a served model or adapter (default: the primary model).
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -47,7 +48,8 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+    tokens: Annotated[list[StrictInt], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+    skip_special_tokens: bool = False  # as vLLM: the text of every token, special ones included
 
 
 async def tokenize(request: Request) -> Response:
@@ -80,4 +82,4 @@ async def detokenize(request: Request) -> Response:
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-    return json_response({"prompt": engine.tokenizer.decode(req.tokens)})
+    return json_response({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)})

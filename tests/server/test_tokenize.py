@@ -26,6 +26,12 @@ async def test_a_prompt_and_messages_tokenize_as_the_engine_does_and_detokenize_
         assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages, True), add_special_tokens=False)
         r = await c.post("/detokenize", json={"model": "tiny", "tokens": tok.encode("x = 1", add_special_tokens=False)})
         assert r.status_code == 200 and r.json() == {"prompt": "x = 1"}
+        rendered = tok.apply_chat_template(messages, True)  # special tokens and all, as vLLM gives it back
+        assert (await c.post("/detokenize", json={"tokens": chat["tokens"]})).json() == {
+            "prompt": tok.decode(chat["tokens"], skip_special_tokens=False)}
+        assert tok.decode(chat["tokens"], skip_special_tokens=False) == rendered
+        skipped = await c.post("/detokenize", json={"tokens": chat["tokens"], "skip_special_tokens": True})
+        assert skipped.json() == {"prompt": "hello"}  # the template's special tokens left out
 
 
 async def test_bad_input_is_refused_naming_the_field(llama_dir):
@@ -37,6 +43,7 @@ async def test_bad_input_is_refused_naming_the_field(llama_dir):
             ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
             ("/detokenize", {"tokens": [1, engine.vocab_size]}, 400, "tokens"),
             ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+            ("/detokenize", {"tokens": [True]}, 400, "tokens.0"),
         ]
         for path, body, status, param in cases:
             r = await c.post(path, json=body)
