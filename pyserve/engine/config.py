@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,8 @@ class EngineConfig:
         "(0 = off)", type=float)
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 1024:
             raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -63,3 +63,11 @@ def test_a_bad_latency_target_is_refused_naming_the_field(value):
 def test_llm_refuses_a_keyword_that_is_no_config_field():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(max_num_seq=4)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "CPU", ""])
+def test_a_device_that_is_no_device_is_refused_before_anything_loads(device):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig(model="m", device=device)
+    for good in ("auto", "cpu", "cuda", "cuda:1"):
+        assert EngineConfig(model="m", device=good).device == good
