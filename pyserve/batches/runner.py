@@ -33,6 +33,7 @@ log = structlog.get_logger("pyserve.batches")
 
 POLL_SECONDS = 0.2  # how often an idle runner looks for work, and a running one for cancels and expiry
 PREFIX_CHARS = 256  # lines whose prompts begin alike (a shared system prompt) are sent together
+MAX_LISTED_ERRORS = 100  # line errors a job that fails validation lists
 
 
 class BatchRunner:
@@ -87,6 +88,10 @@ class BatchRunner:
                 good, bad = check_lines(content, batch["endpoint"], self.model_served, self.max_lines)
             except ValueError as e:  # only while validating: a job in progress passed these checks
                 self._set(batch, "failed", errors=_errors("invalid_file", str(e), "input_file_id"))
+                return
+            if batch["status"] == "validating" and not good:  # as OpenAI's: a file with no line to run fails
+                self._set(batch, "failed", errors={"object": "list", "data": [
+                    {**record["error"], "param": None, "line": n + 1} for n, record in bad[:MAX_LISTED_ERRORS]]})
                 return
             if batch["status"] == "validating":
                 for n, record in bad:

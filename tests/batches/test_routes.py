@@ -155,6 +155,16 @@ def test_tenants_see_only_their_own_files_and_jobs(server):
     wait(mine, batch.id)
 
 
+def test_a_file_with_no_line_to_run_fails_the_job_listing_the_lines(server):
+    api = client(server)
+    f = upload(api, ['{"custom_id": "a"', json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions",
+                                                      "body": {"model": MODEL, "prompt": "x"}})])
+    batch = wait(api, api.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)
+    assert batch.status == "failed" and batch.output_file_id is None
+    assert [(e.line, e.code) for e in batch.errors.data] == [(1, "invalid_json"), (2, "invalid_url")]
+
+
 def test_file_and_batch_lists_page_by_after_limit_and_order(server):
     api = client(server, "paging")
     files = [upload(api, lines(1, prefix=f"p{i}")) for i in range(3)]  # newest last
