@@ -25,6 +25,8 @@ Steps:
   batch1_decode     a ~0.5B random Llama, bf16, batch 1 through the engine, replaying CUDA graphs
                     and eager (enforce_eager): the same tokens, tok/s and its share of the
                     weight-read roofline (weight bytes / copy bandwidth)
+  speculative_graphs  draft-model speculation (the target as its own draft), the draft's steps
+                    on CUDA graphs and eager: the same tokens, greedy and sampled; tok/s
 
 `--dry-run` runs every step at tiny shapes on the CPU under the Triton interpreter (fp32 and
 fp16), so CI keeps the script working; its timings mean nothing.
@@ -483,8 +485,47 @@ def batch1_decode(c: Check) -> list[dict]:
     return rows
 
 
+def speculative_graphs(c: Check) -> list[dict]:
+    """Draft-model speculation with the target as its own draft (every guess is right at
+    temperature 0), the draft's one-token steps on CUDA graphs and op by op: the same tokens,
+    greedy and seeded-sampled, and the tok/s of each."""
+    from pyserve import LLM, SamplingParams
+    from pyserve.testing import build_model
+
+    s = c.s
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = dict(s["model"], torch_dtype=s["dtypes"][0] if not c.dry else "float32")
+        model_dir = build_model(Path(tmp) / "m", "llama", **overrides)
+        spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4, "adaptive": False}
+        outputs = {}
+        for mode, eager in (("CUDA graphs", False), ("eager", True)):
+            llm = LLM(str(model_dir), device=s["device"], attention_backend="triton", num_kv_blocks=64,
+                      enable_prefix_caching=False, enforce_eager=eager, speculative_config=spec)
+            runs = []
+            for params in (SamplingParams(temperature=0.0, max_tokens=s["tokens"], ignore_eos=True),
+                           SamplingParams(temperature=0.8, seed=7, max_tokens=s["tokens"], ignore_eos=True)):
+                llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)  # warm-up: compiles and captures
+                start = time.perf_counter()
+                out = llm.generate([[9, 10, 11, 12]], params, use_tqdm=False)[0].outputs[0].token_ids
+                runs.append((out, len(out) / (time.perf_counter() - start)))
+            stats = llm.stats()
+            graphs = llm.engine.worker.proposer.decode_graphs
+            llm.close()
+            outputs[mode] = runs
+            rows.append({"name": f"draft = target, batch 1 ({mode})", "greedy_tok_s": runs[0][1],
+                         "sampled_tok_s": runs[1][1],
+                         "accepted_per_draft": stats.get("spec_decode_num_accepted_tokens", 0)
+                         / max(stats.get("spec_decode_num_draft_tokens", 0), 1),
+                         "draft_graphs": None if graphs is None else len(graphs.graphs), "ok": True})
+    same = [a[0] == b[0] for a, b in zip(outputs["CUDA graphs"], outputs["eager"])]
+    rows[0]["same_tokens_as_eager"] = all(same)
+    rows[0]["ok"] = all(same) and (c.dry or bool(rows[0]["draft_graphs"]))
+    return rows
+
+
 STEPS = [kernel_tests, correctness, large_kv_pool, decode_bandwidth, extend_rows, prefill, lora, quantized_matmul,
-         rejection, compile_count, launch_host_time, cuda_graph, batch1_decode]
+         rejection, compile_count, launch_host_time, cuda_graph, batch1_decode, speculative_graphs]
 
 
 def markdown(report: dict) -> str:
