@@ -62,7 +62,7 @@ class CompletionContext:
     def _choice_calls(self, idx: int) -> ChoiceCalls:
         calls = self._calls.get(idx)
         if calls is None:
-            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy)
+            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy, self.tools.named)
         return calls
 
     def release_lora(self) -> None:

@@ -22,6 +22,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None  # forces calls ("required" / named)
     format: ToolFormat | None  # set when calls are read out of the output
     legacy: bool = False  # answer in the shape of `functions` / `function_call`
+    named: bool = False  # one function forced by name: its call ends with finish_reason "stop", as OpenAI's
 
     def parser(self) -> ToolCallParser | None:
         return None if self.format is None else self.format.parser()
@@ -65,7 +66,8 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
     grammar = fmt.grammar([f.model_dump(exclude_none=True) for f in forced], parallel)
-    return ToolPlan(template_tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
+    return ToolPlan(template_tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
+                    named=isinstance(choice, (NamedToolChoice, NamedFunction)))
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class ChoiceCalls:
 
     parser: ToolCallParser
     legacy: bool
+    named: bool = False  # see ToolPlan.named
     text: str = ""
     ids: list[str] = field(default_factory=list)
     has_calls: bool = False
@@ -119,6 +122,6 @@ class ChoiceCalls:
                 "function": {"name": call.name, "arguments": call.arguments}}
 
     def finish_reason(self, engine_reason: str | None, has_calls: bool) -> str | None:
-        if engine_reason == "stop" and has_calls:
+        if engine_reason == "stop" and has_calls and not self.named:
             return "function_call" if self.legacy else "tool_calls"
         return engine_reason
