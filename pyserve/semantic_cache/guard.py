@@ -2,10 +2,13 @@
 hardly move when one number, name, negation or word changes. Two questions may share an answer
 only if their guards admit each other:
 
-- the same anchors: numbers in order, names in order, as many negations;
+- the same anchors: numbers in order, names in order (capitalized words, and identifiers such
+  as a.txt, os.path or snake_case), as many negations;
 - their content words (less function words and request framing) not one word apart: a single
   word replaced by another ("weeks" for "days", "minimum" for "maximum", "uninstall" for
-  "install") is the mark of another question, which a rephrasing rarely is.
+  "install") is the mark of another question, which a rephrasing rarely is;
+- no relation reversed: the content words on either side of "to", "from", "into", "than" or
+  "versus" swapped ("celsius to fahrenheit", "fahrenheit to celsius").
 
 The word lists are written here: stop-word lists of NLP libraries come as data downloads
 (nltk) or with a whole pipeline (spaCy), and none has the request-framing words."""
@@ -16,7 +19,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-_WORD = re.compile(r"\d+(?:[.,]\d+)*|[A-Za-z][A-Za-z'’]*")
+# An identifier (a.txt, os.path.join, snake_case, src/main.py) is one word, then numbers, then words.
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_-]*(?:[./][A-Za-z0-9_-]+)+|[A-Za-z][A-Za-z0-9]*_[A-Za-z0-9_]+"
+_WORD = re.compile(_IDENTIFIER + r"|\d+(?:[.,]\d+)*|[A-Za-z][A-Za-z'’]*")
+_IS_IDENTIFIER = re.compile(_IDENTIFIER)
+_DIRECTIONS = {"to", "into", "from", "than", "vs", "versus"}
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot", "nowhere"}
 _NUMBER_WORDS = {"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
@@ -39,15 +46,32 @@ Anchors = tuple[tuple[str, ...], tuple[str, ...], int]  # numbers, names, negati
 class Guard:
     anchors: Anchors
     words: Counter[str]  # content words with their counts
+    relations: frozenset[tuple[str, str]]  # the content words either side of a direction word
 
     def admits(self, other: Guard) -> bool:
         if self.anchors != other.anchors:
             return False
-        return not (sum((self.words - other.words).values()) == 1 and sum((other.words - self.words).values()) == 1)
+        if sum((self.words - other.words).values()) == 1 and sum((other.words - self.words).values()) == 1:
+            return False  # one word replaced by another
+        return not any((b, a) in other.relations for a, b in self.relations if a != b)
 
 
 def guard_of(text: str) -> Guard:
-    return Guard(anchors(text), Counter(content_words(text)))
+    return Guard(anchors(text), Counter(content_words(text)), relations(text))
+
+
+def relations(text: str) -> frozenset[tuple[str, str]]:
+    """(the content word before, the content word after) each direction word of `text`."""
+    tokens = [m.group().lower() for m in _WORD.finditer(text)]
+    found = set()
+    for i, token in enumerate(tokens):
+        if token not in _DIRECTIONS:
+            continue
+        before = next((t for t in reversed(tokens[:i]) if t not in _FUNCTION_WORDS), None)
+        after = next((t for t in tokens[i + 1:] if t not in _FUNCTION_WORDS), None)
+        if before is not None and after is not None:
+            found.add((before, after))
+    return frozenset(found)
 
 
 def anchors(text: str) -> Anchors:
@@ -66,6 +90,8 @@ def anchors(text: str) -> Anchors:
             numbers.append(lower)
         elif lower in _NEGATIONS or lower.endswith("n't"):
             negations += 1
+        elif _IS_IDENTIFIER.fullmatch(word):
+            names.append(word)  # as written: a.txt and A.txt are two files
         elif word[0].isupper() and not _opens_sentence(text, m.start()) and lower != "i":
             names.append(lower)
     return tuple(numbers), tuple(names), negations
@@ -79,6 +105,9 @@ def content_words(text: str) -> list[str]:
         word = m.group().lower().replace("’", "'")
         if word[0].isdigit():
             words.append(word.replace(",", ""))
+            continue
+        if _IS_IDENTIFIER.fullmatch(word):
+            words.append(word)
             continue
         word = "not" if word.endswith("n't") else word.split("'")[0]
         if word in _FUNCTION_WORDS:
