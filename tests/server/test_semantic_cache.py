@@ -117,3 +117,22 @@ async def test_invalidation_needs_the_key_and_drops_only_the_callers_tenant(serv
     assert stats["semantic_cache"] == info and stats["semantic_cache"]["hits"] >= 1
     r = await served.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
+
+
+def test_a_hit_is_a_new_response_with_fresh_tool_call_ids():
+    import numpy as np
+    import orjson
+
+    from pyserve.semantic_cache.guard import guard_of
+    from pyserve.semantic_cache.store import Entry
+    from pyserve.server.chat_cache import hit_body
+
+    call = {"id": "call_stored", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    stored = {"choice": {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                         "logprobs": None, "finish_reason": "tool_calls"},
+              "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+    entry = Entry(1, "s", np.zeros(4, np.float32), guard_of("q"), orjson.dumps(stored), "t", "m", 0.0, 0.9)
+    first, second = hit_body(entry, "m"), hit_body(entry, "m")
+    ids = [b["choices"][0]["message"]["tool_calls"][0]["id"] for b in (first, second)]
+    assert len(set(ids)) == 2 and "call_stored" not in ids and first["id"] != second["id"]
+    assert first["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
