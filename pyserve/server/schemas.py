@@ -225,10 +225,12 @@ class MessageToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     """A message; the fields of a response's message that a client may send back as they came
-    (refusal, annotations, audio, function_call, reasoning_content) are accepted when empty."""
+    (refusal, annotations, audio, reasoning_content) are accepted when empty. The legacy shapes
+    (an assistant's `function_call`, a `function` message with its result) reach the chat
+    template as a tool call and a tool message."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
@@ -236,13 +238,17 @@ class ChatMessage(BaseModel):
     refusal: None = None
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
     audio: None = None
-    function_call: None = None
+    function_call: CalledFunction | None = None  # a legacy assistant's call
     reasoning_content: None = None
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":  # an assistant's may be its tool calls alone
             raise ValueError(f"content: required in a {self.role} message")
+        if self.function_call is not None and (self.role != "assistant" or self.tool_calls):
+            raise ValueError("function_call: only in an assistant message without tool_calls")
+        if self.role == "function" and not self.name:
+            raise ValueError("name: required in a function message (the function it answers)")
         return self
 
     def text(self) -> str:
@@ -253,13 +259,15 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, Any]:
         """The message as Hugging Face chat templates take it: tool calls with their arguments
         as objects (as the model wrote them, when they are not valid JSON)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role, "content": self.text()}
         if self.name:
             out["name"] = self.name
-        if self.tool_calls:
+        calls = self.tool_calls or ([MessageToolCall(id="call_0", function=self.function_call)]
+                                    if self.function_call is not None else [])
+        if calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                                 for c in self.tool_calls]
+                                 for c in calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

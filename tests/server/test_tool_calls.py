@@ -146,6 +146,21 @@ def test_legacy_functions(client):
     choice = r.choices[0]
     assert choice.finish_reason == "stop"  # a function forced by name
     jsonschema.validate(json.loads(choice.message.function_call.arguments), WEATHER)
+    # The call sent back in the legacy shapes renders as the same tool call and tool result.
+    call = choice.message.function_call
+    legacy = [*ASK, {"role": "assistant", "content": None, "function_call": {"name": call.name,
+                                                                          "arguments": call.arguments}},
+              {"role": "function", "name": call.name, "content": "18 C"}]
+    tools = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "name": call.name, "content": "18 C"}]
+    base = str(client.base_url).removesuffix("/v1/")
+    rendered = [httpx.post(base + "/tokenize", json={"model": "tiny", "messages": m}).json()["tokens"]
+                for m in (legacy, tools)]
+    assert rendered[0] == rendered[1] and len(rendered[0]) > 20
+    again = client.chat.completions.create(model="tiny", messages=legacy, functions=[t["function"] for t in TOOLS],
+                                           max_tokens=8, seed=3)
+    assert again.choices[0].finish_reason in ("stop", "length", "function_call")
 
 
 @pytest.mark.parametrize("body, param", [
