@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pyserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pyserve.server.errors import BadRequest
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
+from pyserve.structured.strict_schema import closed_objects
 
 MAX_N = 16
 MAX_STOP = 16
@@ -67,8 +68,8 @@ class ResponseFormat(BaseModel):
             return StructuredOutputsParams(json_object=True)
         if self.json_schema is None:
             raise GrammarError("json_schema: required when type is json_schema")
-        schema = self.json_schema.json_schema
-        return StructuredOutputsParams(json=schema if schema is not None else {})
+        schema = self.json_schema.json_schema if self.json_schema.json_schema is not None else {}
+        return StructuredOutputsParams(json=closed_objects(schema) if self.json_schema.strict else schema)
 
 
 class StructuredOutputsField(BaseModel):

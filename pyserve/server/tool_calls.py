@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyserve.server.errors import BadRequest
-from pyserve.server.schemas import ChatCompletionRequest, NamedFunction, NamedToolChoice
+from pyserve.server.schemas import ChatCompletionRequest, FunctionDef, NamedFunction, NamedToolChoice
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
+from pyserve.structured.strict_schema import closed_objects
 from pyserve.tools.formats import ToolFormat
 from pyserve.tools.parser import ParseDelta, ParsedCall, ToolCallParser
 
@@ -65,9 +66,19 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         parallel = False
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
-    grammar = fmt.grammar([f.model_dump(exclude_none=True) for f in forced], parallel)
+    grammar = fmt.grammar([_forced(f) for f in forced], parallel)
     return ToolPlan(template_tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)))
+
+
+def _forced(function: FunctionDef) -> dict[str, Any]:
+    """A forced function as the format's grammar takes it; `strict` closes its objects to the
+    properties they name (OpenAI's strict mode). Calls the model makes on its own (auto) are
+    read as written: there is no grammar to hold them to."""
+    f = function.model_dump(exclude_none=True)
+    if function.strict:
+        f["parameters"] = closed_objects(function.parameters or {"type": "object"})
+    return f
 
 
 @dataclass(slots=True)

@@ -70,6 +70,22 @@ def test_parse_with_a_pydantic_model(client):
         assert isinstance(person, Person) and 0 <= person.age <= 99
 
 
+def test_strict_closes_every_object_to_the_properties_it_names(client):
+    """OpenAI's strict mode: no key beyond those a schema names, even where the schema leaves
+    additionalProperties open (a probe saw {"a": false, "bbbb... run on to max_tokens)."""
+    inner = {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["b"]}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "n": {"$ref": "#/$defs/inner"}},
+              "required": ["a", "n"], "$defs": {"inner": inner}}
+    closed = {**schema, "additionalProperties": False,
+              "$defs": {"inner": {**inner, "additionalProperties": False}}}
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model="tiny", messages=_chat("Answer in JSON."), max_tokens=60, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), closed)
+
+
 def test_json_object_and_the_completions_endpoint(client):
     r = client.chat.completions.create(model="tiny", messages=_chat("JSON please"), max_tokens=100,
                                        temperature=0, response_format={"type": "json_object"})

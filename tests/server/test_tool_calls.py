@@ -111,6 +111,16 @@ def test_a_call_cut_off_by_max_tokens_gives_the_arguments_written_so_far(client)
         assert _streamed(client, **kw, max_tokens=max_tokens)[1][0][2] == cut.function.arguments
 
 
+def test_a_strict_tool_without_arguments_is_called_with_none(client):
+    ping = {"type": "function", "function": {"name": "ping", "strict": True,
+                                             "parameters": {"type": "object", "properties": {}}}}
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=[ping], max_tokens=60, seed=seed,
+                                           temperature=1.0, tool_choice={"type": "function", "function": {"name": "ping"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {} and r.choices[0].finish_reason == "stop"
+
+
 def test_auto_and_none(client):
     for seed in range(4):
         r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, seed=seed,
