@@ -88,6 +88,9 @@ def _served_models(args: argparse.Namespace) -> dict:
         entries += [ModelEntry(*model_flag(item)) for item in args.models]
         if args.models_config:
             entries += load_models_file(args.models_config)
+        if args.served_model_name and args.model is None and entries:
+            raise ModelsConfigError("--served-model-name names the positional MODEL (or the embedded model); "
+                                    "models of --model and --models-config are named there")
         if not entries:
             entries = default_pair()
             entries[0].name = args.served_model_name or entries[0].name

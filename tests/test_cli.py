@@ -46,6 +46,8 @@ def test_bad_addresses_sizes_and_combinations_are_refused_before_anything_loads(
             ServerSettings(served_model_name="m", **{field: value})
     with pytest.raises(SystemExit, match="--data-dir"):
         main(["serve", "--data-parallel-size", "2", "--data-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--served-model-name names the positional MODEL"):
+        main(["serve", "--served-model-name", "foo", "--model", f"small={tmp_path}"])
     (tmp_path / "in.jsonl").write_text("")
     with pytest.raises(SystemExit, match="--output"):
         main(["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / "out.jsonl")])

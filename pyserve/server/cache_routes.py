@@ -35,4 +35,6 @@ async def invalidate(request: Request) -> Response:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", param="model")
+    if model is not None:
+        state.models.resolve(model)  # a 404 naming what is served, for a model this server does not serve
     return json_response({"invalidated": cache.invalidate(tenant_of(request), model)})

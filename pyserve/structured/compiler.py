@@ -126,7 +126,10 @@ def _what_is_wrong(message: str) -> str:
             break
         if line.strip():
             lines.append(line.strip())
-    return " ".join(lines)[:500] or "invalid grammar"
+    text = " ".join(lines)[:500] or "invalid grammar"
+    if "coerce_one_of" in text:  # llguidance's advice names an option of its own, not of this API
+        return "a oneOf whose branches may both match is not supported here (anyOf accepts either)"
+    return text
 
 
 _SOURCE_LINE = re.compile(r"^\s*\d+ \|")

@@ -111,6 +111,8 @@ async def test_invalidation_needs_the_key_and_drops_only_the_callers_tenant(serv
     assert (await chat(b, "How do I merge two dictionaries in Python?"))[0] == "hit"
     r = await served.post("/v1/cache/invalidate", json={"tenant": "b"})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "tenant")
+    r = await served.post("/v1/cache/invalidate", json={"model": "nope"})
+    assert (r.status_code, r.json()["error"]["param"]) == (404, "model")
     info = (await served.get("/v1/cache")).json()
     assert info["entries"] == 2 and 0.5 < info["threshold"] < 1
     stats = (await served.get("/v1/stats")).json()

@@ -76,6 +76,8 @@ def test_the_limits_themselves_are_allowed():
     (StructuredOutputsParams(json={"type": "foo"}), "foo"),
     (StructuredOutputsParams(grammar="start: undefined_rule"), "undefined_rule"),
     (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "missing"),
+    (StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "number"}]}),  # not llguidance's option
+     "a oneOf whose branches may both match is not supported here"),
 ])
 def test_invalid_constraints_fail_to_compile_with_the_engines_message(compiler, spec, message):
     with pytest.raises(GrammarError, match=message):
