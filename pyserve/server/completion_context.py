@@ -24,6 +24,9 @@ from pyserve.server.state import ServerState
 from pyserve.server.tool_calls import ChoiceCalls, ToolPlan
 
 log = structlog.get_logger("pyserve.server")
+# Alternatives whose logprob is below this are tokens a grammar masked out (their logits got
+# model.token_masks.BANNED): they are left out of top_logprobs, never offered as choices.
+MASKED = -1e30
 
 
 class CompletionContext:
@@ -277,7 +280,8 @@ class CompletionContext:
             for tid, entry in zip(token_ids, entries):
                 text = decode([tid], skip_special_tokens=False)
                 top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list(tokenizer.token_bytes(t))}
-                       for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)][: self._num_top()]
+                       for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+                       if e.logprob > MASKED][: self._num_top()]
                 content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(tokenizer.token_bytes(tid)),
                                 "top_logprobs": top})
             return {"content": content}
@@ -289,7 +293,7 @@ class CompletionContext:
             offset += len(text)
             sampled = entry[tid]
             token_logprobs.append(sampled.logprob)
-            best = sorted(entry.values(), key=lambda e: -e.logprob)[: self._num_top()]
+            best = [e for e in sorted(entry.values(), key=lambda e: -e.logprob) if e.logprob > MASKED][: self._num_top()]
             tops.append({e.decoded_token: e.logprob for e in best} | {sampled.decoded_token: sampled.logprob})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 

@@ -86,6 +86,16 @@ def test_strict_closes_every_object_to_the_properties_it_names(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), closed)
 
 
+def test_top_logprobs_leave_out_the_tokens_a_grammar_masked(client):
+    r = client.completions.create(model="tiny", prompt="Pick a colour:", max_tokens=4, temperature=0, logprobs=5,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text in ("red", "green")
+    assert all(top[token] == value and all(v > -1e30 for v in top.values())
+               for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert min(len(top) for top in lp.top_logprobs) < 5  # a forced step has fewer than 5 choices
+
+
 def test_json_object_and_the_completions_endpoint(client):
     r = client.chat.completions.create(model="tiny", messages=_chat("JSON please"), max_tokens=100,
                                        temperature=0, response_format={"type": "json_object"})
