@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "that sends each request where its prefix is cached (see pyserve router)")
     add_flags(s, ServerSettings)
     s.set_defaults(func=serve)
-    rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix", formatter_class=DEFAULTS_SHOWN)
+    rt = sub.add_parser("router", help="an OpenAI-compatible front over replicas, routing by cached prefix",
+                        formatter_class=DEFAULTS_SHOWN)
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=port_number, default=8000)
     rt.add_argument("--shutdown-timeout", type=seconds, default=30.0, help="seconds to drain on SIGTERM")

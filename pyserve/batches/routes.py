@@ -59,7 +59,8 @@ def _file(request: Request):
     return service, record
 
 
-def _page(request: Request, items: list[dict], default_limit: int, max_limit: int, public=lambda item: item) -> Response:
+def _page(request: Request, items: list[dict], default_limit: int, max_limit: int,
+          public=lambda item: item) -> Response:
     """OpenAI's list page of `items` (newest first, each with its "id"): those after the `after`
     id, at most `limit` of them, as `public` shows them, with first_id, last_id and has_more."""
     after = request.query_params.get("after")

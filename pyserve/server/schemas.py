@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic. Bounds are enforced here,
 before any work is queued. Every top-level field is either served, accepted because it cannot
 change the output (NO_EFFECT_FIELDS), or refused with a 400 naming it (REFUSED_FIELDS, and any
-field this server does not know): a client never believes a field took effect when it did not."""
+field this server does not know); nested objects forbid keys they do not name, but for a few
+that change nothing; `check()` refuses combinations OpenAI's API refuses. A client never believes
+a field took effect when it did not."""
 
 from __future__ import annotations
 
