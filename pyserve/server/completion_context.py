@@ -130,9 +130,10 @@ class CompletionContext:
         m = self.state.metrics
         if self.first_token is None:
             self.first_token = now
-            m.ttft.observe(now - self.arrival)
+            m.ttft.observe(now - self.arrival, model=self.model.name)
         elif idx in self.last_token:
-            m.itl.observe((now - self.last_token[idx]) / len(d.token_ids), times=len(d.token_ids))
+            m.itl.observe((now - self.last_token[idx]) / len(d.token_ids), times=len(d.token_ids),
+                          model=self.model.name)
         self.last_token[idx] = now
 
     async def _finished(self) -> None:
@@ -149,12 +150,12 @@ class CompletionContext:
         now = time.perf_counter()
         self.first_token = min(firsts)
         m = self.state.metrics
-        m.ttft.observe(self.first_token - self.arrival)
+        m.ttft.observe(self.first_token - self.arrival, model=self.model.name)
         for s in self.streams:
             for c in s.output.outputs:
                 if len(c.token_ids) > 1:
                     gaps = len(c.token_ids) - 1
-                    m.itl.observe((now - s.output.first_token_time) / gaps, times=gaps)
+                    m.itl.observe((now - s.output.first_token_time) / gaps, times=gaps, model=self.model.name)
 
     async def respond(self, request: Request) -> Response:
         body_task = asyncio.create_task(self._finished())
@@ -336,8 +337,8 @@ class CompletionContext:
         self._logged = True
         self.release_lora()
         now = time.perf_counter()
-        self.state.metrics.e2e.observe(now - self.arrival)
-        self.state.metrics.outcomes.inc(outcome=self.outcome)
+        self.state.metrics.e2e.observe(now - self.arrival, model=self.model.name)
+        self.state.metrics.outcomes.inc(outcome=self.outcome, model=self.model.name)
         usage = self._usage()
         log.info("request_finished", request_id=self.id, outcome=self.outcome, model=self.model_name,
                  prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],

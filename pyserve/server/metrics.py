@@ -76,31 +76,38 @@ class Gauge:
 
 
 class Histogram:
+    """One histogram per label set (`observe(..., model="m")`); `snapshot` sums them all."""
+
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
         self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
+        self.series: dict[tuple[tuple[str, str], ...], list] = {}  # labels -> [bucket counts, count, sum]
 
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-        self.count += times
+    def observe(self, value: float, times: int = 1, **labels: str) -> None:
+        series = self.series.get(key := tuple(sorted(labels.items())))
+        if series is None:
+            series = self.series[key] = [[0] * (len(self.buckets) + 1), 0, 0.0]
+        series[0][bisect.bisect_left(self.buckets, value)] += times
+        series[1] += times
+        series[2] += value * times
 
     def snapshot(self) -> dict:
         """Upper bounds, the count in each bucket (not cumulative; the last is above every bound),
-        the total count and sum."""
-        return {"le": list(self.buckets), "counts": list(self.counts), "count": self.count, "sum": self.sum}
+        the total count and sum, over every label set."""
+        counts = [sum(c) for c in zip(*(s[0] for s in self.series.values()))] or [0] * (len(self.buckets) + 1)
+        return {"le": list(self.buckets), "counts": counts, "count": sum(s[1] for s in self.series.values()),
+                "sum": sum(s[2] for s in self.series.values())}
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
+        for key, (counts, count, total) in sorted(self.series.items()):
+            labels = dict(key)
+            cumulative = 0
+            for bound, n in zip(self.buckets, counts):
+                cumulative += n
+                lines.append(f"{self.name}_bucket{_labels(labels | {'le': str(bound)})} {cumulative}")
+            lines.append(f"{self.name}_bucket{_labels(labels | {'le': '+Inf'})} {count}")
+            lines.append(f"{self.name}_sum{_labels(labels)} {_fmt(total)}")
+            lines.append(f"{self.name}_count{_labels(labels)} {count}")
         return lines
 
 

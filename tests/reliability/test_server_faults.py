@@ -114,7 +114,7 @@ async def test_in_flight_requests_fail_when_the_worker_dies(llama_dir):
         await assert_health_dead(client)
         assert_unavailable(await client.post("/v1/completions", json=completion()))
         metrics = (await client.get("/metrics")).text
-        assert 'pyserve:request_outcomes_total{outcome="engine_dead"} 2' in metrics
+        assert f'pyserve:request_outcomes_total{{model="{MODEL}",outcome="engine_dead"}} 2' in metrics
 
 
 @pytest.mark.asyncio

@@ -86,7 +86,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_stream_timeout(l
         await wait_for(lambda: idle(engine), timeout=5)
         engine.scheduler.check_invariants()
         metrics = app.state.pyserve.metrics.registry.render()
-        assert 'pyserve:request_outcomes_total{outcome="slow_client"} 1' in metrics
+        assert 'pyserve:request_outcomes_total{model="tiny",outcome="slow_client"} 1' in metrics
         # the engine serves the next client as usual
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             r = await c.post("/v1/completions", json=LONG | {"stream": False, "max_tokens": 5})

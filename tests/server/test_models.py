@@ -53,6 +53,12 @@ async def test_each_name_is_answered_by_its_own_model(model_dirs, want):
         assert metrics['pyserve:kv_total_blocks{model="a"}'] == 64 and metrics['pyserve:kv_total_blocks{model="b"}'] == 32
         assert metrics['pyserve:generation_tokens_total{model="a"}'] == 6
         assert metrics['pyserve:generation_tokens_total{model="b"}'] == 6
+        for name in ("a", "b"):  # latency and outcomes per model too
+            assert metrics[f'pyserve:time_to_first_token_seconds_count{{model="{name}"}}'] == 1
+            assert metrics[f'pyserve:inter_token_latency_seconds_count{{model="{name}"}}'] == 5
+            assert metrics[f'pyserve:request_outcomes_total{{model="{name}",outcome="ok"}}'] == 1
+        stats = (await client.get("/v1/stats")).json()
+        assert stats["latency"]["ttft"]["count"] == 2  # /v1/stats sums the models
         r = await client.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         assert "'a', 'b'" in r.json()["error"]["message"]

@@ -262,10 +262,10 @@ def test_a_request_not_streamed_is_timed_from_its_first_token(client, server):
     its inter-token gaps count once per token after the first."""
     ttft, itl = "pyserve:time_to_first_token_seconds", "pyserve:inter_token_latency_seconds"
     names = [f"{m}_{part}" for m in (ttft, itl) for part in ("count", "sum")]
-    before = list(map(scrape_metrics(server, KEY).__getitem__, names))
+    before = list(map(scrape_metrics(server, KEY, MODEL).__getitem__, names))
     r = client.completions.create(model=MODEL, prompt="def", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 6
-    after = list(map(scrape_metrics(server, KEY).__getitem__, names))
+    after = list(map(scrape_metrics(server, KEY, MODEL).__getitem__, names))
     assert after[0] - before[0] == 1 and after[2] - before[2] == 5
     assert 0 < after[1] - before[1] < 5 and 0 < after[3] - before[3] < 5
