@@ -174,8 +174,8 @@ class ModelWorker:
                 self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
                 if self.lora is not None:
                     self.lora.warm_up()
-            # Decode steps replay CUDA graphs, but on rank 0 of a tensor-parallel group (each step is
-            # announced to the other ranks) and in an engine serving LoRA (its steps run op by op).
+            # Decode steps replay CUDA graphs, except on rank 0 of a tensor-parallel group (each step
+            # is announced to the other ranks) and in an engine serving LoRA (its steps run op by op).
             if (self.step_buffers is not None and self.device.type == "cuda" and not enforce_eager
                     and self.group is None and self.lora is None):
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
