@@ -61,8 +61,14 @@ class RouterMetrics:
             tree.add_series(labels, lambda i=r.index: router.tree_bytes(i))
 
 
-def _forward_headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
+def _forward_headers(request: Request, pool: ReplicaPool) -> dict[str, str]:
+    """The client's headers for a replica. A router with a key of its own has checked the
+    client's: the replica gets the router's key for replicas instead."""
+    headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
+    if pool.settings.api_key is not None:
+        headers.pop("authorization", None)
+        headers.update(pool.auth)
+    return headers
 
 
 class _PassThrough(StreamingResponse):
@@ -96,7 +102,7 @@ async def _forward(request: Request) -> Response:
         replica = pool.replicas[index]
         upstream_request = pool.client.build_request(
             request.method, replica.url + request.url.path, params=request.url.query or None, content=raw,
-            headers=_forward_headers(request))
+            headers=_forward_headers(request, pool))
         try:
             upstream = await pool.client.send(upstream_request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -138,9 +144,10 @@ def _pass_through(upstream: httpx.Response, replica: Replica, pool: ReplicaPool,
 
 
 async def _gather(pool: ReplicaPool, path: str, request: Request) -> dict[str, httpx.Response]:
-    """GET `path` from every healthy replica (the client's Authorization passed on); those that
-    fail are left out."""
-    auth = {"Authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
+    """GET `path` from every healthy replica (with the router's key for replicas, or, for a router
+    without a key of its own, the client's Authorization); those that fail are left out."""
+    passed = pool.settings.api_key is None and "authorization" in request.headers
+    auth = {"Authorization": request.headers["authorization"]} if passed else {}
     healthy = pool.healthy()
     answers = await asyncio.gather(*(pool.get(r, path, auth) for r in healthy), return_exceptions=True)
     return {r.url: a for r, a in zip(healthy, answers) if isinstance(a, httpx.Response) and a.status_code == 200}

@@ -46,8 +46,8 @@ class ReplicaPool:
         for r in self.replicas:
             self.router.set_healthy(r.index, False)
         self._task: asyncio.Task | None = None
-        self._auth = ({"Authorization": f"Bearer {settings.key_for_replicas}"}
-                      if settings.key_for_replicas else {})
+        self.auth = ({"Authorization": f"Bearer {settings.key_for_replicas}"}  # the router's key for replicas
+                     if settings.key_for_replicas else {})
 
     async def start(self) -> None:
         """Checks every replica once (NotAReplica when one answers and is not a model server),
@@ -73,7 +73,7 @@ class ReplicaPool:
 
     async def get(self, replica: Replica, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
         """GET `path` from `replica` with the router's key (or `headers`'), within GET_TIMEOUT."""
-        return await self.client.get(replica.url + path, headers={**self._auth, **(headers or {})},
+        return await self.client.get(replica.url + path, headers={**self.auth, **(headers or {})},
                                      timeout=GET_TIMEOUT)
 
     async def _watch(self) -> None:

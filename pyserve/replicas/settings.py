@@ -20,8 +20,8 @@ class RouterSettings:
     max_tree_bytes: int = option(64 << 20, "bytes of routed text remembered per replica (oldest go first)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' from clients", type=str)
     replica_api_key: str | None = option(
-        None, "the key the router presents to replicas for /v1/models and /metrics (default: --api-key); clients' "
-        "own Authorization headers are passed through", type=str)
+        None, "the key the router presents to replicas (default: --api-key); a router without --api-key passes "
+        "clients' own Authorization headers through instead", type=str)
     health_interval: float = option(0.25, "seconds between health checks of each replica")
     health_timeout: float = option(0.5, "seconds a replica's /health may take before it counts as down")
     connect_timeout: float = option(2.0, "seconds to connect to a replica before the request is retried elsewhere")
@@ -33,8 +33,11 @@ class RouterSettings:
         for url in self.replica:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"replica: {url!r} is not an http:// or https:// URL")
-        if len(set(self.replica)) != len(self.replica):
+        if len({url.rstrip("/") for url in self.replica}) != len(self.replica):
             raise ValueError("replica: a URL is given twice")
+        for url in self.replica:
+            if url.rstrip("/").endswith("/v1"):
+                raise ValueError(f"replica: {url!r}: give the server's address, without /v1")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
         for name in ("health_interval", "health_timeout", "connect_timeout"):

@@ -128,6 +128,29 @@ class _NotAModelServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def test_a_router_with_its_own_key_presents_the_replicas_key_upstream(model_dirs):
+    """Clients hold the router's key (ck), replicas want theirs (rk): the router checks ck and
+    sends rk, for forwarded requests and for the lists it gathers."""
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", MODEL, "--block-size", "4",
+                             "--num-kv-blocks", "64", "--embedding-model", "none", "--api-key", "rk",
+                             workdir=model_dirs["llama"].parent)
+    router_proc = None
+    try:
+        router_proc, base = start_router([url], "--api-key", "ck", "--replica-api-key", "rk",
+                                         workdir=model_dirs["llama"].parent)
+        client = {"Authorization": "Bearer ck"}
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers=client,
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert [m["id"] for m in httpx.get(base + "/v1/models", headers=client).json()["data"]] == [MODEL]
+        assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                          headers={"Authorization": "Bearer rk"}).status_code == 401  # the router's own key
+    finally:
+        if router_proc is not None:
+            stop_server(router_proc)
+        stop_server(proc)
+
+
 def test_a_server_that_is_not_a_replica_is_refused(model_dirs):
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAModelServer)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
