@@ -167,6 +167,8 @@ def _serve_data_parallel(args: argparse.Namespace) -> None:
         _run_router(settings, args)
     finally:
         replicas.stop(args.shutdown_timeout)
+    if replicas.failed is not None:
+        sys.exit(f"pyserve serve: {replicas.failed}")
 
 
 def router(args: argparse.Namespace) -> None:

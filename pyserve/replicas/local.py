@@ -1,13 +1,18 @@
 """`pyserve serve --data-parallel-size N`: N replicas of the same `pyserve serve`, each a child
-process on a loopback port of its own, started and kept running (one that exits is started
-again) while the router serves in front of them."""
+process on a loopback port of its own, started and kept running (one that exits after it once
+answered /health is started again) while the router serves in front of them. One that exits
+before it ever answered fails the start: the command would fail every time (a bad flag, a model
+that does not load). On Linux a replica gets SIGTERM when its parent dies, so none is orphaned."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import structlog
 
@@ -39,6 +44,8 @@ class LocalReplicas:
         self.argv = replica_argv(serve_argv)
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
+        self.ready = [False] * n  # answered /health once
+        self.failed: str | None = None  # why the start failed: a replica exited before it was ready
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="pyserve-replicas", daemon=True)
 
@@ -66,12 +73,35 @@ class LocalReplicas:
 
     def _spawn(self, i: int) -> None:
         cmd = [sys.executable, "-m", "pyserve.cli", *self.argv, "--host", "127.0.0.1", "--port", str(self.ports[i])]
-        self.procs[i] = subprocess.Popen(cmd)
+        self.procs[i] = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.info("replica_started", replica=self.urls[i], pid=self.procs[i].pid)
 
     def _watch(self) -> None:
         while not self._stopping.wait(1.0):
             for i, p in enumerate(self.procs):
-                if p is not None and p.poll() is not None and not self._stopping.is_set():
+                if p is None or self._stopping.is_set():
+                    continue
+                if p.poll() is None:
+                    self.ready[i] = self.ready[i] or _healthy(self.urls[i])
+                elif not self.ready[i]:
+                    self.failed = f"replica {self.urls[i]} exited with {p.returncode} before it served"
+                    log.error("replica_failed_to_start", replica=self.urls[i], returncode=p.returncode)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the router drains and stops; the caller reports
+                    return
+                else:
                     log.warning("replica_exited", replica=self.urls[i], returncode=p.returncode)
+                    self.ready[i] = False
                     self._spawn(i)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=0.5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)

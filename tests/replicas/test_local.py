@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from pyserve.replicas.front import REPLICA_HEADER
 from pyserve.replicas.local import replica_argv
+from pyserve.server.loopback import free_port
 from pyserve.testing import start_server, stop_server
 
 
@@ -45,3 +49,44 @@ def test_two_local_replicas_serve_behind_one_port(model_dirs):
             raise AssertionError(f"replica {url} still answers")
         except httpx.ConnectError:
             pass
+
+
+def test_replicas_that_cannot_start_fail_the_command(model_dirs, tmp_path):
+    """A replica that exits before it ever served is not restarted forever: the command exits
+    non-zero naming it."""
+    model = model_dirs["llama"]
+    done = subprocess.run([sys.executable, "-m", "pyserve.cli", "serve", str(model), "--data-parallel-size", "2",
+                           "--port", str(free_port()), "--embedding-model", "none", "--quantization", "bogus"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "exited with 1 before it served" in done.stderr
+
+
+def test_a_replica_dies_with_its_parent(model_dirs, tmp_path):
+    model = model_dirs["llama"]
+    front = subprocess.Popen([sys.executable, "-m", "pyserve.cli", "serve", str(model), "--data-parallel-size", "2",
+                              "--port", str(free_port()), "--embedding-model", "none", "--num-kv-blocks", "64"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    time.sleep(3)
+    children = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(d) == front.pid]
+    assert len(children) == 2
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a replica outlived its parent"
+        time.sleep(0.2)
+
+
+def _parent(proc_dir: Path) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
