@@ -14,8 +14,10 @@ async def load_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
     body = await json_body(request)
     name, path = body.get("lora_name"), body.get("lora_path")
-    if not isinstance(name, str) or not name or state.models.get(name) is not None:
-        raise BadRequest("lora_name must be a non-empty string other than a served model's name", param="lora_name")
+    if not isinstance(name, str) or not name or state.models.get(name) is not None or name in state.models.routes \
+            or name in state.models.elsewhere:
+        raise BadRequest("lora_name must be a non-empty string other than a served model's, route's or encoder's "
+                         "name", param="lora_name")
     if not isinstance(path, str) or not path:
         raise BadRequest("lora_path must be a non-empty string", param="lora_path")
     loras = state.models.primary.loras

@@ -81,7 +81,8 @@ class ModelTable:
         return [*self._models, *(a for m in self for a in m.loras.entries), *self.routes]
 
     def is_taken(self, name: str) -> bool:
-        return name in self._models or name in self.routes or any(name in m.loras.entries for m in self)
+        return (name in self._models or name in self.routes or name in self.elsewhere
+                or any(name in m.loras.entries for m in self))
 
     def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
         """The model (and adapter) a request's `model` field names (None: the primary); 404

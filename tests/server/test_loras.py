@@ -63,6 +63,9 @@ def test_adapters_by_name_listed_loaded_and_unloaded(server):
     gone = chat(base, "d2")
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
     assert httpx.post(base + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "d2"}).status_code == 404
+    encoder = next(m["id"] for m in httpx.get(base + "/v1/models", headers=AUTH).json()["data"] if m.get("pyserve_kind"))
+    r = httpx.post(base + "/v1/load_lora_adapter", headers=AUTH, json={"lora_name": encoder, "lora_path": "docs-copy"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"  # the encoder's name is taken
     metrics = httpx.get(base + "/metrics", headers=AUTH).text
     assert 'pyserve:lora_requests_total{adapter="docstrings"} 1' in metrics
     assert 'pyserve:lora_requests_total{adapter="d2"} 1' in metrics
