@@ -76,8 +76,8 @@ def _partial(text: str, marker: str) -> int:
 class ToolCallParser:
     """One per choice. `open` starts a call (None: a call is the whole output, opening with
     `{`); `close` ends one (None: calls are separated by `separator` and end with the text).
-    A call's JSON is `{"name": ..., "<args_key>": ARGS}`; ARGS ends before the brace that closes
-    the call."""
+    A call's JSON is `{"name": ..., "<args_key>": ARGS}`; ARGS is the JSON value after the header
+    (json_value_end), as far as it was written."""
 
     def __init__(self, open_marker: str | None, close_marker: str | None, args_keys: tuple[str, ...],
                  separator: str = "", prefix: str = ""):
