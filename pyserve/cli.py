@@ -355,6 +355,8 @@ def run_eval(args: argparse.Namespace) -> None:
     paths = write_report(reports, out, meta)
     print(table(reports))
     print("\n" + ", ".join(str(p) for p in paths.values()))
+    if all(r.status == "failed" for r in reports):
+        sys.exit("pyserve eval: every configuration failed")
 
 
 def main(argv: list[str] | None = None) -> None:

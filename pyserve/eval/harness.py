@@ -138,6 +138,15 @@ async def _run_config(cfg: EvalConfig, plan: EvalPlan, items: list, base: str, p
         await client.close()
 
 
+def clipped(message: str, limit: int = 2000) -> str:
+    """`message` within `limit` characters: its start and its end (where a server's log says
+    why it stopped) around a mark of what was left out."""
+    if len(message) <= limit:
+        return message
+    head = limit // 4
+    return f"{message[:head]} [... {len(message) - limit} characters ...] {message[-(limit - head):]}"
+
+
 def run_plan(plan: EvalPlan, items: list, out_dir: Path, repeats: int = 1, progress=None) -> list[ConfigReport]:
     """Every configuration over `items`, `repeats` rounds taking turns; the reports in plan order."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +164,7 @@ def run_plan(plan: EvalPlan, items: list, out_dir: Path, repeats: int = 1, progr
                         result = asyncio.run(_run_config(cfg, plan, items, base, progress))
                 rounds[cfg.name].append(result)
             except Exception as e:  # noqa: BLE001 - reported as the configuration's failure
-                errors[cfg.name] = f"{type(e).__name__}: {e}"[:2000]
+                errors[cfg.name] = clipped(f"{type(e).__name__}: {e}")
     reports = []
     for cfg in plan.configs:
         if cfg.name in errors:

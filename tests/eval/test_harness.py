@@ -14,7 +14,7 @@ import pytest
 
 from pyserve.default_model.training import corpus
 from pyserve.eval.configs import ConfigsError, load_plan
-from pyserve.eval.harness import label_offsets
+from pyserve.eval.harness import clipped, label_offsets
 from pyserve.eval.items import load_eval_set
 
 DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data")
@@ -119,3 +119,17 @@ def test_plot_labels_at_one_point_are_stacked_and_lone_ones_stay_put():
     for i, (l1, r1, b1) in enumerate(boxes):
         for l2, r2, b2 in boxes[i + 1:]:
             assert l1 >= r2 or l2 >= r1 or abs(b1 - b2) >= 10.0, (i, offsets)
+
+
+def test_a_failure_keeps_the_end_of_its_message_and_a_run_where_all_failed_exits_non_zero(tmp_path):
+    message = "usage: " + "x" * 5000 + " error: the reason"
+    short = clipped(message)
+    assert len(short) < 2100 and short.startswith("usage: ") and short.endswith("error: the reason")
+    assert clipped("short") == "short"
+    configs = tmp_path / "c.yaml"
+    configs.write_text("configs:\n  - {name: gone, url: 'http://127.0.0.1:9'}\n")
+    run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(DATA / "embedded.jsonl"),
+                          "--configs", str(configs), "--out", str(tmp_path / "out"), "--limit", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 1 and "every configuration failed" in run.stderr
+    assert "failed gone" in run.stdout
