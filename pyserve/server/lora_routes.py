@@ -14,15 +14,15 @@ async def load_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
     body = await json_body(request)
     name, path = body.get("lora_name"), body.get("lora_path")
-    if not isinstance(name, str) or not name or state.models.get(name) is not None or name in state.models.routes \
-            or name in state.models.elsewhere:
-        raise BadRequest("lora_name must be a non-empty string other than a served model's, route's or encoder's "
-                         "name", param="lora_name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("lora_name must be a non-empty string", param="lora_name")
     if not isinstance(path, str) or not path:
         raise BadRequest("lora_path must be a non-empty string", param="lora_path")
     loras = state.models.primary.loras
-    if any(name in m.loras.entries for m in state.models if m.loras is not loras):
-        raise BadRequest(f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
+    # The primary's own adapters are checked by `add`, under its lock (two loads racing).
+    if name not in loras.entries and state.models.is_taken(name):
+        raise BadRequest(f"lora_name: {name!r} already names a served model, route, encoder or adapter",
+                         param="lora_name")
     try:
         await loras.add(name, loras.under_root(path))
     except ValueError as e:
