@@ -275,11 +275,10 @@ class CompletionContext:
         token's `top_logprobs` holds the sampled token besides the top k and `text_offset` counts
         characters from `offset`, the choice's text before these tokens."""
         tokenizer = self.engine.tokenizer
-        decode = tokenizer.decode
         if self.kind == "chat":
             content = []
             for tid, entry in zip(token_ids, entries):
-                text = decode([tid], skip_special_tokens=False)
+                text = tokenizer.token_text(tid, skip_special_tokens=False)
                 top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list(tokenizer.token_bytes(t))}
                        for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)
                        if e.logprob > MASKED][: self._num_top()]
@@ -288,7 +287,7 @@ class CompletionContext:
             return {"content": content}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, entries):
-            text = decode([tid], skip_special_tokens=False)
+            text = tokenizer.token_text(tid, skip_special_tokens=False)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
