@@ -54,6 +54,11 @@ def check_lines(content: bytes, endpoint: str, model_served: Callable[[str], boo
     return good, bad
 
 
+def duplicate(custom_id: str) -> tuple[str, str]:
+    """(code, message) of a line whose custom_id an earlier line has."""
+    return "duplicate_custom_id", f"custom_id: {custom_id!r} is used by an earlier line"
+
+
 def _problem(item, endpoint: str, model_served, seen: set[str]) -> tuple[str, str] | None:
     if not isinstance(item, dict):
         return "invalid_request", "the line must be a JSON object"
@@ -61,7 +66,7 @@ def _problem(item, endpoint: str, model_served, seen: set[str]) -> tuple[str, st
     if not isinstance(custom_id, str) or not custom_id:
         return "invalid_request", "custom_id: must be a non-empty string"
     if custom_id in seen:
-        return "duplicate_custom_id", f"custom_id: {custom_id!r} is used by an earlier line"
+        return duplicate(custom_id)
     if item.get("method") != "POST":
         return "invalid_method", "method: must be POST"
     if item.get("url") != endpoint:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pyserve.batches.asgi_call import post_json
+from pyserve.batches.lines import duplicate
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings
@@ -61,8 +62,8 @@ async def run_batch(engine: AsyncEngine, model_name: str, input_path: Path, outp
     seen: set = set()
     for i, (custom_id, item, error) in enumerate(parsed):  # as the server's Batch API, a custom_id names one line
         if error is None and isinstance(custom_id, str) and custom_id in seen:
-            parsed[i] = (custom_id, None, {"code": "duplicate_custom_id",
-                                           "message": f"custom_id: {custom_id!r} is used by an earlier line"})
+            code, message = duplicate(custom_id)
+            parsed[i] = (custom_id, None, {"code": code, "message": message})
         elif error is None and isinstance(custom_id, str):
             seen.add(custom_id)
     results: list[dict | None] = [None] * len(parsed)
