@@ -67,6 +67,13 @@ def _explained(errors: list[dict]) -> tuple[str | None, str]:
     return param, errors[0]["msg"]
 
 
+def check_token_ids(ids, vocab: int, param: str) -> None:
+    """A 400 naming `param` for the first token id outside [0, vocab)."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadRequest(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import json_body, json_response, validate
+from pyserve.server.body import check_token_ids, json_body, json_response, validate
 from pyserve.server.errors import BadRequest, NotFound
 from pyserve.server.state import ServerState
 
@@ -52,10 +52,7 @@ def token_inputs(encoder, raw: str | list) -> list[list[int]]:
         if len(ids) > encoder.max_input_tokens:
             raise BadRequest(f"input: input {i} has {len(ids)} tokens; {encoder.name} takes at most "
                              f"{encoder.max_input_tokens}", param="input")
-        bad = next((t for t in ids if not 0 <= t < encoder.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"input: token id {bad} is outside the vocabulary [0, {encoder.vocab_size})",
-                             param="input")
+        check_token_ids(ids, encoder.vocab_size, "input")
     return inputs
 
 

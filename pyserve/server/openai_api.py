@@ -19,7 +19,7 @@ from pyserve.engine.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.routing.router import routed_text
-from pyserve.server.body import json_body, json_response, validate
+from pyserve.server.body import check_token_ids, json_body, json_response, validate
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
@@ -131,9 +131,7 @@ async def _completion_on(request: Request, state: ServerState, model: ServedMode
                 raise BadRequest("prompt must not be empty", param="prompt")
             prompts.append(tok.encode(p))
         else:
-            bad = next((t for t in p if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            check_token_ids(p, vocab, "prompt")
             prompts.append(list(p))
     echo = None
     if req.echo:  # the prompts as given (token ids: decoded)
@@ -152,9 +150,7 @@ def _logit_bias(req: SamplingFields, vocab: int) -> dict[int, float] | None:
     if not req.logit_bias:
         return None
     bias = {int(t): b for t, b in req.logit_bias.items()}
-    bad = next((t for t in bias if t >= vocab), None)
-    if bad is not None:
-        raise BadRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    check_token_ids(bias, vocab, "logit_bias")
     return bias
 
 
@@ -185,10 +181,7 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
 
 def _stop_token_ids(req: SamplingFields, vocab: int) -> list[int]:
     ids = req.stop_token_ids or []
-    bad = next((t for t in ids if t >= vocab), None)
-    if bad is not None:
-        raise BadRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
-                         param="stop_token_ids")
+    check_token_ids(ids, vocab, "stop_token_ids")
     return ids
 
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.server.body import json_body, json_response, validate
+from pyserve.server.body import check_token_ids, json_body, json_response, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest
 from pyserve.server.schemas import ChatMessage
@@ -78,8 +78,5 @@ async def detokenize(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(DetokenizeRequest, await json_body(request))
     engine = state.models.resolve(req.model)[0].engine
-    vocab = engine.vocab_size
-    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    check_token_ids(req.tokens, engine.vocab_size, "tokens")
     return json_response({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)})
