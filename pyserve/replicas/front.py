@@ -2,16 +2,18 @@
 passed through as they arrive), `/v1/models` and `/metrics` gathered from every healthy replica,
 `/health` up while one replica is.
 
-A request is retried on another replica only when it never reached one (the connection was
-refused or timed out): once sent, it may have run, so a failure after that is the client's to
-see (502; a stream ends with an error event).
+A request is retried on another replica only when it did not run on the first: the connection
+was refused or timed out, or the replica refused it (429: its queue is full; 503: it is loading,
+draining or dead). Once sent and accepted, it may have run, so a failure after that is the
+client's to see (502, or 504 when the replica stopped answering; a stream ends with an error event).
+Every replica refusing a request: the client gets the last refusal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import orjson
@@ -22,19 +24,21 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pyserve.replicas.in_flight import InFlight, ReplicaLost
 from pyserve.replicas.metrics_merge import merge_metrics
 from pyserve.replicas.pool import NotAReplica, Replica, ReplicaPool
 from pyserve.replicas.request_text import routing_text
 from pyserve.replicas.settings import RouterSettings
 from pyserve.server.app import version_info
 from pyserve.server.body import json_response
-from pyserve.server.errors import error_body
+from pyserve.server.errors import EXCEPTION_HANDLERS, error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 
 log = structlog.get_logger("pyserve.router")
 
 REPLICA_HEADER = "x-pyserve-replica"
+REFUSALS = (429, 503)  # a replica's answers for requests it did not run: another one may
 FORWARDED_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization", "host", "content-length", "date", "server"}
@@ -46,9 +50,11 @@ class RouterMetrics:
         self.requests = self.registry.add(Counter("pyserve_router:requests_total",
                                                   "Requests sent to a replica, by the reason it was chosen."))
         self.retries = self.registry.add(Counter("pyserve_router:retries_total",
-                                                 "Requests sent again elsewhere: the first replica was unreachable."))
+                                                 "Requests sent again elsewhere: the replica was unreachable, "
+                                                 "or refused them (429, 503)."))
         self.failures = self.registry.add(Counter("pyserve_router:failures_total",
-                                                  "Requests that failed after reaching a replica (502 or a stream cut)."))
+                                                  "Requests that failed after reaching a replica (502, 504 or a "
+                                                  "stream cut)."))
         healthy = self.registry.add(Gauge("pyserve_router:replica_healthy", "1 while the replica is routed to."))
         in_flight = self.registry.add(Gauge("pyserve_router:replica_in_flight", "Requests in flight on the replica."))
         tree = self.registry.add(Gauge("pyserve_router:replica_tree_bytes",
@@ -72,14 +78,19 @@ def _forward_headers(request: Request, pool: ReplicaPool) -> dict[str, str]:
 
 
 class _PassThrough(StreamingResponse):
-    """Closes its body iterator whatever ends the response (a client gone included), so the
-    upstream request is closed and the replica sees the disconnect."""
+    """Runs `on_close` whatever ends the response (a client gone before the first chunk
+    included), so the upstream request is closed and the replica sees the disconnect."""
+
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self.on_close()
 
 
 async def _forward(request: Request) -> Response:
@@ -92,9 +103,12 @@ async def _forward(request: Request) -> Response:
         body = None  # the replica answers it with its own error
     text = routing_text(request.url.path, body)
     tried: list[int] = []
+    refusal: Response | None = None
     while True:
         decision = pool.router.route(text, tried)
         if decision is None:
+            if refusal is not None:
+                return refusal
             why = "no replica is healthy" if not tried else f"no replica could be reached (tried {len(tried)})"
             return Response(error_body(503, "service_unavailable", why), 503, media_type="application/json",
                             headers={"Retry-After": "1"})
@@ -103,44 +117,84 @@ async def _forward(request: Request) -> Response:
         upstream_request = pool.client.build_request(
             request.method, replica.url + request.url.path, params=request.url.query or None, content=raw,
             headers=_forward_headers(request, pool))
+        flight = pool.track(replica)
+        upstream = None
         try:
-            upstream = await pool.client.send(upstream_request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            pool.router.finished(index)
-            pool.mark_down(replica, e)
-            metrics.retries.inc()
-            tried.append(index)
-            continue
-        except httpx.HTTPError as e:
-            pool.router.finished(index)
+            with flight.waiting():
+                upstream = await pool.client.send(upstream_request, stream=True)
+                if upstream.status_code in REFUSALS:
+                    await upstream.aread()
+        except BaseException as e:
+            if upstream is not None:
+                await upstream.aclose()
+            _done(pool, replica, flight)
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                pool.mark_down(replica, e)
+                metrics.retries.inc(reason="unreachable")
+                tried.append(index)
+                continue
+            if not isinstance(e, (httpx.HTTPError, ReplicaLost)):
+                raise  # cancelled: the client is gone
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_request_failed", replica=replica.url, error=repr(e))
-            return Response(error_body(502, "bad_gateway", f"replica {replica.url} failed: {e!r}"), 502,
+            return Response(_failure(replica, e, pool), 504 if isinstance(e, ReplicaLost) else 502,
                             media_type="application/json")
+        if upstream.status_code in REFUSALS:
+            _done(pool, replica, flight)
+            await upstream.aclose()
+            metrics.retries.inc(reason="refused")
+            tried.append(index)
+            refusal = Response(upstream.content, upstream.status_code, headers=_response_headers(upstream, replica))
+            continue
         metrics.requests.inc(replica=replica.url, reason=reason)
-        return _pass_through(upstream, replica, pool, metrics)
+        return _pass_through(upstream, replica, flight, pool, metrics)
 
 
-def _pass_through(upstream: httpx.Response, replica: Replica, pool: ReplicaPool, metrics: RouterMetrics) -> Response:
+def _done(pool: ReplicaPool, replica: Replica, flight: InFlight) -> None:
+    flight.close()
+    pool.router.finished(replica.index)
+
+
+def _failure(replica: Replica, error: BaseException, pool: ReplicaPool, mid_stream: bool = False) -> bytes:
+    """The error body for a request whose replica failed (502) or stopped answering (504)."""
+    where = " mid-stream" if mid_stream else ""
+    if isinstance(error, ReplicaLost):
+        return error_body(504, "gateway_timeout", f"replica {replica.url} stopped answering{where} (its health "
+                          f"checks failed for {pool.settings.lost_timeout} s)")
+    return error_body(502, "bad_gateway", f"replica {replica.url} failed{where}: {error!r}")
+
+
+def _response_headers(upstream: httpx.Response, replica: Replica) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.headers.items() if k not in _HOP_BY_HOP}
+    headers[REPLICA_HEADER] = replica.url
+    return headers
+
+
+def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, pool: ReplicaPool,
+                  metrics: RouterMetrics) -> Response:
     sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body():
+        chunks = upstream.aiter_raw()
         try:
-            async for chunk in upstream.aiter_raw():
+            while True:
+                with flight.waiting():
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
                 yield chunk
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ReplicaLost) as e:
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_stream_cut", replica=replica.url, error=repr(e))
             if sse:
-                message = f"replica {replica.url} failed mid-stream: {e!r}"
-                yield b"data: " + error_body(502, "bad_gateway", message) + b"\n\n"
-        finally:
-            await upstream.aclose()
-            pool.router.finished(replica.index)
+                yield b"data: " + _failure(replica, e, pool, mid_stream=True) + b"\n\n"
 
-    headers = {k: v for k, v in upstream.headers.items() if k not in _HOP_BY_HOP}
-    headers[REPLICA_HEADER] = replica.url
-    return _PassThrough(body(), status_code=upstream.status_code, headers=headers)
+    async def close() -> None:
+        await upstream.aclose()
+        _done(pool, replica, flight)
+
+    return _PassThrough(body(), close, status_code=upstream.status_code, headers=_response_headers(upstream, replica))
 
 
 async def _gather(pool: ReplicaPool, path: str, request: Request) -> dict[str, httpx.Response]:
@@ -218,6 +272,8 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset({"/health"})))
     routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
     routes += [Route("/v1/models", list_models, methods=["GET"]),
-               Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+               Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+               Route("/metrics", metrics, methods=["GET"]),
                Route("/health", health, methods=["GET"]), Route("/version", version_info, methods=["GET"])]
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers=EXCEPTION_HANDLERS)

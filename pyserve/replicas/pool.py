@@ -4,18 +4,21 @@ view of them (pyserve._core.ReplicaRouter, the one owner of loads, health and pr
 A replica is routed to once it is *verified* (its GET /v1/models answers an OpenAI model list)
 and while its /health answers 200 (or, for an OpenAI-compatible server without /health, its
 /v1/models does). A connection refused while forwarding marks it down at once; the next health
-check that passes brings it back, with an empty prefix tree (a restarted server's cache is).
+check that passes brings it back, with an empty prefix tree (a restarted server's cache is). A
+replica that fails its checks for `lost_timeout` seconds is lost: the requests in flight on it
+end (see replicas.in_flight).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import structlog
 
 from pyserve._core import ReplicaRouter
+from pyserve.replicas.in_flight import InFlight
 from pyserve.replicas.settings import RouterSettings
 
 log = structlog.get_logger("pyserve.router")
@@ -33,6 +36,8 @@ class Replica:
     url: str
     verified: bool = False
     refused: str | None = None  # why it can never be used (not OpenAI-compatible)
+    down_since: float | None = None  # loop time of the first failed check in a row
+    in_flight: set[InFlight] = field(default_factory=set)
 
 
 class ReplicaPool:
@@ -69,7 +74,25 @@ class ReplicaPool:
     def mark_down(self, replica: Replica, error: BaseException) -> None:
         if self.router.is_healthy(replica.index):
             log.warning("replica_down", replica=replica.url, error=repr(error))
-        self.router.set_healthy(replica.index, False)
+        self._set_health(replica, False)
+
+    def track(self, replica: Replica) -> InFlight:
+        """A request forwarded to `replica`, to be closed when it ends."""
+        return InFlight(replica.url, replica.in_flight)
+
+    def _set_health(self, replica: Replica, up: bool) -> None:
+        self.router.set_healthy(replica.index, up)
+        now = asyncio.get_running_loop().time()
+        if up:
+            replica.down_since = None
+            return
+        if replica.down_since is None:
+            replica.down_since = now
+        if now - replica.down_since >= self.settings.lost_timeout and replica.in_flight:
+            log.warning("replica_lost", replica=replica.url, requests=len(replica.in_flight),
+                        down_for_s=round(now - replica.down_since, 2))
+            for request in list(replica.in_flight):
+                request.lose()
 
     async def get(self, replica: Replica, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
         """GET `path` from `replica` with the router's key (or `headers`'), within GET_TIMEOUT."""
@@ -93,7 +116,7 @@ class ReplicaPool:
             return
         if up and not self.router.is_healthy(replica.index):
             log.info("replica_up", replica=replica.url)
-        self.router.set_healthy(replica.index, up)
+        self._set_health(replica, up)
 
     async def _is_up(self, replica: Replica) -> bool:
         """/health 200 (verified once), 503 (loading, stalled or dead: down); anything else, e.g.

@@ -25,6 +25,8 @@ class RouterSettings:
     health_interval: float = option(0.25, "seconds between health checks of each replica")
     health_timeout: float = option(0.5, "seconds a replica's /health may take before it counts as down")
     connect_timeout: float = option(2.0, "seconds to connect to a replica before the request is retried elsewhere")
+    lost_timeout: float = option(10.0, "seconds a replica may fail its health checks before the requests in flight "
+                                 "on it are ended (502; a stream with an error event)")
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
 
     def __post_init__(self) -> None:
@@ -40,7 +42,7 @@ class RouterSettings:
                 raise ValueError(f"replica: {url!r}: give the server's address, without /v1")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
-        for name in ("health_interval", "health_timeout", "connect_timeout"):
+        for name in ("health_interval", "health_timeout", "connect_timeout", "lost_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 

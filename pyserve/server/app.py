@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -23,7 +22,7 @@ from pyserve.batches.routes import (cancel_batch, create_batch, delete_file, fil
 from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
-from pyserve.server.errors import APIError, NotFound, error_body, error_response
+from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, error_body
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
 from pyserve.server.models import ModelSpec
@@ -105,21 +104,6 @@ async def version_info(request: Request) -> Response:
     return json_response({"version": v})
 
 
-async def _api_error(request: Request, exc: APIError) -> Response:
-    return error_response(exc)
-
-
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return Response(error_body(exc.status_code, type_, str(exc.detail)), exc.status_code,
-                    media_type="application/json", headers=exc.headers)  # 405 keeps its Allow header
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.error("internal_error", path=request.url.path, error=repr(exc))
-    return Response(error_body(500, "internal_error", "internal server error"), 500, media_type="application/json")
-
-
 def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, ModelSpec], settings: ServerSettings,
               on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
     """`models`: name -> ModelSpec, or one engine served as `settings.served_model_name` with
@@ -187,7 +171,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
                Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])] if settings.lora_root else []),
         ],
         middleware=middleware,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     startup = Startup(app, dict(models), settings, on_load_failure)

@@ -1,9 +1,15 @@
-"""Errors a client can cause, typed once and rendered as OpenAI-shaped JSON."""
+"""Errors a client can cause, typed once and rendered as OpenAI-shaped JSON; and the exception
+handlers that render every error an app raises so (the server's and the router's)."""
 
 from __future__ import annotations
 
 import orjson
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
+
+log = structlog.get_logger("pyserve.server")
 
 
 class APIError(Exception):
@@ -51,3 +57,21 @@ def error_response(err: APIError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return Response(error_body(err.status, err.type, err.message, err.param, err.code), err.status,
                     media_type="application/json", headers=headers)
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return Response(error_body(exc.status_code, type_, str(exc.detail)), exc.status_code,
+                    media_type="application/json", headers=exc.headers)  # 405 keeps its Allow header
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal_error", path=request.url.path, error=repr(exc))
+    return Response(error_body(500, "internal_error", "internal server error"), 500, media_type="application/json")
+
+
+EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}

@@ -1,10 +1,12 @@
 """`pyserve router` over two `pyserve serve` replicas on loopback: routing by prefix, streams
-passed through, /v1/models and /metrics gathered, retries, a replica killed (mid-stream too), and
-servers that are not replicas refused."""
+passed through, /v1/models and /metrics gathered, retries (a replica unreachable or refusing),
+a replica that stops answering, a replica killed (mid-stream too), and servers that are not
+replicas refused."""
 
 from __future__ import annotations
 
 import http.server
+import json
 import signal
 import subprocess
 import sys
@@ -163,6 +165,107 @@ def test_a_server_that_is_not_a_replica_is_refused(model_dirs):
         httpd.shutdown()
     assert done.returncode != 0
     assert f"replica {url}: GET /v1/models answered 200 text/html that is not JSON" in done.stderr
+
+
+def test_the_routers_own_errors_are_openai_json(router):
+    r = httpx.get(router + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(router + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "POST" in r.headers["allow"]
+
+
+class _QueueFull(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server whose queue is always full: every POST gets 429."""
+
+    def _answer(self, status: int, body: dict, headers=()):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self._answer(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        self._answer(200, {"status": "ok"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(429, {"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
+                                     "code": None}}, [("Retry-After", "7")])
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_refused_request_is_sent_to_another_replica(replicas, model_dirs):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QueueFull)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    full, live = f"http://127.0.0.1:{httpd.server_address[1]}", replicas[1][1]
+    procs = []
+    try:
+        procs.append(start_router([full, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
+        base = procs[-1][1]
+        for i in range(4):
+            r = chat(base, [{"role": "user", "content": f"q{i}"}])
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
+        series = parse_metrics(httpx.get(base + "/metrics").text)
+        # Round-robin's cursor moves on each pick, the retry's included: every request tries `full` first.
+        assert series['pyserve_router:retries_total{reason="refused"}'] == 4
+        # Every replica refusing: the client gets the refusal as the replica sent it.
+        procs.append(start_router([full], workdir=model_dirs["llama"].parent))
+        r = chat(procs[-1][1], [{"role": "user", "content": "q"}])
+        assert r.status_code == 429 and r.json()["error"]["message"] == "queue full"
+        assert r.headers["retry-after"] == "7" and r.headers[REPLICA_HEADER] == full
+    finally:
+        for proc, _ in procs:
+            stop_server(proc)
+        httpd.shutdown()
+
+
+def test_a_replica_that_stops_answering_ends_its_requests(replicas, model_dirs):
+    """SIGSTOP: the replica's sockets stay open and nothing comes back. Once its health checks
+    have failed for --lost-timeout, its stream ends with an error event and a request waiting
+    for its answer gets 504; it serves again once continued."""
+    proc, url = replicas[0]
+    router_proc, base = start_router([url], "--health-interval", "0.1", "--lost-timeout", "1",
+                                     workdir=model_dirs["llama"].parent)
+
+    def wait_healthy():
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    body = {"model": MODEL, "prompt": "def stop(me):", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    try:
+        lines = []
+        with httpx.Client(timeout=60) as client, client.stream("POST", base + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        assert time.monotonic() - stopped_at < 10
+        error = json.loads(lines[-1][6:])["error"]
+        assert error["type"] == "gateway_timeout" and "stopped answering mid-stream" in error["message"]
+        proc.send_signal(signal.SIGCONT)
+        wait_healthy()
+        proc.send_signal(signal.SIGSTOP)  # before the router notices: the request reaches the stopped replica
+        r = chat(base, [{"role": "user", "content": "are you there?"}])
+        assert r.status_code == 504 and "stopped answering" in r.json()["error"]["message"]
+        proc.send_signal(signal.SIGCONT)
+        wait_healthy()
+        assert chat(base, [{"role": "user", "content": "and now?"}]).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_server(router_proc)
 
 
 def test_a_killed_replica_ends_its_streams_and_loses_its_traffic(router, replicas):
