@@ -1,6 +1,7 @@
 """`pyserve router`'s Starlette app: the OpenAI routes forwarded to the chosen replica (streams
-passed through as they arrive), `/v1/models` and `/metrics` gathered from every healthy replica,
-`/health` up while one replica is.
+passed through as they arrive), `/v1/models`, `/metrics` and `/v1/stats` gathered from every
+healthy replica, `/health` up while one replica is, and the server's playground and dashboard
+pages (their requests come back to the router).
 
 A request is retried on another replica only when it did not run on the first: the connection
 was refused or timed out, or the replica refused it (429: its queue is full; 503: it is loading,
@@ -28,12 +29,14 @@ from pyserve.replicas.in_flight import InFlight, ReplicaLost
 from pyserve.replicas.metrics_merge import merge_metrics
 from pyserve.replicas.pool import NotAReplica, Replica, ReplicaPool
 from pyserve.replicas.request_text import routing_text
+from pyserve.replicas.stats_merge import merge_stats
 from pyserve.replicas.settings import RouterSettings
 from pyserve.server.app import version_info
 from pyserve.server.body import json_response
 from pyserve.server.errors import EXCEPTION_HANDLERS, error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 
 log = structlog.get_logger("pyserve.router")
 
@@ -235,6 +238,11 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(own + merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
 
+async def stats(request: Request) -> Response:
+    answers = await _gather(request.app.state.pool, "/v1/stats", request)
+    return json_response(merge_stats({url: a.json() for url, a in answers.items()}))
+
+
 async def health(request: Request) -> Response:
     pool: ReplicaPool = request.app.state.pool
     up = len(pool.healthy())
@@ -269,11 +277,13 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
 
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset({"/health"})))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS | {"/health"}))
     routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
     routes += [Route("/v1/models", list_models, methods=["GET"]),
                Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
-               Route("/metrics", metrics, methods=["GET"]),
+               Route("/metrics", metrics, methods=["GET"]), Route("/v1/stats", stats, methods=["GET"]),
                Route("/health", health, methods=["GET"]), Route("/version", version_info, methods=["GET"])]
+    routes += [Route(path, page, methods=["GET"]) for path in PAGES]
+    routes.append(Route("/web/{name}", asset, methods=["GET"]))
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers=EXCEPTION_HANDLERS)

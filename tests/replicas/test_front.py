@@ -103,6 +103,20 @@ def test_models_and_metrics_gather_every_replica(router, replicas):
     assert text.count("# TYPE pyserve:num_requests_running ") == 1
 
 
+def test_stats_and_the_web_pages_are_served_for_every_replica(router, replicas):
+    """The dashboard and playground behind the router read /v1/stats summed over the replicas."""
+    chat(router, [{"role": "user", "content": "count me"}])
+    own = [httpx.get(url + "/v1/stats").json() for _, url in replicas]
+    merged = httpx.get(router + "/v1/stats").json()
+    assert sorted(merged["models"]) == sorted(f"{MODEL}@{url}" for _, url in replicas)
+    assert merged["requests"][MODEL][""] == sum(s["requests"][MODEL][""] for s in own) >= 1
+    assert merged["latency"]["e2e"]["count"] == sum(s["latency"]["e2e"]["count"] for s in own)
+    for path, kind in (("/", "text/html"), ("/dashboard", "text/html"), ("/web/dashboard.js", "text/javascript")):
+        r = httpx.get(router + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind)
+        assert r.content == httpx.get(replicas[0][1] + path).content
+
+
 def test_unreachable_replica_is_retried_elsewhere(replicas, model_dirs):
     dead = f"http://127.0.0.1:{free_port()}"
     live = replicas[1][1]
@@ -147,6 +161,9 @@ def test_a_router_with_its_own_key_presents_the_replicas_key_upstream(model_dirs
         assert [m["id"] for m in httpx.get(base + "/v1/models", headers=client).json()["data"]] == [MODEL]
         assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"},
                           headers={"Authorization": "Bearer rk"}).status_code == 401  # the router's own key
+        assert httpx.get(base + "/v1/stats", headers=client).json()["requests"][MODEL][""] == 1
+        assert httpx.get(base + "/v1/stats").status_code == 401
+        assert httpx.get(base + "/dashboard").status_code == 200  # the page asks for the key itself
     finally:
         if router_proc is not None:
             stop_server(router_proc)

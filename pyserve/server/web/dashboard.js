@@ -39,13 +39,16 @@ function sum(models, key) {
   return Object.values(models).reduce((a, m) => a + (m[key] || 0), 0);
 }
 
+// Counters only grow, but a server restarted (or, behind a router, a replica gone) between two
+// polls takes its counts away: a rate is never below 0.
 function delta(now, before, key) {
-  return sum(now.models, key) - sum(before.models, key);
+  return Math.max(0, sum(now.models, key) - sum(before.models, key));
 }
 
 function latency(now, before, name) {
   const h = now.latency[name], b = before.latency[name];
-  const counts = h.counts.map((c, i) => c - b.counts[i]);
+  if (!h) return [null, null];  // no server answered (a router with every replica down)
+  const counts = h.counts.map((c, i) => Math.max(0, c - (b ? b.counts[i] : 0)));
   const ms = (q) => { const v = quantile(h.le, counts, q); return v === null ? null : 1000 * v; };
   return [ms(0.5), ms(0.99)];
 }
@@ -88,7 +91,7 @@ function requestsTable(now, before, seconds) {
     for (const [adapter, count] of Object.entries(adapters)) {
       const was = (before.requests[model] || {})[adapter] || 0;
       const tr = document.createElement("tr");
-      for (const text of [model, adapter || "(base)", String(count), ((count - was) / seconds).toFixed(2)]) {
+      for (const text of [model, adapter || "(base)", String(count), (Math.max(0, count - was) / seconds).toFixed(2)]) {
         const td = document.createElement("td");
         td.textContent = text;
         tr.appendChild(td);

@@ -119,8 +119,12 @@ async function speculation(model) {
   try {
     const response = await api("/v1/stats");
     if (!response.ok) return null;
-    const stats = (await response.json()).models[model];
-    return stats ? [stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens] : null;
+    // Behind `pyserve router` each replica's engine is listed as MODEL@REPLICA: their sum.
+    const engines = Object.entries((await response.json()).models)
+      .filter(([name]) => name === model || name.startsWith(model + "@")).map(([, stats]) => stats);
+    if (!engines.length) return null;
+    const total = (key) => engines.reduce((a, s) => a + (s[key] || 0), 0);
+    return [total("spec_decode_num_draft_tokens"), total("spec_decode_num_accepted_tokens")];
   } catch (e) {
     return null;
   }
