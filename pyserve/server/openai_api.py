@@ -201,7 +201,8 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
     constraint, constraint_field = _constraint(req)
     if tools is not None and tools.constraint is not None:
         if constraint is not None:
-            raise BadRequest(f"{constraint_field}: a forced tool call (tool_choice) is already the constraint",
+            raise BadRequest(f"{constraint_field}: the tools already constrain the output (tool_choice "
+                             "required or a named function, or a strict function under auto)",
                              param=constraint_field)
         constraint, constraint_field = tools.constraint, "tools"
     prompt_logprobs = logprobs if echo is not None else None

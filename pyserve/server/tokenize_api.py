@@ -2,7 +2,7 @@
 tokens use them): a completion prompt or chat messages to token ids, and token ids to text.
 
 /tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
-model's chat template, `add_generation_prompt` default true); it answers {count, max_model_len,
+model's chat template with `tools` when given, `add_generation_prompt` default true); it answers {count, max_model_len,
 tokens, token_strs} (`token_strs` with `return_token_strs: true`, else null). /detokenize takes
 `tokens` (and `skip_special_tokens`, default false: special tokens are text too, as vLLM gives
 them) and answers {prompt}, so that /tokenize of messages then /detokenize gives the rendered chat. `model`, when given, names a served model or adapter (default: the primary model).
@@ -20,7 +20,8 @@ from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.server.body import check_token_ids, json_body, json_response, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.server.errors import BadRequest
-from pyserve.server.schemas import ChatMessage
+from pyserve.server.schemas import MAX_TOOLS, ChatMessage, ToolDef
+from pyserve.server.tool_calls import template_tools
 from pyserve.server.state import ServerState
 
 MAX_TOKENIZE_CHARS = 4_000_000
@@ -33,6 +34,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -41,6 +43,8 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: allowed only with messages")
         return self
 
 
@@ -62,8 +66,9 @@ async def tokenize(request: Request) -> Response:
     else:
         timeout = state.settings.chat_template_timeout
         try:
+            tools = template_tools([t.function for t in req.tools]) if req.tools else None
             text = await run_with_deadline(tok.apply_chat_template, [m.for_template() for m in req.messages],
-                                           req.add_generation_prompt, None, None, timeout=timeout)
+                                           req.add_generation_prompt, None, tools, timeout=timeout)
         except ChatTemplateError as e:
             raise BadRequest(str(e), param="messages") from e
         except DeadlineExceeded as e:

@@ -20,7 +20,7 @@ from pyserve.tools.parser import ParseDelta, ParsedCall, ToolCallParser
 @dataclass(slots=True)
 class ToolPlan:
     template_tools: list[dict[str, Any]] | None  # for the chat template (HF's `tools=`)
-    constraint: StructuredOutputsParams | None  # forces calls ("required" / named)
+    constraint: StructuredOutputsParams | None  # forces calls ("required" / named), or holds "auto" ones to strict schemas
     format: ToolFormat | None  # set when calls are read out of the output
     legacy: bool = False  # answer in the shape of `functions` / `function_call`
     named: bool = False  # one function forced by name: its call ends with finish_reason "stop", as OpenAI's
@@ -49,15 +49,19 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
             StructuredOutputsParams(json=f.parameters or {"type": "object"})  # OpenAI's schema limits
         except GrammarError as e:
             raise BadRequest(f"{field_name}: {f.name}: parameters: {e}", param=field_name) from e
-    template_tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+    tools = template_tools(functions)
     choice = choice or "auto"
     if choice == "none":
-        return ToolPlan(template_tools, None, None, legacy)
+        return ToolPlan(tools, None, None, legacy)
     if fmt is None:
         raise BadRequest(f"{field_name}: this model's chat template shows no tool-call format "
                          "(start the server with --tool-call-parser)", param=field_name)
     if choice == "auto":
-        return ToolPlan(template_tools, None, fmt, legacy)
+        if not any(f.strict for f in functions):
+            return ToolPlan(tools, None, fmt, legacy)
+        # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
+        grammar = fmt.grammar([_forced(f) for f in functions], req.parallel_tool_calls and not legacy, free_text=True)
+        return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
     if isinstance(choice, (NamedToolChoice, NamedFunction)):
         name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
         if name not in names:
@@ -67,14 +71,19 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
     grammar = fmt.grammar([_forced(f) for f in forced], parallel)
-    return ToolPlan(template_tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
+    return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)))
 
 
+def template_tools(functions: list[FunctionDef]) -> list[dict[str, Any]]:
+    """Functions as a chat template takes them (HF's `tools=`)."""
+    return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+
+
 def _forced(function: FunctionDef) -> dict[str, Any]:
-    """A forced function as the format's grammar takes it; `strict` closes its objects to the
-    properties they name (OpenAI's strict mode). Calls the model makes on its own (auto) are
-    read as written: there is no grammar to hold them to."""
+    """A function as the format's grammar takes it; `strict` closes its objects to the properties
+    they name (OpenAI's strict mode). Under "auto", calls are read as written unless a function
+    is strict: then every call is held to its function's schema."""
     f = function.model_dump(exclude_none=True)
     if function.strict:
         f["parameters"] = closed_objects(function.parameters or {"type": "object"})

@@ -12,6 +12,7 @@ validate against it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,11 @@ class ToolFormat:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.open, self.close, ("arguments", "parameters"), self.separator, self.prefix)
 
-    def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, functions: list[dict[str, Any]], parallel: bool, free_text: bool = False) -> str:
         """A Lark grammar of one call (or, `parallel`, one to MAX_PARALLEL_CALLS) of `functions` (each
-        {"name", "parameters"}), written as this format writes calls."""
+        {"name", "parameters"}), written as this format writes calls. `free_text`: the model may
+        answer in text instead (tool_choice "auto" held to strict schemas): text that never
+        writes a call's opening, then, where the format allows text before calls, calls."""
         rules = []
         for i, f in enumerate(functions):
             schema = {"type": "object", "properties": {"name": {"const": f["name"]},
@@ -45,14 +48,25 @@ class ToolFormat:
                       "required": ["name", self.args_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
             rules.append(f"fn{i}: %json {json.dumps(schema)}")
         one = " | ".join(f"fn{i}" for i in range(len(functions)))
-        if self.open is not None:
-            call = f"call: {json.dumps(self.open + chr(10))} ({one}) {json.dumps(chr(10) + self.close)}"
-            start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"
+        if self.open is None:  # the calls are the whole output
+            calls = f"call ({json.dumps(self.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else "call"
+            lines = [f"start: TEXT | {calls}" if free_text else f"start: {calls}", f"call: {one}"]
+            if free_text:  # text is what does not open as a call does
+                lines.append("TEXT: /(?s:.*)/ & ~/(?s:[ \\t\\n]*\\{.*)/")
+            return "\n".join([*lines, *rules])
+        opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
+        more = f'("\\n" {opening} call_rest){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        lines = [f"call_rest: ({one}) {closing}"]
+        if free_text:
+            # Text, and text with a call's opening after it, are one lexeme each, both started at
+            # the text's first byte: the lexer follows the two, so text may hold any prefix of the
+            # opening, and the opening is where the text ends.
+            plain = re.escape(self.open).replace("/", "\\/")
+            lines += [f"start: TEXT | TEXT_OPEN call_rest {more}", f"PLAIN: /(?s:.*)/ & ~/(?s:.*{plain}.*)/",
+                      "TEXT: PLAIN", f"TEXT_OPEN: PLAIN {opening}"]
         else:
-            call = f"call: {one}"
-            start = (f"start: call ({json.dumps(self.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel
-                     else "start: call")
-        return "\n".join([start, call, *rules])
+            lines.append(f"start: {opening} call_rest {more}")
+        return "\n".join([*lines, *rules])
 
 
 FORMATS = {

@@ -52,3 +52,19 @@ async def test_bad_input_is_refused_naming_the_field(llama_dir):
             assert error["param"] == param, (body, error)
             if param is None:
                 assert "exactly one of prompt and messages" in error["message"] or "Field required" in error["message"]
+
+
+async def test_messages_tokenize_with_the_tools_the_chat_would_render():
+    from pyserve.default_model import TARGET_DIR
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    async with client(TARGET_DIR) as (engine, c):
+        tok = engine.tokenizer
+        r = await c.post("/tokenize", json={"messages": messages, "tools": tools})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == tok.encode(tok.apply_chat_template(messages, True, tools=tools),
+                                                add_special_tokens=False)
+        assert "get_weather" in tok.decode(r.json()["tokens"], skip_special_tokens=False)
+        r = await c.post("/tokenize", json={"prompt": "x", "tools": tools})
+        assert r.status_code == 400 and "tools: allowed only with messages" in r.json()["error"]["message"]

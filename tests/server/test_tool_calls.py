@@ -135,6 +135,23 @@ def test_auto_and_none(client):
         assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_with_a_strict_function_is_held_by_a_grammar_that_leaves_text_alone(client, server):
+    """A strict function under "auto": calls are held to their schemas (the grammar's own tests,
+    tests/tools, show which outputs it takes), while a text answer, the one this model gives, is
+    what the same prompt gives without a grammar, token for token."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    prompt = httpx.post(server + "/tokenize", json={"model": "tiny", "messages": ASK, "tools": strict}).json()["tokens"]
+    for seed in range(3):
+        kw = dict(model="tiny", max_tokens=40, seed=seed, temperature=1.0)
+        held = client.chat.completions.create(messages=ASK, tools=strict, **kw)
+        free = client.completions.create(prompt=prompt, **kw)
+        assert held.choices[0].message.content == free.choices[0].text and held.choices[0].message.tool_calls is None
+        assert held.usage.prompt_tokens == len(prompt) and held.usage.completion_tokens == free.usage.completion_tokens
+    r = httpx.post(server + "/v1/chat/completions", timeout=10, json={
+        "model": "tiny", "messages": ASK, "tools": strict, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
 def test_multi_turn_with_tool_results(client):
     first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, max_tokens=120, seed=1)

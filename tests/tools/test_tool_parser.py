@@ -97,3 +97,32 @@ def test_forcing_grammars_accept_what_the_parser_reads_and_nothing_else(fmt):
     bad = one.replace('"Oslo"', "7")
     assert not accepts(fmt.grammar(functions, parallel=False), bad)  # arguments follow the schema
     assert fmt.parser().parse(two)[1] == [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("noop", "{}")]
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA])
+def test_free_text_grammars_take_text_or_valid_calls(fmt):
+    """tool_choice "auto" with strict functions: text that never opens a call, or calls that
+    validate (after text, where the format writes text before calls)."""
+    tok = Tokenizer.from_dir(TARGET_DIR)
+    lltok = llguidance.LLTokenizer(tok.inner.to_str(), n_vocab=4096, eos_token=[0, 4])
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"], "additionalProperties": False}}]
+    call = f'{{"name": "get_weather", "{fmt.args_key}": {{"city": "Oslo"}}}}'
+    one = f"<tool_call>\n{call}\n</tool_call>" if fmt.open else call
+    two = f"{one}\n{one}" if fmt.open else f"{one}; {one}"
+
+    def accepts(parallel: bool, text: str) -> bool:
+        grammar = fmt.grammar(functions, parallel, free_text=True)
+        m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar), log_level=0)
+        ids = lltok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    assert accepts(False, "It is sunny.") and accepts(False, "a <tool_call but no call")
+    assert accepts(False, one) and accepts(True, two) and not accepts(False, two)
+    assert not accepts(False, one.replace('"Oslo"', "7"))  # arguments follow the schema
+    assert not accepts(False, one.replace("get_weather", "get_time"))
+    if fmt.open:
+        assert accepts(False, "Let me look.\n" + one)
+        assert not accepts(False, "an opening <tool_call> that is no call")
+    else:
+        assert not accepts(False, ' {"city": "Oslo"}')  # JSON that opens like a call must be one
