@@ -16,6 +16,7 @@
       - name: elsewhere
         url: http://127.0.0.1:8000/v1   # any OpenAI-compatible server, already running
         served_model: some-name
+        api_key_env: ELSEWHERE_KEY      # the environment variable holding its API key (never the key here)
       - name: routed            # the embedded pair (model: null), requests sent to a route:
         route: router.json      #   a router from pyserve route-train, or
         cascade: {min_logprob: -1.5}   # a cascade (small, large: served names, default the pair)
@@ -27,6 +28,7 @@ are not listed here are refused, naming the configuration and the key.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +58,7 @@ class EvalConfig(BaseModel):
     model: str | None = None
     url: str | None = None
     served_model: str | None = None
+    api_key_env: Annotated[str, Field(min_length=1)] | None = None
     lora: str | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -104,6 +107,11 @@ class EvalConfig(BaseModel):
                                      or self.decides or self.semantic_cache):
             raise ValueError("a url configuration is already running: model, lora, engine settings, routes and "
                              "the cache do not apply")
+        if self.api_key_env is not None:
+            if self.url is None:
+                raise ValueError("api_key_env: only a url configuration takes a key (a local server has none)")
+            if not os.environ.get(self.api_key_env):
+                raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
         if self.route is not None and self.cascade is not None:
             raise ValueError("give route or cascade, not both")
         if self.decides and (self.model is not None or self.lora is not None):
@@ -137,6 +145,10 @@ class EvalConfig(BaseModel):
         if self.semantic_cache:
             flags.append("--semantic-cache")
         return flags
+
+    @property
+    def api_key(self) -> str | None:
+        return None if self.api_key_env is None else os.environ[self.api_key_env]
 
     @property
     def lora_name(self) -> str | None:

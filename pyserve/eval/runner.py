@@ -51,7 +51,8 @@ class Client:
     """One configuration's server, as the eval talks to it."""
 
     def __init__(self, base_url: str, cfg: EvalConfig, model: str, timeout: float = 600.0):
-        self.http = httpx.AsyncClient(base_url=base_url.removesuffix("/v1"), timeout=timeout)
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        self.http = httpx.AsyncClient(base_url=base_url.removesuffix("/v1"), timeout=timeout, headers=headers)
         self.cfg, self.model = cfg, model
 
     async def close(self) -> None:

@@ -1,11 +1,13 @@
 """`pyserve eval` end to end on the embedded family, in its quick form: the example configurations
 over the first items of the shipped eval set, the report's files and figures, a failing
-configuration reported beside the others, and bad configs refused naming the key."""
+configuration reported beside the others, a running server's key taken from the environment,
+and bad configs refused naming the key."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from pyserve.default_model.training import corpus
 from pyserve.eval.configs import ConfigsError, load_plan
 from pyserve.eval.harness import clipped, label_offsets
 from pyserve.eval.items import load_eval_set
+from pyserve.testing import start_server, stop_server
 
 DATA = Path(__import__("pyserve.eval", fromlist=["x"]).__file__).with_name("data")
 
@@ -56,6 +59,9 @@ def test_decision_keys_become_serve_flags(tmp_path):
     ("configs:\n  - {name: a}\n  - {name: a}", "the name 'a' is used twice"),
     ("configs:\n  - {name: a, prompt_template: 'x'}", r"configs\[0\] \(a\): prompt_template: must contain \{prompt\}"),
     ("configs:\n  - {name: a, url: 'http://x', quantization: int8}", "a url configuration is already running"),
+    ("configs:\n  - {name: a, api_key_env: HOME}", r"configs\[0\] \(a\): .*only a url configuration takes a key"),
+    ("configs:\n  - {name: a, url: 'http://x', api_key_env: PYSERVE_UNSET_KEY}",
+     "the environment variable PYSERVE_UNSET_KEY is not set"),
     ("configs: [", "not valid YAML"),
 ])
 def test_bad_configs_name_the_configuration_and_key(tmp_path, text, message):
@@ -133,3 +139,22 @@ def test_a_failure_keeps_the_end_of_its_message_and_a_run_where_all_failed_exits
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 1 and "every configuration failed" in run.stderr
     assert "failed gone" in run.stdout
+
+
+def test_a_url_configuration_presents_the_key_from_its_environment_variable(tmp_path):
+    proc, base = start_server(None, "--api-key", "sekret", "--embedding-model", "none", workdir=tmp_path)
+    try:
+        configs = tmp_path / "c.yaml"
+        configs.write_text(f"configs:\n  - {{name: keyed, url: '{base}/v1', served_model: pyserve-default, "
+                           f"api_key_env: EVAL_TEST_KEY}}\n  - {{name: keyless, url: '{base}/v1', "
+                           f"served_model: pyserve-default}}\n")
+        run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(DATA / "embedded.jsonl"),
+                              "--configs", str(configs), "--out", str(tmp_path / "out"), "--limit", "2"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                             env={**os.environ, "EVAL_TEST_KEY": "sekret"})
+    finally:
+        stop_server(proc)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {c["name"]: c for c in json.loads((tmp_path / "out" / "eval.json").read_text())["configs"]}
+    assert rows["keyed"]["status"] == "ok" and rows["keyed"]["items"] == 2
+    assert rows["keyless"]["status"] == "failed" and "401" in rows["keyless"]["error"]
