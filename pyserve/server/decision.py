@@ -8,8 +8,9 @@ header.
 - A cascade (`--cascade NAME=SMALL,LARGE,MIN_LOGPROB`): the small model answers first, not
   streamed, with its token logprobs (the sampler has them anyway); if the mean logprob of its
   answer's first line is below MIN_LOGPROB (see `confidence`) the request is escalated: the
-  large model serves it as asked (`x-pyserve-escalated: yes`), its prefix cache holding what it has seen
-  before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
+  large model serves it as asked (`x-pyserve-escalated: yes`; the tokens the small model spent in
+  `x-pyserve-small-prompt-tokens` and `x-pyserve-small-completion-tokens`, the body's usage being
+  the large model's), its prefix cache holding what it has seen before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
   answer is then sent as SSE at once, an escalated request streams the large model's answer.
 """
 
@@ -115,6 +116,10 @@ async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callabl
         metrics.cascade_escalations.inc(route=route.name)
         response = await run(large, req.model_copy(update={"model": large.name}))
         response.headers["x-pyserve-escalated"] = "yes"
+        # The body's usage is the large model's; what the small one spent on its refused answer:
+        usage = body.get("usage") or {}
+        response.headers["x-pyserve-small-prompt-tokens"] = str(usage.get("prompt_tokens", 0))
+        response.headers["x-pyserve-small-completion-tokens"] = str(usage.get("completion_tokens", 0))
         return _named(response, large.name)
     if not asked_logprobs:
         for c in body["choices"]:

@@ -80,6 +80,9 @@ async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(m
         assert kept.choices[0].logprobs is None  # asked for internally, not by the client
         headers, up = await _chat(http, "escalate", OTHER)
         assert (up.model, headers["x-pyserve-escalated"], headers["x-pyserve-model"]) == ("large", "yes", "large")
+        assert (headers["x-pyserve-small-prompt-tokens"], headers["x-pyserve-small-completion-tokens"]) == (
+            str(small.usage.prompt_tokens), str(small.usage.completion_tokens))
+        assert up.usage.completion_tokens == large.usage.completion_tokens
         assert up.choices[0].message.content == large.choices[0].message.content
         for name, want in (("keep", small), ("escalate", large)):
             api = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http, max_retries=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -221,8 +222,33 @@ def test_json_schema_and_tool_modes_constrain_the_answer(server, browser):
     call = last_answer(browser).find_element("css selector", ".body pre code").text
     assert call.startswith("get_weather(") and call.endswith(")")
     assert set(json.loads(call[len("get_weather("):-1])) == {"city"}
-    assert console_errors(browser) == []
+    stats = last_answer(browser).find_element("css selector", ".stats").text
+    rate = re.search(r"([\d.]+) tok/s", stats)
+    assert "tokens at once" in stats or float(rate[1]) < 5000, stats  # no rate from one burst
+    # The next message answers the call: a tool message, then the model's answer.
+    assert "tools' result" in by_id(browser, "prompt").get_attribute("placeholder")
+    Select(by_id(browser, "tool-choice")).select_by_value("none")
+    fill(browser, "prompt", "18 C and sunny")
+    by_id(browser, "send").click()
+    wait_for(lambda: last_answer(browser).get_attribute("data-state") == "done", what="the answer to the result")
+    history = browser.execute_script("return window.pyservePlayground.chat.history")
+    roles = [m["role"] for m in history]
+    assert roles[-4:] == ["user", "assistant", "tool", "assistant"], roles
+    (sent_call,) = history[-3]["tool_calls"]
+    assert sent_call["id"].startswith("call_") and sent_call["function"]["name"] == "get_weather"
+    assert history[-2] == {"role": "tool", "tool_call_id": sent_call["id"], "content": "18 C and sunny"}
+    assert browser.find_elements("css selector", ".message.tool")
+    # A turn the server refuses is not sent again with the next one.
+    fill(browser, "temperature", "5")
+    fill(browser, "prompt", "this one fails")
+    by_id(browser, "send").click()
+    wait_for(lambda: last_answer(browser).get_attribute("data-state") == "error", what="the refused turn")
+    assert "temperature" in by_id(browser, "error").text
+    assert browser.execute_script("return window.pyservePlayground.chat.history.length") == len(history)
+    assert console_errors(browser, allow="400") == []
+    fill(browser, "temperature", "0")
     Select(by_id(browser, "mode")).select_by_value("text")
+    by_id(browser, "clear").click()
 
 
 def test_model_text_is_shown_as_text_never_as_markup(server, browser):

@@ -164,11 +164,17 @@ async function send() {
   } catch (e) {
     return showError(e.message);
   }
-  body.messages.push({role: "user", content: text});
+  // After an answer that called tools, the message is the calls' result (one tool message per call).
+  const last = chat.history[chat.history.length - 1];
+  const turn = last && last.tool_calls ?
+    last.tool_calls.map((call) => ({role: "tool", tool_call_id: call.id, content: text})) :
+    [{role: "user", content: text}];
+  body.messages.push(...turn);
   showError("");
   $("prompt").value = "";
-  chat.history.push({role: "user", content: text});
-  addMessage("user", text);
+  const historyBefore = chat.history.length;
+  chat.history.push(...turn);
+  addMessage(turn[0].role, text);
   const answer = addMessage("assistant", "");
   answer.box.dataset.state = "streaming";
   const controller = new AbortController();
@@ -176,7 +182,7 @@ async function send() {
   setBusy(true);
   const before = await speculation($("model").value);
   const started = performance.now();
-  let first = null, content = "", usage = null, outcome = "done";
+  let first = null, latest = null, content = "", usage = null, outcome = "done";
   const calls = [];
   try {
     const response = await api("/v1/chat/completions", {
@@ -190,11 +196,15 @@ async function send() {
         const delta = choice.delta || {};
         if (delta.content) content += delta.content;
         for (const call of delta.tool_calls || []) {
-          const slot = calls[call.index] = calls[call.index] || {name: "", arguments: ""};
+          const slot = calls[call.index] = calls[call.index] || {id: "", name: "", arguments: ""};
+          if (call.id) slot.id = call.id;
           if (call.function && call.function.name) slot.name += call.function.name;
           if (call.function && call.function.arguments) slot.arguments += call.function.arguments;
         }
-        if ((delta.content || delta.tool_calls) && first === null) first = performance.now();
+        if (delta.content || delta.tool_calls) {
+          latest = performance.now();
+          if (first === null) first = latest;
+        }
       }
       const shown = calls.length ? content + calls.map((c) => "```json\n" + c.name + "(" + c.arguments + ")\n```").join("") : content;
       render(answer.body, shown);
@@ -206,14 +216,25 @@ async function send() {
     chat.controller = null;
     setBusy(false);
   }
-  const ended = performance.now();
   answer.box.dataset.state = outcome;
-  chat.history.push({role: "assistant", content});
+  if (outcome === "error") {
+    chat.history.length = historyBefore;  // a failed turn is not sent again with the next one
+  } else if (calls.length) {
+    chat.history.push({role: "assistant", content: content || null, tool_calls: calls.map((c) => (
+      {id: c.id, type: "function", function: {name: c.name, arguments: c.arguments}}))});
+  } else {
+    chat.history.push({role: "assistant", content});
+  }
+  showPromptKind();
   const after = await speculation($("model").value);
   const figures = [];
   if (first !== null) figures.push("TTFT " + (first - started).toFixed(0) + " ms");
-  if (usage && first !== null && ended > first) {
-    figures.push((usage.completion_tokens / ((ended - first) / 1000)).toFixed(1) + " tok/s");
+  // Tokens per second between the first and the last token; an answer sent in one burst (a
+  // forced tool call's grammar writes most of it) has no such rate.
+  if (usage && usage.completion_tokens > 1 && latest > first) {
+    figures.push(((usage.completion_tokens - 1) / ((latest - first) / 1000)).toFixed(1) + " tok/s");
+  } else if (usage) {
+    figures.push(usage.completion_tokens + " tokens at once");
   }
   if (usage) figures.push((usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0) +
     " cached prompt tokens");
@@ -223,6 +244,13 @@ async function send() {
   }
   if (outcome === "stopped") figures.push("stopped");
   answer.stats.textContent = figures.join(" · ");
+}
+
+// The message box says what the next message is: the result of the tools just called, or a user turn.
+function showPromptKind() {
+  const last = chat.history[chat.history.length - 1];
+  $("prompt").placeholder = last && last.tool_calls ?
+    "The tools' result (sent as each call's answer; Ctrl+Enter sends)" : "Message (Ctrl+Enter sends, Esc stops)";
 }
 
 function stop() {
@@ -246,7 +274,12 @@ $("prompt").addEventListener("keydown", (event) => {
 });
 $("model").addEventListener("change", fillAdapters);
 $("mode").addEventListener("change", showMode);
-$("clear").addEventListener("click", () => { chat.history = []; $("messages").replaceChildren(); showError(""); });
+$("clear").addEventListener("click", () => {
+  chat.history = [];
+  $("messages").replaceChildren();
+  showError("");
+  showPromptKind();
+});
 $("forget-key").addEventListener("click", () => { clearKey(); loadModels(); });
-window.pyservePlayground = {render};
+window.pyservePlayground = {render, chat};  // for the browser tests
 loadModels();
