@@ -1,7 +1,8 @@
 """The semantic cache bench's pairs, written for the bench from question families of their own
 (none is in the cache's calibration set, pyserve/semantic_cache/calibration_set.py): paraphrases
-(two phrasings, the same slots) and tricks that change one number, one name, or add a negation;
-topic swaps (one noun or verb changed) are reported beside them."""
+(two phrasings, the same slots) and tricks that change one number, one name, add a negation, or
+add a qualifier that narrows or widens the question ("..., ignoring the subplots", "only",
+"including the suburbs"); topic swaps (one noun or verb changed) are reported beside them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ FAMILIES = [
     {"phrasings": ["What is the population of {name}?", "How many people live in {name}?",
                    "Tell me how many inhabitants {name} has.", "What's the number of residents of {name}?"],
      "negate": "How many people do not live in {name}?",
+     "qualify": ["How many people live in {name}, counting only the city centre?",
+                 "What is the population of {name}, including the suburbs?"],
      "name": ["Lisbon", "Toronto", "Nairobi", "Osaka", "Lima", "Krakow", "Melbourne", "Denver"]},
     {"phrasings": ["Can I {topic} with a {name} account?", "Is it possible to {topic} using a {name} account?",
                    "Does a {name} account let me {topic}?"],
@@ -27,10 +30,12 @@ FAMILIES = [
     {"phrasings": ["Who directed the film {name}?", "Who was the director of {name}?",
                    "Which director made the movie {name}?", "Tell me who directed {name}."],
      "negate": "Who did not direct the film {name}?",
+     "qualify": ["Who directed the film {name}, besides the credited director?"],
      "name": ["Vertigo", "Casablanca", "Alien", "Amadeus", "Chinatown", "Jaws", "Psycho"]},
     {"phrasings": ["How many calories are in {n} grams of {topic}?", "What is the calorie count of {n} g of {topic}?",
                    "Tell me the calories in {n} grams of {topic}."],
-     "n": ["50", "100", "150", "200", "250"], "topic": ["rice", "oats", "almonds", "cheddar", "salmon"]},
+     "n": ["50", "100", "150", "200", "250"], "topic": ["rice", "oats", "almonds", "cheddar", "salmon"],
+     "qualify": ["How many calories are in {n} grams of {topic}, excluding the fat?"]},
     {"phrasings": ["Is {name} a good language for {topic}?", "Should I use {name} for {topic}?",
                    "Would you recommend {name} for {topic}?"],
      "negate": "Why is {name} not a good language for {topic}?",
@@ -43,10 +48,14 @@ FAMILIES = [
     {"phrasings": ["How do I get from {name} to the airport by train?", "What's the train route from {name} "
                    "to the airport?", "By rail, how can I travel from {name} to the airport?"],
      "negate": "How do I get from {name} to the airport without a train?",
+     "qualify": ["How do I get from {name} to the airport by train, avoiding changes?",
+                 "How do I get from {name} to the airport by train or else by bus instead?"],
      "name": ["Paddington", "Shinjuku", "Montparnasse", "Grand Central", "Alexanderplatz"]},
     {"phrasings": ["Summarize the plot of {name} in {n} sentences.", "Give me a {n}-sentence summary of {name}.",
                    "In {n} sentences, what happens in {name}?"],
-     "n": ["2", "3", "4", "5"], "name": ["Hamlet", "Moby Dick", "Dracula", "Beloved", "Emma", "Middlemarch"]},
+     "n": ["2", "3", "4", "5"], "name": ["Hamlet", "Moby Dick", "Dracula", "Beloved", "Emma", "Middlemarch"],
+     "qualify": ["Summarize the plot of {name} in {n} sentences, ignoring the subplots.",
+                 "Summarize only the ending of {name} in {n} sentences."]},
     {"phrasings": ["What is the boiling point of {topic} at {n} atmospheres?",
                    "At {n} atm, at what temperature does {topic} boil?",
                    "Tell me the temperature at which {topic} boils under {n} atmospheres."],
@@ -54,6 +63,7 @@ FAMILIES = [
     {"phrasings": ["Does {name} ship to {topic}?", "Can I order from {name} to {topic}?",
                    "Will {name} deliver to {topic}?"],
      "negate": "Why doesn't {name} ship to {topic}?",
+     "qualify": ["Does {name} ship to {topic}, except for furniture?", "Does {name} ship only to {topic}?"],
      "name": ["Amazon", "IKEA", "Zara", "Etsy", "Uniqlo"], "topic": ["Iceland", "Chile", "Egypt", "Vietnam"]},
 ]
 

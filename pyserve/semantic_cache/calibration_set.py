@@ -110,7 +110,7 @@ def _slot_sets(family: dict, rng: random.Random, count: int) -> list[dict[str, s
 
 def family_pairs(families: list[dict], seed: int, per_family: int) -> list[dict]:
     """{a, b, same, kind} pairs: positives (two phrasings, same slots) and negatives (kind:
-    slot, negation or opposite)."""
+    slot, negation, opposite, or qualifier: a phrasing that narrows or widens the question)."""
     rng = random.Random(seed)
     pairs = []
     for fam in families:
@@ -125,6 +125,8 @@ def family_pairs(families: list[dict], seed: int, per_family: int) -> list[dict]
             if "negate" in fam:
                 pairs.append({"a": _fill(a, slots), "b": _fill(fam["negate"], slots), "same": False,
                               "kind": "negation"})
+            for q in fam.get("qualify", []):
+                pairs.append({"a": _fill(a, slots), "b": _fill(q, slots), "same": False, "kind": "qualifier"})
             for x, y in fam.get("opposites", []):
                 text = _fill(a, slots)
                 if x in text:

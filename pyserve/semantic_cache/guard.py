@@ -3,7 +3,9 @@ hardly move when one number, name, negation or word changes. Two questions may s
 only if their guards admit each other:
 
 - the same anchors: numbers in order, names in order (capitalized words, and identifiers such
-  as a.txt, os.path or snake_case), as many negations;
+  as a.txt, os.path or snake_case), as many negations, and as many scope words of each kind
+  (only; except, excluding, ignoring, avoiding; including, both; instead): "..., ignoring blank
+  lines" or "keeps only the duplicates" asks another question than the plain one;
 - their content words (less function words and request framing) not one word apart: a single
   word replaced by another ("weeks" for "days", "minimum" for "maximum", "uninstall" for
   "install") is the mark of another question, which a rephrasing rarely is;
@@ -29,6 +31,16 @@ _NUMBER_WORDS = {"zero", "one", "two", "three", "four", "five", "six", "seven", 
                  "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen",
                  "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety", "hundred",
                  "thousand", "million", "billion", "first", "second", "third", "half", "twice", "double"}
+# Words that narrow, widen or swap what a question is about, by kind: a rephrasing keeps them
+# (perhaps as another word of the same kind), another question adds or drops one.
+_SCOPES = {
+    "only": "only", "solely": "only", "exclusively": "only",
+    "except": "except", "excluding": "except", "exclude": "except", "excludes": "except", "ignoring": "except",
+    "ignore": "except", "ignores": "except", "avoiding": "except", "avoid": "except", "skipping": "except",
+    "skip": "except", "omitting": "except", "omit": "except", "unless": "except", "besides": "except",
+    "including": "include", "include": "include", "includes": "include", "both": "include", "plus": "include",
+    "instead": "instead", "rather": "instead",
+}
 _SENTENCE_END = re.compile(r"[.!?:\n]\s*$")
 _FUNCTION_WORDS = set("""
 a an the and or but if then so of to in on at by for with from into onto about as than that this these those
@@ -39,7 +51,7 @@ please tell show give explain describe let know way ways get using use want need
 """.split())
 
 
-Anchors = tuple[tuple[str, ...], tuple[str, ...], int]  # numbers, names, negations
+Anchors = tuple[tuple[str, ...], tuple[str, ...], int, tuple[str, ...]]  # numbers, names, negations, scopes
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +88,18 @@ def relations(text: str) -> frozenset[tuple[str, str]]:
 
 def anchors(text: str) -> Anchors:
     """The anchors of `text`: its numbers in order (digits as written, or number words), its
-    names in order (capitalized words that do not open a sentence, lowercased), and how many
-    negations it has (n't included). In order within each kind, because the embeddings do not
-    see order ("Celsius to Fahrenheit", "5 minus 3"); not across kinds, which a rephrasing
-    interleaves freely ("Hamlet in 5 sentences", "a 5-sentence summary of Hamlet")."""
-    numbers, names, negations = [], [], 0
+    names in order (capitalized words that do not open a sentence, lowercased), how many
+    negations it has (n't included) and the kinds of its scope words (sorted, with repeats). In
+    order within each kind, because the embeddings do not see order ("Celsius to Fahrenheit",
+    "5 minus 3"); not across kinds, which a rephrasing interleaves freely ("Hamlet in 5
+    sentences", "a 5-sentence summary of Hamlet")."""
+    numbers, names, negations, scopes = [], [], 0, []
     for m in _WORD.finditer(text):
         word = m.group()
         lower = word.lower().replace("’", "'")
-        if word[0].isdigit():
+        if lower in _SCOPES:
+            scopes.append(_SCOPES[lower])
+        elif word[0].isdigit():
             numbers.append(word.replace(",", ""))
         elif lower in _NUMBER_WORDS:
             numbers.append(lower)
@@ -94,7 +109,7 @@ def anchors(text: str) -> Anchors:
             names.append(word)  # as written: a.txt and A.txt are two files
         elif word[0].isupper() and not _opens_sentence(text, m.start()) and lower != "i":
             names.append(lower)
-    return tuple(numbers), tuple(names), negations
+    return tuple(numbers), tuple(names), negations, tuple(sorted(scopes))
 
 
 def content_words(text: str) -> list[str]:

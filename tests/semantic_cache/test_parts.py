@@ -13,13 +13,14 @@ from pyserve.semantic_cache.store import SemanticStore
 from pyserve.semantic_cache.threshold import binomial_upper_bound, calibrate
 
 
-def test_anchors_are_numbers_names_in_order_and_negations():
-    assert anchors("What is 12 times 4?") == (("12", "4"), (), 0)
-    assert anchors("Why can't I see Alan Turing's notes? Never mind.") == ((), ("alan", "turing's"), 2)
+def test_anchors_are_numbers_names_in_order_negations_and_scope_words():
+    assert anchors("What is 12 times 4?") == (("12", "4"), (), 0, ())
+    assert anchors("Why can't I see Alan Turing's notes? Never mind.") == ((), ("alan", "turing's"), 2, ())
+    assert anchors("Count only the words, ignoring numbers and excluding dates.")[3] == ("except", "except", "only")
     assert anchors("Convert 15 degrees Celsius to Fahrenheit.") != anchors("Convert 15 degrees Fahrenheit to Celsius.")
     assert anchors("Summarize Hamlet in 5 sentences.") == anchors("Give me a 5-sentence summary of Hamlet.")
     assert content_words("Show me how to sort the lists in Python, please") == ["sort", "list", "python"]
-    assert anchors("Rename src/main.py to app_main.py") == ((), ("src/main.py", "app_main.py"), 0)
+    assert anchors("Rename src/main.py to app_main.py") == ((), ("src/main.py", "app_main.py"), 0, ())
 
 
 @pytest.mark.parametrize("a, b, admitted", [
@@ -35,6 +36,10 @@ def test_anchors_are_numbers_names_in_order_and_negations():
     ("Copy the file a.txt to b.txt", "Copy the file b.txt to a.txt", False),  # identifiers are names, in order
     ("How do I use os.path.join?", "How do I use os.path.split?", False),
     ("In Python, how can I sort a list?", "How do I sort a list in Python?", True),  # the words reordered
+    ("How do I count the lines in a file?", "How do I count the lines in a file, ignoring blank lines?", False),
+    ("How do I remove the duplicates from a list?", "How do I keep only the duplicates in a list?", False),
+    ("What is the population of Lisbon?", "What is the population of Lisbon, including the suburbs?", False),
+    ("Does it ship only to Chile?", "Does it only ship to Chile?", True),  # the same scope word, moved
 ])
 def test_a_guard_admits_rephrasings_and_refuses_one_changed_anchor_or_word(a, b, admitted):
     assert guard_of(a).admits(guard_of(b)) is admitted and guard_of(b).admits(guard_of(a)) is admitted
