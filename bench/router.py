@@ -1,10 +1,10 @@
-"""`pyserve router` cache-aware vs round-robin over 2 local replicas (loopback, the embedded
+"""`pyserve router` cache-aware vs round-robin over --replicas local replicas (2; loopback, the embedded
 model, each replica on its own process), on multi-turn chats that share system prompts.
 
 Each run: --systems system prompts of --system-words random words (text the model never saw),
 --conversations chats each opening with one of them, --turns turns each (a 12-word user message,
 a 16-token answer appended to the history), --concurrency chats at a time. Both routers run over
-the same two replicas; the policies take turns run by run, each run with texts of its own.
+the same replicas; the policies take turns run by run, each run with texts of its own.
 --kv-blocks sets each replica's KV pool: "tight" holds about half of the run's system prompts
 (what data parallelism is for: together the replicas hold what one cannot), "roomy" all of them.
 
@@ -115,18 +115,19 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, nargs="+", default=[300, 2000],
                     help="each replica's KV pool (16-token blocks), one setting after another")
     ap.add_argument("--balance-abs-threshold", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=2, help="local replicas (more than the cores: TTFT means little)")
     args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # two replicas on the machine's cores: one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"  # replicas on the machine's cores: one thread each
     head = harness.header(__file__)
     harness.print_header(head)
     report = {**head, "runs": args.runs, "workload": {k: getattr(args, k) for k in (
-        "systems", "system_words", "conversations", "turns", "concurrency", "balance_abs_threshold")}, "settings": []}
+        "systems", "system_words", "conversations", "turns", "concurrency", "balance_abs_threshold", "replicas")}, "settings": []}
     policies = ("cache_aware", "round_robin")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for kv_blocks in args.kv_blocks:
             flags = ("--embedding-model", "none", "--num-kv-blocks", str(kv_blocks))
-            procs = [start_server(None, *flags, workdir=work) for _ in range(2)]
+            procs = [start_server(None, *flags, workdir=work) for _ in range(args.replicas)]
             urls = [url for _, url in procs]
             routers = {p: start_router(urls, "--policy", p, "--balance-abs-threshold",
                                        str(args.balance_abs_threshold), workdir=work) for p in policies}
