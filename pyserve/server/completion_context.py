@@ -65,7 +65,8 @@ class CompletionContext:
     def _choice_calls(self, idx: int) -> ChoiceCalls:
         calls = self._calls.get(idx)
         if calls is None:
-            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy, self.tools.named)
+            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy, self.tools.named,
+                                                        self.tools.forced)
         return calls
 
     def release_lora(self) -> None:

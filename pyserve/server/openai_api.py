@@ -204,7 +204,7 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
             raise BadRequest(f"{constraint_field}: the tools already constrain the output (tool_choice "
                              "required or a named function, or a strict function under auto)",
                              param=constraint_field)
-        constraint, constraint_field = tools.constraint, "tools"
+        constraint, constraint_field = tools.constraint, tools.field
     prompt_logprobs = logprobs if echo is not None else None
     engine_max = 1 if max_tokens == 0 else max_tokens  # echo of the prompt alone: one token, not returned
     params = [_params(req, len(p), engine_max, logprobs, engine.max_model_len, engine.vocab_size, constraint,

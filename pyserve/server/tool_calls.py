@@ -24,6 +24,12 @@ class ToolPlan:
     format: ToolFormat | None  # set when calls are read out of the output
     legacy: bool = False  # answer in the shape of `functions` / `function_call`
     named: bool = False  # one function forced by name: its call ends with finish_reason "stop", as OpenAI's
+    forced: bool = False  # "required" or named: the whole output is calls, never content
+
+    @property
+    def field(self) -> str:
+        """The request field the functions came in."""
+        return "functions" if self.legacy else "tools"
 
     def parser(self) -> ToolCallParser | None:
         return None if self.format is None else self.format.parser()
@@ -45,8 +51,14 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
     if len(set(names)) != len(names):
         raise BadRequest(f"{field_name}: function names must be unique", param=field_name)
     for f in functions:
+        kind = (f.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise BadRequest(f"{field_name}: {f.name}: parameters: a function takes an object schema "
+                             f"(type: object), not type {kind!r}", param=field_name)
         try:
             StructuredOutputsParams(json=f.parameters or {"type": "object"})  # OpenAI's schema limits
+            if f.strict:
+                closed_objects(f.parameters or {"type": "object"})
         except GrammarError as e:
             raise BadRequest(f"{field_name}: {f.name}: parameters: {e}", param=field_name) from e
     tools = template_tools(functions)
@@ -62,6 +74,10 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
         grammar = fmt.grammar([_forced(f) for f in functions], req.parallel_tool_calls and not legacy, free_text=True)
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
+    for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
+        if getattr(req, stop_field):
+            raise BadRequest(f"{stop_field}: not with a forced call ({choice_name} required or a named function)",
+                             param=stop_field)
     if isinstance(choice, (NamedToolChoice, NamedFunction)):
         name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
         if name not in names:
@@ -72,7 +88,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         forced, parallel = functions, req.parallel_tool_calls and not legacy
     grammar = fmt.grammar([_forced(f) for f in forced], parallel)
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
-                    named=isinstance(choice, (NamedToolChoice, NamedFunction)))
+                    named=isinstance(choice, (NamedToolChoice, NamedFunction)), forced=True)
 
 
 def template_tools(functions: list[FunctionDef]) -> list[dict[str, Any]]:
@@ -97,6 +113,7 @@ class ChoiceCalls:
     parser: ToolCallParser
     legacy: bool
     named: bool = False  # see ToolPlan.named
+    forced: bool = False  # see ToolPlan.forced: a call cut before its name leaves no content behind
     text: str = ""
     ids: list[str] = field(default_factory=list)
     has_calls: bool = False
@@ -109,7 +126,10 @@ class ChoiceCalls:
     def message(self, text: str) -> dict[str, Any]:
         """The final message of a complete output."""
         content, calls = self.parser.parse(text)
-        msg: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+        if self.forced:
+            content = ""
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": content if content.strip() or not (calls or self.forced) else None}
         if calls and self.legacy:
             msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
         elif calls:
@@ -121,7 +141,7 @@ class ChoiceCalls:
         self.text += text_delta
         pd: ParseDelta = self.parser.feed(self.text, final)
         out: dict[str, Any] = {}
-        if pd.content:
+        if pd.content and not self.forced:
             out["content"] = pd.content
         if pd.calls and self.legacy:
             first = [c for c in pd.calls if c.index == 0]

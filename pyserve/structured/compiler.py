@@ -121,7 +121,8 @@ def _what_is_wrong(message: str) -> str:
     """What llguidance says is wrong, without the rendering of the grammar (numbered source
     lines, <state> / <grammar> dumps) that follows it."""
     lines = []
-    for line in message.strip().splitlines():
+    message = _POSITION.sub("", message.strip())  # a place in the grammar text, which the client never wrote
+    for line in message.splitlines():
         if _SOURCE_LINE.match(line) or line.startswith("<"):
             break
         if line.strip():
@@ -133,3 +134,4 @@ def _what_is_wrong(message: str) -> str:
 
 
 _SOURCE_LINE = re.compile(r"^\s*\d+ \|")
+_POSITION = re.compile(r"^at \d+\(\d+\): ")

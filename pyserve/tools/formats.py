@@ -43,8 +43,10 @@ class ToolFormat:
         writes a call's opening, then, where the format allows text before calls, calls."""
         rules = []
         for i, f in enumerate(functions):
-            schema = {"type": "object", "properties": {"name": {"const": f["name"]},
-                                                       self.args_key: f.get("parameters") or {"type": "object"}},
+            # The parameters sit under the call's args key: their local references ($defs, as
+            # pydantic writes them) must point there.
+            parameters = rebased(f.get("parameters") or {"type": "object"}, f"/properties/{self.args_key}")
+            schema = {"type": "object", "properties": {"name": {"const": f["name"]}, self.args_key: parameters},
                       "required": ["name", self.args_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
             rules.append(f"fn{i}: %json {json.dumps(schema)}")
         one = " | ".join(f"fn{i}" for i in range(len(functions)))
@@ -67,6 +69,20 @@ class ToolFormat:
         else:
             lines.append(f"start: {opening} call_rest {more}")
         return "\n".join([*lines, *rules])
+
+
+def rebased(schema: Any, pointer: str) -> Any:
+    """A copy of `schema` whose local references ("#", "#/...") point into it once it is placed
+    at JSON pointer `pointer` of a larger document."""
+    if isinstance(schema, list):
+        return [rebased(s, pointer) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: rebased(v, pointer) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + pointer + ref[1:]
+    return out
 
 
 FORMATS = {

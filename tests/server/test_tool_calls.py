@@ -152,6 +152,52 @@ def test_auto_with_a_strict_function_is_held_by_a_grammar_that_leaves_text_alone
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
+def test_pydantic_tools_with_definitions_are_called_by_their_schema(client):
+    """pydantic writes an Enum or a nested model as $defs with $ref pointers; `pydantic_function_tool`
+    sends strict: true. The calls validate against the schema as sent."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    class Unit(str, Enum):
+        celsius = "celsius"
+        fahrenheit = "fahrenheit"
+
+    class Place(BaseModel):
+        city: str
+        country: str
+
+    class GetWeather(BaseModel):
+        place: Place
+        unit: Unit
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    schema = tool["function"]["parameters"]
+    assert "$defs" in schema and tool["function"]["strict"] is True
+    for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=[tool], tool_choice=choice, max_tokens=200,
+                                           temperature=0)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].message.content is None
+        for call in calls:
+            assert call.function.name == "GetWeather"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_forced_call_cut_before_its_name_leaves_no_markup_in_the_content(client):
+    for max_tokens in (2, 5):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=max_tokens, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        _, _, finish = _streamed(client, model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                 max_tokens=max_tokens, temperature=0)
+        content = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens, temperature=0,
+            stream=True) if c.choices)
+        assert finish == "length" and content == ""
+
+
 def test_multi_turn_with_tool_results(client):
     first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, max_tokens=120, seed=1)
@@ -201,6 +247,14 @@ def test_legacy_functions(client):
     ({"tools": TOOLS, "functions": [TOOLS[0]["function"]]}, "functions"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"m": {"type": "object", "additionalProperties": True}}}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}],
+      "function_call": {"name": "f"}}, "functions"),
+    ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "stop_token_ids": [5]},
+     "stop_token_ids"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(server, body, param):
     r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body}, timeout=10)

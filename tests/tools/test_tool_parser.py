@@ -126,3 +126,28 @@ def test_free_text_grammars_take_text_or_valid_calls(fmt):
         assert not accepts(False, "an opening <tool_call> that is no call")
     else:
         assert not accepts(False, ' {"city": "Oslo"}')  # JSON that opens like a call must be one
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA])
+def test_local_references_in_parameters_point_into_the_call(fmt):
+    """pydantic writes enums and nested models as $defs and $ref "#/$defs/..."; placed under the
+    call's arguments, the references must still resolve (and "#", the parameters themselves)."""
+    tok = Tokenizer.from_dir(TARGET_DIR)
+    lltok = llguidance.LLTokenizer(tok.inner.to_str(), n_vocab=4096, eos_token=[0, 4])
+    params = {"type": "object", "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
+              "properties": {"unit": {"$ref": "#/$defs/Unit"},
+                             "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["unit", "next"], "additionalProperties": False}
+    key = fmt.args_key
+
+    def accepts(args: str) -> bool:
+        text = f'{{"name": "f", "{key}": {args}}}'
+        text = f"<tool_call>\n{text}\n</tool_call>" if fmt.open else text
+        m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", fmt.grammar([{"name": "f", "parameters": params}],
+                                                                                    parallel=False)), log_level=0)
+        ids = lltok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    assert accepts('{"unit": "celsius", "next": {"unit": "fahrenheit", "next": null}}')
+    assert not accepts('{"unit": "kelvin", "next": null}')
+    assert not accepts('{"unit": "celsius", "next": {"unit": "celsius"}}')  # the nested one is the whole schema
