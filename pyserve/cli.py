@@ -241,13 +241,21 @@ def seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags: `serve --data-parallel 2` would reach the replicas, which would each
+    start replicas of their own (LocalReplicas strips the flags by their full names)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pyserve.options import add_flags
     from pyserve.replicas.settings import RouterSettings
     from pyserve.server.settings import ServerSettings
 
-    parser = argparse.ArgumentParser(prog="pyserve", description="LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="pyserve", description="LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=DEFAULTS_SHOWN)
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")

@@ -34,6 +34,9 @@ def test_batch_needs_its_files_and_serve_its_address():
     assert (args.host, args.port, args.lora_modules) == ("127.0.0.1", 9000, [("tests", str(ADAPTER_DIRS["tests"]))])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["batch", "--input", "in.jsonl"])
+    for abbreviated in (["serve", "--data-parallel", "2"], ["router", "--replica", "http://a", "--pol", "round_robin"]):
+        with pytest.raises(SystemExit):  # flags only by their full names (a replica would start replicas)
+            build_parser().parse_args(abbreviated)
 
 
 def test_bad_addresses_sizes_and_combinations_are_refused_before_anything_loads(tmp_path, capsys):
