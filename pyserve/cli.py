@@ -161,7 +161,8 @@ def _serve_data_parallel(args: argparse.Namespace) -> None:
     from pyserve.replicas.settings import RouterSettings
 
     replicas = LocalReplicas(args.argv, args.data_parallel_size)
-    settings = RouterSettings(replica=replicas.urls, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    settings = RouterSettings(replica=replicas.urls, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                              public_metrics=args.public_metrics, allowed_origins=args.allowed_origins)
     replicas.start()
     try:
         _run_router(settings, args)

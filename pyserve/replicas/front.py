@@ -3,18 +3,21 @@ passed through as they arrive), `/v1/models`, `/metrics` and `/v1/stats` gathere
 healthy replica, `/health` up while one replica is, and the server's playground and dashboard
 pages (their requests come back to the router).
 
-A request is retried on another replica only when it did not run on the first: the connection
-was refused or timed out, or the replica refused it (429: its queue is full; 503: it is loading,
-draining or dead). Once sent and accepted, it may have run, so a failure after that is the
-client's to see (502, or 504 when the replica stopped answering; a stream ends with an error event).
-Every replica refusing a request: the client gets the last refusal.
+A request naming a model goes only to the replicas that list it (when one is known to). It is
+retried on another replica only when it did not run on the first: the connection was refused or
+timed out, or the replica refused it (429: its queue is full; 503: it is loading, draining or
+dead; 404 model_not_found). Once sent and accepted, it may have run, so a failure after that is
+the client's to see (502, or 504 when the replica stopped answering; a stream ends with an error
+event, never inside a half-sent one). Every replica refusing a request: the client gets the last
+refusal. A client that leaves while its answer is awaited closes the request to the replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -33,15 +36,16 @@ from pyserve.replicas.stats_merge import merge_stats
 from pyserve.replicas.settings import RouterSettings
 from pyserve.server.app import version_info
 from pyserve.server.body import json_response
-from pyserve.server.errors import EXCEPTION_HANDLERS, error_body
+from pyserve.server.errors import EXCEPTION_HANDLERS, Unauthorized, Unavailable, error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, cors
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 
 log = structlog.get_logger("pyserve.router")
 
 REPLICA_HEADER = "x-pyserve-replica"
-REFUSALS = (429, 503)  # a replica's answers for requests it did not run: another one may
+REFUSALS = (429, 503, 404)  # answers for requests a replica did not run (404: see _refused)
+T = TypeVar("T")
 FORWARDED_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization", "host", "content-length", "date", "server"}
@@ -54,7 +58,7 @@ class RouterMetrics:
                                                   "Requests sent to a replica, by the reason it was chosen."))
         self.retries = self.registry.add(Counter("pyserve_router:retries_total",
                                                  "Requests sent again elsewhere: the replica was unreachable, "
-                                                 "or refused them (429, 503)."))
+                                                 "or refused them (429, 503, 404 model_not_found)."))
         self.failures = self.registry.add(Counter("pyserve_router:failures_total",
                                                   "Requests that failed after reaching a replica (502, 504 or a "
                                                   "stream cut)."))
@@ -72,9 +76,11 @@ class RouterMetrics:
 
 def _forward_headers(request: Request, pool: ReplicaPool) -> dict[str, str]:
     """The client's headers for a replica. A router with a key of its own has checked the
-    client's: the replica gets the router's key for replicas instead."""
+    client's: the replica gets the router's key for replicas instead. A router without one is
+    open: a client's own key goes on, and a client without one is sent with the router's key
+    for replicas, if it has one (as the lists it gathers are)."""
     headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
-    if pool.settings.api_key is not None:
+    if pool.settings.api_key is not None or "authorization" not in headers:
         headers.pop("authorization", None)
         headers.update(pool.auth)
     return headers
@@ -105,7 +111,8 @@ async def _forward(request: Request) -> Response:
     except orjson.JSONDecodeError:
         body = None  # the replica answers it with its own error
     text = routing_text(request.url.path, body)
-    tried: list[int] = []
+    model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
+    tried: list[int] = pool.not_serving(model)
     refusal: Response | None = None
     while True:
         decision = pool.router.route(text, tried)
@@ -121,36 +128,85 @@ async def _forward(request: Request) -> Response:
             request.method, replica.url + request.url.path, params=request.url.query or None, content=raw,
             headers=_forward_headers(request, pool))
         flight = pool.track(replica)
-        upstream = None
         try:
-            with flight.waiting():
-                upstream = await pool.client.send(upstream_request, stream=True)
-                if upstream.status_code in REFUSALS:
-                    await upstream.aread()
+            upstream = await _unless_client_leaves(request, _ask(pool, upstream_request, flight))
         except BaseException as e:
-            if upstream is not None:
-                await upstream.aclose()
             _done(pool, replica, flight)
             if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                 pool.mark_down(replica, e)
                 metrics.retries.inc(reason="unreachable")
                 tried.append(index)
                 continue
+            if isinstance(e, _ClientGone):
+                return Response(status_code=499)  # nobody reads it; the replica saw the request closed
             if not isinstance(e, (httpx.HTTPError, ReplicaLost)):
-                raise  # cancelled: the client is gone
+                raise  # cancelled: the server is stopping
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_request_failed", replica=replica.url, error=repr(e))
             return Response(_failure(replica, e, pool), 504 if isinstance(e, ReplicaLost) else 502,
                             media_type="application/json")
-        if upstream.status_code in REFUSALS:
+        if _refused(upstream):
             _done(pool, replica, flight)
             await upstream.aclose()
+            if upstream.status_code == 404 and model is not None:
+                pool.forget_model(replica, model)
             metrics.retries.inc(reason="refused")
             tried.append(index)
             refusal = Response(upstream.content, upstream.status_code, headers=_response_headers(upstream, replica))
             continue
         metrics.requests.inc(replica=replica.url, reason=reason)
         return _pass_through(upstream, replica, flight, pool, metrics)
+
+
+async def _ask(pool: ReplicaPool, upstream_request: httpx.Request, flight: InFlight) -> httpx.Response:
+    """The replica's answer, its body read when it refused the request (a small JSON error)."""
+    with flight.waiting():
+        upstream = await pool.client.send(upstream_request, stream=True)
+        if upstream.status_code in REFUSALS:
+            try:
+                await upstream.aread()
+            except BaseException:
+                await upstream.aclose()
+                raise
+        return upstream
+
+
+def _refused(upstream: httpx.Response) -> bool:
+    """429 (queue full), 503 (loading, draining, dead), or 404 naming the model: the request did not
+    run there, another replica may take it."""
+    if upstream.status_code != 404:
+        return upstream.status_code in REFUSALS
+    try:
+        return orjson.loads(upstream.content)["error"]["code"] == "model_not_found"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the router waited for a replica's answer."""
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (closing the upstream
+    request, so the replica aborts it too) and _ClientGone raised. Starlette watches for a
+    disconnect only while a response streams; a non-streamed answer can take minutes."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _done(pool: ReplicaPool, replica: Replica, flight: InFlight) -> None:
@@ -179,6 +235,7 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
 
     async def body():
         chunks = upstream.aiter_raw()
+        partial = b""  # SSE: an event not yet complete, held back so that an error never lands inside one
         try:
             while True:
                 with flight.waiting():
@@ -186,7 +243,13 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
                         chunk = await anext(chunks)
                     except StopAsyncIteration:
                         break
+                if sse:
+                    chunk, partial = _whole_events(partial + chunk)
+                    if not chunk:
+                        continue
                 yield chunk
+            if partial:
+                yield partial
         except (httpx.HTTPError, ReplicaLost) as e:
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_stream_cut", replica=replica.url, error=repr(e))
@@ -200,13 +263,25 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
     return _PassThrough(body(), close, status_code=upstream.status_code, headers=_response_headers(upstream, replica))
 
 
-async def _gather(pool: ReplicaPool, path: str, request: Request) -> dict[str, httpx.Response]:
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` split after its last complete SSE event (a blank line ends one): (events, the rest)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    return data[:end], data[end:]
+
+
+async def _gather(pool: ReplicaPool, path: str, request: Request, need_one: bool = True) -> dict[str, httpx.Response]:
     """GET `path` from every healthy replica (with the router's key for replicas, or, for a router
-    without a key of its own, the client's Authorization); those that fail are left out."""
+    without a key of its own, the client's Authorization); those that fail are left out. 503
+    when no replica is healthy (unless not `need_one`), 401 when every one refused the key."""
     passed = pool.settings.api_key is None and "authorization" in request.headers
     auth = {"Authorization": request.headers["authorization"]} if passed else {}
     healthy = pool.healthy()
+    if not healthy and need_one:
+        raise Unavailable("no replica is healthy")
     answers = await asyncio.gather(*(pool.get(r, path, auth) for r in healthy), return_exceptions=True)
+    if answers and all(isinstance(a, httpx.Response) and a.status_code == 401 for a in answers):
+        raise Unauthorized("invalid or missing API key (every replica refused it)")
     return {r.url: a for r, a in zip(healthy, answers) if isinstance(a, httpx.Response) and a.status_code == 200}
 
 
@@ -233,7 +308,8 @@ async def retrieve_model(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    texts = {url: a.text for url, a in (await _gather(request.app.state.pool, "/metrics", request)).items()}
+    gathered = await _gather(request.app.state.pool, "/metrics", request, need_one=False)
+    texts = {url: a.text for url, a in gathered.items()}
     own = request.app.state.metrics.registry.render()
     return PlainTextResponse(own + merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
@@ -276,8 +352,11 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
                 await pool.stop()
 
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
+    if settings.allowed_origins:
+        middleware.insert(0, cors(settings.allowed_origins))
     if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS | {"/health"}))
+        public = PUBLIC_PATHS | {"/health"} | ({"/metrics", "/v1/stats"} if settings.public_metrics else set())
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=public))
     routes = [Route(path, _forward, methods=["POST"]) for path in FORWARDED_POSTS]
     routes += [Route("/v1/models", list_models, methods=["GET"]),
                Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),

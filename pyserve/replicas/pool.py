@@ -35,7 +35,8 @@ class Replica:
     index: int
     url: str
     verified: bool = False
-    refused: str | None = None  # why it can never be used (not OpenAI-compatible)
+    refused: str | None = None  # why it can never be used (not OpenAI-compatible when the router started)
+    models: frozenset[str] | None = None  # the model ids its /v1/models lists (None: not known)
     down_since: float | None = None  # loop time of the first failed check in a row
     in_flight: set[InFlight] = field(default_factory=set)
 
@@ -50,7 +51,7 @@ class ReplicaPool:
             balance_rel_threshold=settings.balance_rel_threshold, max_tree_bytes=settings.max_tree_bytes)
         for r in self.replicas:
             self.router.set_healthy(r.index, False)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the health checks, once started
         self.auth = ({"Authorization": f"Bearer {settings.key_for_replicas}"}  # the router's key for replicas
                      if settings.key_for_replicas else {})
 
@@ -70,6 +71,18 @@ class ReplicaPool:
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if self.router.is_healthy(r.index)]
+
+    def not_serving(self, model: str | None) -> list[int]:
+        """The replicas to leave out for a request naming `model`: those known not to list it,
+        when some replica is known to (else none: each replica answers for itself)."""
+        if model is None or not any(r.models is not None and model in r.models for r in self.replicas):
+            return []
+        return [r.index for r in self.replicas if r.models is None or model not in r.models]
+
+    def forget_model(self, replica: Replica, model: str) -> None:
+        """`replica` answered that it does not serve `model` (an adapter unloaded since its list was read)."""
+        if replica.models is not None:
+            replica.models = replica.models - {model}
 
     def mark_down(self, replica: Replica, error: BaseException) -> None:
         if self.router.is_healthy(replica.index):
@@ -106,16 +119,22 @@ class ReplicaPool:
 
     async def _check(self, replica: Replica) -> None:
         try:
+            known = replica.verified
             up = await self._is_up(replica)
+            if up and known and not self.router.is_healthy(replica.index):
+                await self._verify(replica)  # back up (perhaps restarted): its models read again
         except NotAReplica as e:
-            replica.refused = str(e)
-            log.error("replica_refused", replica=replica.url, reason=str(e))
+            if self._task is None:  # at start: the router does not start
+                replica.refused = str(e)
+                log.error("replica_refused", replica=replica.url, reason=str(e))
+            else:  # later: something else answers on its port for now (a proxy's error page)
+                log.warning("replica_not_a_model_server", replica=replica.url, reason=str(e))
             up = False
         except httpx.HTTPError as e:
             self.mark_down(replica, e)
             return
         if up and not self.router.is_healthy(replica.index):
-            log.info("replica_up", replica=replica.url)
+            log.info("replica_up", replica=replica.url, models=sorted(replica.models or ()))
         self._set_health(replica, up)
 
     async def _is_up(self, replica: Replica) -> bool:
@@ -129,20 +148,26 @@ class ReplicaPool:
         return True
 
     async def _verify(self, replica: Replica) -> bool:
-        """True once its /v1/models answers a model list; False while it answers 5xx; NotAReplica
-        for any other answer."""
+        """True once its /v1/models answers a model list (its ids kept), or, to a router without a
+        key for replicas, an OpenAI-shaped 401 (a model server whose clients bring their key);
+        False while it answers 5xx; NotAReplica for any other answer."""
         r = await self.get(replica, "/v1/models")
         if r.status_code >= 500:
             return False
         what = f"GET /v1/models answered {r.status_code} {r.headers.get('content-type', '')}".strip()
-        if r.status_code == 401:
-            raise NotAReplica(f"{what}: it needs an API key (give --replica-api-key)")
         try:
             body = r.json()
         except ValueError:
             raise NotAReplica(f"{what} that is not JSON: not a pyserve or OpenAI-compatible server") from None
+        if r.status_code == 401:
+            if self.settings.key_for_replicas or not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+                raise NotAReplica(f"{what}: it refuses the router's key (give the replicas' --replica-api-key)"
+                                  if self.settings.key_for_replicas else f"{what}: not an OpenAI error")
+            replica.verified, replica.models = True, None
+            return True
         if r.status_code != 200 or not isinstance(body, dict) or body.get("object") != "list" \
                 or not isinstance(body.get("data"), list):
             raise NotAReplica(f"{what} without an OpenAI model list: not a pyserve or OpenAI-compatible server")
         replica.verified = True
+        replica.models = frozenset(c["id"] for c in body["data"] if isinstance(c, dict) and isinstance(c.get("id"), str))
         return True

@@ -19,6 +19,10 @@ class RouterSettings:
     balance_rel_threshold: float = option(1.5, "...and this multiple of its load; then the idlest is chosen")
     max_tree_bytes: int = option(64 << 20, "bytes of routed text remembered per replica (oldest go first)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' from clients", type=str)
+    public_metrics: bool = option(False, "serve /metrics and /v1/stats without the API key")
+    allowed_origins: list[str] = option(
+        help="ORIGIN whose browser pages may call the API: CORS, preflights answered before the API key is "
+        "checked (repeatable; none by default)", default_factory=list, action="append", type=str)
     replica_api_key: str | None = option(
         None, "the key the router presents to replicas (default: --api-key); a router without --api-key passes "
         "clients' own Authorization headers through instead", type=str)

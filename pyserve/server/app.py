@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -24,7 +23,7 @@ from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
 from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, error_body
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate, cors
 from pyserve.server.models import ModelSpec
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
@@ -133,8 +132,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                              path_limits={"/v1/files": upload_limit})]
     if settings.allowed_origins:  # outermost: a preflight carries no API key
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                                        allow_headers=["*"]))
+        middleware.insert(0, cors(settings.allowed_origins))
     internal_key = secrets.token_hex(16)  # what the batch runner's in-process requests present
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key, public_paths=frozenset(public),

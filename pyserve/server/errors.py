@@ -54,7 +54,7 @@ def error_body(status: int, type_: str, message: str, param: str | None = None, 
 
 
 def error_response(err: APIError) -> Response:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(err.status)
     return Response(error_body(err.status, err.type, err.message, err.param, err.code), err.status,
                     media_type="application/json", headers=headers)
 

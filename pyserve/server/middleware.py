@@ -1,5 +1,5 @@
-"""Pure ASGI middleware: API-key auth, the request body size limit, and the gate that answers 503
-while the model loads.
+"""Pure ASGI middleware: API-key auth, the request body size limit, the gate that answers 503
+while the model loads, and the CORS settings the server and the router share.
 
 Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
 compare keys in constant time. The `Bearer` scheme is matched case-insensitively (RFC 9110: auth
@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+
 from pyserve.server.errors import error_body
+
+
+def cors(origins: list[str]) -> Middleware:
+    """Browser pages from `origins` may call the API; to be outermost (a preflight carries no key)."""
+    return Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
 
 
 async def _send_error(send, status: int, type_: str, message: str, extra_headers=()) -> None:

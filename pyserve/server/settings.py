@@ -13,7 +13,8 @@ class ServerSettings:
 
     served_model_name: str
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY'", type=str)
-    max_waiting: int | None = option(None, "429 once this many sequences wait", type=int)
+    max_waiting: int | None = option(None, "429 when a request would make more than this many sequences wait",
+                                     type=int)
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
     public_metrics: bool = option(False, "serve /metrics without the API key")
     allowed_origins: list[str] = option(
@@ -66,8 +67,8 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be at least 0, got {self.max_waiting}")
+        if self.max_waiting is not None and self.max_waiting < 1:  # the request asking counts: 0 would refuse all
+            raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
         for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -152,8 +152,8 @@ def test_a_router_with_its_own_key_presents_the_replicas_key_upstream(model_dirs
                              workdir=model_dirs["llama"].parent)
     router_proc = None
     try:
-        router_proc, base = start_router([url], "--api-key", "ck", "--replica-api-key", "rk",
-                                         workdir=model_dirs["llama"].parent)
+        router_proc, base = start_router([url], "--api-key", "ck", "--replica-api-key", "rk", "--public-metrics",
+                                         "--allowed-origins", "https://app.example", workdir=model_dirs["llama"].parent)
         client = {"Authorization": "Bearer ck"}
         r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers=client,
                        timeout=60)
@@ -162,8 +162,21 @@ def test_a_router_with_its_own_key_presents_the_replicas_key_upstream(model_dirs
         assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"},
                           headers={"Authorization": "Bearer rk"}).status_code == 401  # the router's own key
         assert httpx.get(base + "/v1/stats", headers=client).json()["requests"][MODEL][""] == 1
-        assert httpx.get(base + "/v1/stats").status_code == 401
+        assert httpx.get(base + "/v1/stats").json()["requests"][MODEL][""] == 1  # --public-metrics
+        assert httpx.get(base + "/v1/models").status_code == 401
+        preflight = httpx.options(base + "/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://app.example"
         assert httpx.get(base + "/dashboard").status_code == 200  # the page asks for the key itself
+        # A router without a key of its own is open: its key for replicas goes with a keyless
+        # client's requests as with the lists it gathers; a client's own wrong key is refused.
+        stop_server(router_proc)
+        router_proc, base = start_router([url], "--replica-api-key", "rk", workdir=model_dirs["llama"].parent)
+        assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          timeout=60).status_code == 200
+        assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == MODEL
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     finally:
         if router_proc is not None:
             stop_server(router_proc)
@@ -192,10 +205,13 @@ def test_the_routers_own_errors_are_openai_json(router):
     assert "POST" in r.headers["allow"]
 
 
-class _QueueFull(http.server.BaseHTTPRequestHandler):
-    """An OpenAI-compatible server whose queue is always full: every POST gets 429."""
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server listing `models` whose POSTs `post` answers."""
 
-    def _answer(self, status: int, body: dict, headers=()):
+    models: tuple[str, ...] = (MODEL,)
+    protocol_version = "HTTP/1.1"
+
+    def answer(self, status: int, body: dict, headers=()):
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -207,22 +223,57 @@ class _QueueFull(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/v1/models":
-            return self._answer(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-        self._answer(200, {"status": "ok"})
+            return self.answer(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+        self.answer(200, {"status": "ok"})
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        self._answer(429, {"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
-                                     "code": None}}, [("Retry-After", "7")])
+        self.post()
+
+    def post(self):
+        raise NotImplementedError
 
     def log_message(self, *args):
         pass
 
 
-def test_a_refused_request_is_sent_to_another_replica(replicas, model_dirs):
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QueueFull)
+def fake(post, models=(MODEL,), port: int = 0) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = type("Handler", (_Fake,), {"post": post, "models": tuple(models)})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    full, live = f"http://127.0.0.1:{httpd.server_address[1]}", replicas[1][1]
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def _queue_full(h: _Fake):
+    h.answer(429, {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": None}},
+             [("Retry-After", "7")])
+
+
+def _no_such_model(h: _Fake):
+    h.answer(404, {"error": {"message": "no such model", "type": "not_found_error", "param": "model",
+                             "code": "model_not_found"}})
+
+
+def _answers_as_other(h: _Fake):
+    h.answer(200, {"object": "chat.completion", "model": "other", "choices": []})
+
+
+def _cut_mid_event(h: _Fake):
+    """A stream whose connection drops inside its second event (the chunked body never ends)."""
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Transfer-Encoding", "chunked")
+    h.end_headers()
+    for piece in (b'data: {"id": "x", "choices": []}\n\n', b'data: {"id": "x", "object": "chat.compl'):
+        h.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        h.wfile.flush()
+        time.sleep(0.05)
+    h.close_connection = True
+
+
+def test_a_refused_request_is_sent_to_another_replica(replicas, model_dirs):
+    httpd, full = fake(_queue_full)
+    live = replicas[1][1]
     procs = []
     try:
         procs.append(start_router([full, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
@@ -242,6 +293,91 @@ def test_a_refused_request_is_sent_to_another_replica(replicas, model_dirs):
         for proc, _ in procs:
             stop_server(proc)
         httpd.shutdown()
+
+
+def test_a_request_goes_to_the_replicas_serving_its_model(replicas, model_dirs):
+    """One replica serves `other` only, the live one `tiny`: each request goes where its model is
+    listed; a replica answering model_not_found for a model it listed is retried elsewhere."""
+    other, other_url = fake(_answers_as_other, models=["other"])
+    stale, stale_url = fake(_no_such_model, models=[MODEL])
+    live = replicas[1][1]
+    procs = []
+    try:
+        procs.append(start_router([other_url, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
+        base = procs[-1][1]
+        for i in range(4):
+            r = chat(base, [{"role": "user", "content": f"q{i}"}])
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
+            r = httpx.post(base + "/v1/chat/completions", json={"model": "other", "messages": []}, timeout=10)
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == other_url and r.json()["model"] == "other"
+        series = parse_metrics(httpx.get(base + "/metrics").text)
+        assert sum(v for k, v in series.items() if k.startswith("pyserve_router:retries_total")) == 0  # none astray
+        procs.append(start_router([stale_url, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
+        base = procs[-1][1]
+        for i in range(3):
+            r = chat(base, [{"role": "user", "content": f"s{i}"}])
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
+        # The stale one answered once; then its list no longer holds the model, so it is left out.
+        series = parse_metrics(httpx.get(base + "/metrics").text)
+        assert series['pyserve_router:retries_total{reason="refused"}'] == 1
+    finally:
+        for proc, _ in procs:
+            stop_server(proc)
+        other.shutdown()
+        stale.shutdown()
+
+
+def test_a_stream_cut_inside_an_event_ends_with_a_whole_error_event(model_dirs):
+    httpd, url = fake(_cut_mid_event)
+    proc, base = start_router([url], workdir=model_dirs["llama"].parent)
+    try:
+        r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": True}, timeout=10)
+        events = [e for e in r.text.split("\n\n") if e]
+        assert [json.loads(e.removeprefix("data: ")) for e in events][0] == {"id": "x", "choices": []}
+        error = json.loads(events[-1].removeprefix("data: "))["error"]  # each event whole JSON: the half one dropped
+        assert len(events) == 2 and error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
+    finally:
+        stop_server(proc)
+        httpd.shutdown()
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_the_replica(router, replicas):
+    body = {"model": MODEL, "prompt": "def long(one):", "max_tokens": 480, "n": 16, "ignore_eos": True,
+            "temperature": 1.0}  # 16 x 480 tokens through a 1,024-token KV pool: some seconds
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
+    deadline = started + 20
+    while any(parse_metrics(httpx.get(url + "/metrics").text, MODEL)["pyserve:num_requests_running"]
+              for _, url in replicas):
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.05)
+    gone = time.monotonic() - started
+    whole = httpx.post(router + "/v1/completions", json=body, timeout=120)
+    assert whole.status_code == 200 and gone < whole.elapsed.total_seconds() / 2  # cut, not run to the end
+
+
+def test_a_port_that_answered_something_else_serves_once_a_replica_is_there(replicas, model_dirs):
+    """After the router started, a non-model answer on a replica's port (a proxy's page while a pod
+    restarts) keeps it out only while it lasts."""
+    port = free_port()
+    proc, base = start_router([f"http://127.0.0.1:{port}", replicas[1][1]], "--health-interval", "0.1",
+                              workdir=model_dirs["llama"].parent)
+    try:
+        page = http.server.ThreadingHTTPServer(("127.0.0.1", port), _NotAModelServer)
+        threading.Thread(target=page.serve_forever, daemon=True).start()
+        time.sleep(0.5)
+        assert httpx.get(base + "/health").json()["replicas_healthy"] == 1
+        page.shutdown()
+        page.server_close()
+        real, _ = fake(_queue_full, port=port)
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/health").json()["replicas_healthy"] != 2:
+            assert time.monotonic() < deadline, "the replica's port stayed refused"
+            time.sleep(0.05)
+        real.shutdown()
+    finally:
+        stop_server(proc)
 
 
 def test_a_replica_that_stops_answering_ends_its_requests(replicas, model_dirs):

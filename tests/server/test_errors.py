@@ -19,3 +19,4 @@ def test_each_error_has_its_status_type_and_openai_body(cls, status, type_):
     assert orjson.loads(r.body) == {"error": {"message": "max_tokens: too big", "type": type_, "param": "max_tokens",
                                               "code": None}}
     assert (r.headers.get("www-authenticate") == "Bearer") == (status == 401)
+    assert (r.headers.get("retry-after") == "1") == (status == 429)  # a full queue: try again shortly
