@@ -252,6 +252,8 @@ class ChatMessage(BaseModel):
             raise ValueError("function_call: only in an assistant message without tool_calls")
         if self.role == "function" and not self.name:
             raise ValueError("name: required in a function message (the function it answers)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required in a tool message (the call it answers)")
         return self
 
     def text(self) -> str:
@@ -305,6 +307,12 @@ class ChatCompletionRequest(SamplingFields):
             raise BadRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         if "parallel_tool_calls" in self.model_fields_set and self.tools is None:
             raise BadRequest("parallel_tool_calls: allowed only with tools", param="parallel_tool_calls")
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):  # as OpenAI's: a tool message answers an earlier call
+            called.update(c.id for c in m.tool_calls or [])
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise BadRequest(f"messages.{i}.tool_call_id: no earlier assistant message has a tool call "
+                                 f"with id {m.tool_call_id!r}", param=f"messages.{i}.tool_call_id")
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

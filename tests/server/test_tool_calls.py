@@ -226,7 +226,7 @@ def test_legacy_functions(client):
               {"role": "function", "name": call.name, "content": "18 C"}]
     tools = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "name": call.name, "content": "18 C"}]
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 C"}]
     base = str(client.base_url).removesuffix("/v1/")
     rendered = [httpx.post(base + "/tokenize", json={"model": "tiny", "messages": m}).json()["tokens"]
                 for m in (legacy, tools)]
@@ -247,6 +247,8 @@ def test_legacy_functions(client):
     ({"tools": TOOLS, "functions": [TOOLS[0]["function"]]}, "functions"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages.1"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}]}, "messages.1.tool_call_id"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"m": {"type": "object", "additionalProperties": True}}}}}]}, "tools"),
