@@ -12,6 +12,7 @@ argument fragments of a stream are, byte for byte, the arguments of the same tex
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -164,4 +165,8 @@ class ToolCallParser:
 
 
 def _unescape(name: str) -> str:
-    return re.sub(r"\\(.)", r"\1", name)
+    """A JSON string's text (\\u escapes included); as written where it is not valid JSON."""
+    try:
+        return json.loads(f'"{name}"')
+    except ValueError:
+        return name

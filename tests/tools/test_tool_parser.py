@@ -38,6 +38,8 @@ CASES = [
     (LLAMA, '<|python_tag|>{"name": "f", "arguments": {"n": 2}}', "", [ParsedCall("f", '{"n": 2}')]),
     (LLAMA, '{"answer": 42}', '{"answer": 42}', []),
     (LLAMA, "The answer is 42.", "The answer is 42.", []),
+    (HERMES, '<tool_call>\n{"name": "\\u0064o_it", "arguments": {}}\n</tool_call>', "",
+     [ParsedCall("do_it", "{}")]),  # a name's JSON escapes are read as JSON
 ]
 
 
