@@ -51,7 +51,9 @@ class Client:
     """One configuration's server, as the eval talks to it."""
 
     def __init__(self, base_url: str, cfg: EvalConfig, model: str, timeout: float = 600.0):
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        if not cfg.semantic_cache:  # a server's cache (a url one's) would replay the warm-up's answers
+            headers["Cache-Control"] = "no-store"
         self.http = httpx.AsyncClient(base_url=base_url.removesuffix("/v1"), timeout=timeout, headers=headers)
         self.cfg, self.model = cfg, model
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pyserve.default_model.training import corpus
@@ -142,19 +143,26 @@ def test_a_failure_keeps_the_end_of_its_message_and_a_run_where_all_failed_exits
 
 
 def test_a_url_configuration_presents_the_key_from_its_environment_variable(tmp_path):
-    proc, base = start_server(None, "--api-key", "sekret", "--embedding-model", "none", workdir=tmp_path)
+    """...and keeps out of the server's semantic cache: a replayed answer is no measure of it."""
+    proc, base = start_server(None, "--api-key", "sekret", "--semantic-cache", workdir=tmp_path)
     try:
+        data = tmp_path / "chat.jsonl"
+        data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "def add(a, b):"}],
+                                            "max_tokens": 8, "scorer": "contains", "reference": "return"}) + "\n"
+                                for i in range(2)))
         configs = tmp_path / "c.yaml"
         configs.write_text(f"configs:\n  - {{name: keyed, url: '{base}/v1', served_model: pyserve-default, "
                            f"api_key_env: EVAL_TEST_KEY}}\n  - {{name: keyless, url: '{base}/v1', "
                            f"served_model: pyserve-default}}\n")
-        run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(DATA / "embedded.jsonl"),
-                              "--configs", str(configs), "--out", str(tmp_path / "out"), "--limit", "2"],
+        run = subprocess.run([sys.executable, "-m", "pyserve.cli", "eval", "--data", str(data),
+                              "--configs", str(configs), "--out", str(tmp_path / "out")],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
                              env={**os.environ, "EVAL_TEST_KEY": "sekret"})
+        cache = httpx.get(base + "/v1/cache", headers={"Authorization": "Bearer sekret"}).json()
     finally:
         stop_server(proc)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert (cache["stores"], cache["hits"]) == (0, 0)  # the same chat four times (warm-up, items): never cached
     rows = {c["name"]: c for c in json.loads((tmp_path / "out" / "eval.json").read_text())["configs"]}
     assert rows["keyed"]["status"] == "ok" and rows["keyed"]["items"] == 2
     assert rows["keyless"]["status"] == "failed" and "401" in rows["keyless"]["error"]
