@@ -1,5 +1,6 @@
-"""What the cache embeds of a conversation: every message but the system prompt (which is part
-of the exact scope instead), role by role, reduced to its content words (guard.content_words).
+"""What the cache embeds of a conversation: its user messages (the server's chat cache keeps every
+other message in the exact scope instead), role by role, reduced to its content words
+(guard.content_words).
 A static embedding averages its tokens, so framing words ("how do I", "show me") would otherwise
 outweigh the few words that carry the question."""
 

@@ -3,9 +3,12 @@
 A request is looked up when it is deterministic (temperature 0, or a seed; `--semantic-cache-sampled`
 lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`: not read, still
 stored; `no-store`: neither). Its exact scope is the tenant (a hash of the bearer key and the
-`X-Tenant` header), the model or adapter, the system prompt and every other field of the body
-but the messages and streaming; within it, the nearest stored conversation answers if it passes
-its threshold and its guard admits the request's (semantic_cache.guard). A miss stores the
+`X-Tenant` header), the model or adapter, the system prompt, every other field of the body but
+the messages and streaming, and the conversation's shape with every message that is not the
+user's word for word (assistant answers and tool calls, tool results: data, where one changed
+word is another state of the world); within it, the nearest stored conversation by its user
+messages answers if it passes its threshold and its guard admits the request's
+(semantic_cache.guard). A miss stores the
 finished answer (a choice cut short by an error, a disconnect or, streamed, with tool calls is
 not stored). Hits and misses say so in
 the `x-pyserve-cache` header and `usage.pyserve_cache`; a streamed hit is replayed as SSE.
@@ -80,11 +83,12 @@ class ChatCache:
             return None
         if not (read or write):
             return CachePlan("", "", model, np.zeros(0, dtype=np.float32), guard_of(""), False, False)
-        system = [m.text() for m in req.messages if m.role in ("system", "developer")]
+        # Only the user's words are matched by meaning; every other message, exactly.
+        exact = [[m.role, None if m.role == "user" else _message_text(m), m.name] for m in req.messages]
         fields = req.model_dump(mode="json", exclude=UNSCOPED_FIELDS, exclude_none=True)
         tenant = tenant_of(request)
-        scope = hashlib.sha256(orjson.dumps([tenant, model, system, fields], option=orjson.OPT_SORT_KEYS)).hexdigest()
-        text = conversation_text([(m.role, _message_text(m)) for m in req.messages])
+        scope = hashlib.sha256(orjson.dumps([tenant, model, exact, fields], option=orjson.OPT_SORT_KEYS)).hexdigest()
+        text = conversation_text([(m.role, m.text()) for m in req.messages if m.role == "user"])
         vector = (await asyncio.to_thread(embed_texts, self.encoder, [question_text(text)]))[0]
         return CachePlan(scope, tenant, model, vector, guard_of(text), read, write)
 
@@ -125,5 +129,7 @@ def hit_body(entry: Entry, model: str) -> dict:
 
 
 def _message_text(m) -> str:
-    calls = m.for_template().get("tool_calls")
+    """A message's text and its tool calls, less their ids (random: two runs of one conversation
+    differ only there; a tool result answers the call in its place)."""
+    calls = [c["function"] for c in m.for_template().get("tool_calls", [])]
     return m.text() + ("" if not calls else "\n" + orjson.dumps(calls).decode())

@@ -61,6 +61,30 @@ async def test_a_miss_is_stored_and_the_same_question_or_a_rephrasing_hits(serve
     assert metrics["pyserve:semantic_cache_lookup_seconds_count"] == 9
 
 
+async def test_only_the_users_words_are_matched_by_meaning(served):
+    """An agent's loop: the same question after a tool result that changed (one state for
+    another) is a miss; the same transcript with other call ids is a hit (ids are random)."""
+    api = client(served, "agents")
+
+    def loop(result: str, call_id: str) -> list[dict]:
+        call = {"id": call_id, "type": "function", "function": {"name": "deploy", "arguments": '{"env": "prod"}'}}
+        return [SYSTEM, {"role": "user", "content": "Deploy to prod, then tell me how it went."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call_id, "content": result},
+                {"role": "user", "content": "How did the deployment go?"}]
+
+    async def status(messages):
+        r = await api.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=8,
+                                                                temperature=0)
+        return r.headers.get("x-pyserve-cache")
+
+    assert await status(loop("deployment succeeded, all services healthy", "call_1")) == "miss"
+    assert await status(loop("deployment failed, all services down", "call_2")) == "miss"
+    assert await status(loop("deployment succeeded, all services healthy", "call_3")) == "hit"
+    assert await status(loop("deployment succeeded, all services healthy", "call_4")[:-1] + [
+        {"role": "user", "content": "How did the deployment go??"}]) == "hit"  # the user's words, by meaning
+
+
 async def test_one_tenant_never_reads_anothers_entry(served):
     a = client(served, "tenant-a")
     assert (await chat(a, "How do I read a file in Python?"))[0] == "miss"
