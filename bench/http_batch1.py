@@ -7,11 +7,13 @@ run one at a time:
   http         `pyserve serve` on loopback, /v1/completions without streaming, one client
   http_stream  the same with "stream": true, an httpx client reading every SSE chunk by line
   http_stream_lean  the same stream read from a plain socket, each event parsed as it arrives
+  http_stream_curl  the same stream read by curl (C), timed by curl itself (time_total), the
+                    tokens counted from its output afterwards (where curl is installed)
 Output tokens per second over all requests; the four are interleaved --runs times after a
 warm-up round (one server serves every HTTP run) and the ratios are the medians of the per-round
 ratios. The client shares the machine's cores with the server: httpx's per-chunk Python costs
 several percent of them, which a client on another machine would not take from the server; the
-lean client takes less, so the two streaming figures bracket what the server itself adds.
+lean client takes less, curl least, so the streaming figures bracket what the server itself adds.
 Goal: the HTTP ratios >= 0.95.
 Writes bench/results/http_batch1.json.
 """
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -95,6 +99,25 @@ def lean_stream(base: str, prompts: list[list[int]], tokens: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def curl_stream(base: str, prompts: list[list[int]], tokens: int) -> float:
+    """The streamed requests read by curl, one process each: its own clock (from the connection to
+    the last byte, the process start left out), its output parsed once it has exited."""
+    n, seconds = 0, 0.0
+    for p in prompts:
+        body = orjson.dumps({"model": SERVED_NAME, "prompt": p, "max_tokens": tokens, "temperature": 0,
+                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        done = subprocess.run(["curl", "-sSN", "--fail", "-H", "Content-Type: application/json", "--data-binary", "@-",
+                               "-w", "\n%{time_total}", base + "/v1/completions"], input=body, capture_output=True,
+                              check=True)
+        events, _, total = done.stdout.rpartition(b"\n")
+        seconds += float(total)
+        for m in SSE_EVENT.finditer(events + b"\n"):
+            if m[1] != b"[DONE]":
+                usage = orjson.loads(m[1]).get("usage")
+                n += usage["completion_tokens"] if usage else 0
+    return n / seconds
+
+
 def main() -> None:
     ap = harness.parser(__doc__, "http_batch1", runs=3)
     ap.add_argument("--requests", type=int, default=4)
@@ -115,6 +138,8 @@ def main() -> None:
                     "http": lambda: http(client, prompts, args.tokens, stream=False),
                     "http_stream": lambda: http(client, prompts, args.tokens, stream=True),
                     "http_stream_lean": lambda: lean_stream(base, prompts, args.tokens),
+                    **({"http_stream_curl": lambda: curl_stream(base, prompts, args.tokens)}
+                       if shutil.which("curl") else {}),
                 }, runs=args.runs, warmup=1)
         finally:
             stop_server(proc)
@@ -123,12 +148,16 @@ def main() -> None:
               **{f"{k}_tokens_per_s": harness.median(v) for k, v in runs.items()},
               "http_ratio": harness.median_ratio(runs["http"], runs["offline"]),
               "http_stream_ratio": harness.median_ratio(runs["http_stream"], runs["offline"]),
-              "http_stream_lean_ratio": harness.median_ratio(runs["http_stream_lean"], runs["offline"])}
+              "http_stream_lean_ratio": harness.median_ratio(runs["http_stream_lean"], runs["offline"]),
+              **({"http_stream_curl_ratio": harness.median_ratio(runs["http_stream_curl"], runs["offline"])}
+                 if "http_stream_curl" in runs else {})}
     harness.write_report(args.out, report)
     print(f"offline {report['offline_tokens_per_s']:.1f} tok/s, http {report['http_tokens_per_s']:.1f} "
           f"({report['http_ratio']:.2f}x), http streaming {report['http_stream_tokens_per_s']:.1f} "
           f"({report['http_stream_ratio']:.2f}x), lean client {report['http_stream_lean_tokens_per_s']:.1f} "
-          f"({report['http_stream_lean_ratio']:.2f}x)")
+          f"({report['http_stream_lean_ratio']:.2f}x)"
+          + (f", curl {report['http_stream_curl_tokens_per_s']:.1f} ({report['http_stream_curl_ratio']:.2f}x)"
+             if "http_stream_curl" in runs else ""))
 
 
 if __name__ == "__main__":
