@@ -120,8 +120,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # replicas on the machine's cores: one thread each
     head = harness.header(__file__)
     harness.print_header(head)
-    report = {**head, "runs": args.runs, "workload": {k: getattr(args, k) for k in (
-        "systems", "system_words", "conversations", "turns", "concurrency", "balance_abs_threshold", "replicas")}, "settings": []}
+    workload = ("systems", "system_words", "conversations", "turns", "concurrency", "balance_abs_threshold", "replicas")
+    report = {**head, "runs": args.runs, "workload": {k: getattr(args, k) for k in workload}, "settings": []}
     policies = ("cache_aware", "round_robin")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

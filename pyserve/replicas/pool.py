@@ -169,5 +169,6 @@ class ReplicaPool:
                 or not isinstance(body.get("data"), list):
             raise NotAReplica(f"{what} without an OpenAI model list: not a pyserve or OpenAI-compatible server")
         replica.verified = True
-        replica.models = frozenset(c["id"] for c in body["data"] if isinstance(c, dict) and isinstance(c.get("id"), str))
+        replica.models = frozenset(card["id"] for card in body["data"]
+                                   if isinstance(card, dict) and isinstance(card.get("id"), str))
         return True

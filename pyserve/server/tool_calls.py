@@ -20,7 +20,7 @@ from pyserve.tools.parser import ParseDelta, ParsedCall, ToolCallParser
 @dataclass(slots=True)
 class ToolPlan:
     template_tools: list[dict[str, Any]] | None  # for the chat template (HF's `tools=`)
-    constraint: StructuredOutputsParams | None  # forces calls ("required" / named), or holds "auto" ones to strict schemas
+    constraint: StructuredOutputsParams | None  # forces calls ("required", named), or holds "auto" to strict ones
     format: ToolFormat | None  # set when calls are read out of the output
     legacy: bool = False  # answer in the shape of `functions` / `function_call`
     named: bool = False  # one function forced by name: its call ends with finish_reason "stop", as OpenAI's

@@ -167,7 +167,7 @@ def test_a_router_with_its_own_key_presents_the_replicas_key_upstream(model_dirs
         preflight = httpx.options(base + "/v1/completions", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization"})
-        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert (preflight.status_code, preflight.headers["access-control-allow-origin"]) == (200, "https://app.example")
         assert httpx.get(base + "/dashboard").status_code == 200  # the page asks for the key itself
         # A router without a key of its own is open: its key for replicas goes with a keyless
         # client's requests as with the lists it gathers; a client's own wrong key is refused.

@@ -145,8 +145,8 @@ def test_local_references_in_parameters_point_into_the_call(fmt):
     def accepts(args: str) -> bool:
         text = f'{{"name": "f", "{key}": {args}}}'
         text = f"<tool_call>\n{text}\n</tool_call>" if fmt.open else text
-        m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", fmt.grammar([{"name": "f", "parameters": params}],
-                                                                                    parallel=False)), log_level=0)
+        grammar = fmt.grammar([{"name": "f", "parameters": params}], parallel=False)
+        m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar), log_level=0)
         ids = lltok.tokenize_str(text)
         return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
 
