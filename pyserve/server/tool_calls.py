@@ -72,7 +72,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         if not any(f.strict for f in functions):
             return ToolPlan(tools, None, fmt, legacy)
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
-        grammar = fmt.grammar([_forced(f) for f in functions], req.parallel_tool_calls and not legacy, free_text=True)
+        grammar = fmt.grammar([_for_grammar(f) for f in functions], req.parallel_tool_calls and not legacy, free_text=True)
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
@@ -86,7 +86,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         parallel = False
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
-    grammar = fmt.grammar([_forced(f) for f in forced], parallel)
+    grammar = fmt.grammar([_for_grammar(f) for f in forced], parallel)
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)), forced=True)
 
@@ -96,7 +96,7 @@ def template_tools(functions: list[FunctionDef]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
 
 
-def _forced(function: FunctionDef) -> dict[str, Any]:
+def _for_grammar(function: FunctionDef) -> dict[str, Any]:
     """A function as the format's grammar takes it; `strict` closes its objects to the properties
     they name (OpenAI's strict mode). Under "auto", calls are read as written unless a function
     is strict: then every call is held to its function's schema."""
