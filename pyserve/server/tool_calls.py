@@ -72,7 +72,8 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         if not any(f.strict for f in functions):
             return ToolPlan(tools, None, fmt, legacy)
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
-        grammar = fmt.grammar([_for_grammar(f) for f in functions], req.parallel_tool_calls and not legacy, free_text=True)
+        parallel = req.parallel_tool_calls and not legacy
+        grammar = fmt.grammar([_for_grammar(f) for f in functions], parallel, free_text=True)
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
