@@ -1,7 +1,7 @@
 """`pyserve router`'s Starlette app: the OpenAI routes forwarded to the chosen replica (streams
-passed through as they arrive), `/v1/models`, `/metrics` and `/v1/stats` gathered from every
-healthy replica, `/health` up while one replica is, and the server's playground and dashboard
-pages (their requests come back to the router).
+passed through as they arrive), `/v1/models`, `/metrics`, `/v1/stats` and `/v1/cache` gathered
+from every healthy replica (`/v1/cache/invalidate` sent to each), `/health` up while one replica
+is, and the server's playground and dashboard pages (their requests come back to the router).
 
 A request naming a model goes only to the replicas that list it (when one is known to). It is
 retried on another replica only when it did not run on the first: the connection was refused or
@@ -30,13 +30,13 @@ from starlette.routing import Route
 
 from pyserve.replicas.in_flight import InFlight, ReplicaLost
 from pyserve.replicas.metrics_merge import merge_metrics
-from pyserve.replicas.pool import NotAReplica, Replica, ReplicaPool
+from pyserve.replicas.pool import GET_TIMEOUT, NotAReplica, Replica, ReplicaPool
 from pyserve.replicas.request_text import routing_text
 from pyserve.replicas.stats_merge import merge_stats
 from pyserve.replicas.settings import RouterSettings
 from pyserve.server.app import version_info
 from pyserve.server.body import json_response
-from pyserve.server.errors import EXCEPTION_HANDLERS, Unauthorized, Unavailable, error_body
+from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, Unauthorized, Unavailable, error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
 from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, cors
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
@@ -319,6 +319,38 @@ async def stats(request: Request) -> Response:
     return json_response(merge_stats({url: a.json() for url, a in answers.items()}))
 
 
+async def cache_figures(request: Request) -> Response:
+    """The replicas' semantic caches: each one's figures, and their counts summed."""
+    pool: ReplicaPool = request.app.state.pool
+    figures = {url: a.json() for url, a in (await _gather(pool, "/v1/cache", request)).items()}
+    if not figures:
+        raise NotFound("no replica serves a semantic cache (start them with --semantic-cache and --api-key)")
+    summed = {k: sum(f.get(k, 0) for f in figures.values())
+              for k in ("entries", "bytes", "hits", "misses", "stores", "evictions", "expirations")}
+    return json_response({**summed, "replicas": figures})
+
+
+async def invalidate_caches(request: Request) -> Response:
+    """POST /v1/cache/invalidate to every healthy replica, as the client sent it (its key and
+    X-Tenant name the entries' tenant there); the entries dropped, summed. A replica's refusal
+    (a bad body, an unknown model) is the answer."""
+    pool: ReplicaPool = request.app.state.pool
+    healthy = pool.healthy()
+    if not healthy:
+        raise Unavailable("no replica is healthy")
+    raw, headers = await request.body(), _forward_headers(request, pool)
+    answers = await asyncio.gather(*(pool.client.post(r.url + "/v1/cache/invalidate", content=raw, headers=headers,
+                                                      timeout=GET_TIMEOUT) for r in healthy), return_exceptions=True)
+    total = 0
+    for replica, answer in zip(healthy, answers):
+        if isinstance(answer, BaseException):
+            return Response(_failure(replica, answer, pool), 502, media_type="application/json")
+        if answer.status_code != 200:
+            return Response(answer.content, answer.status_code, headers=_response_headers(answer, replica))
+        total += answer.json()["invalidated"]
+    return json_response({"invalidated": total, "replicas": len(healthy)})
+
+
 async def health(request: Request) -> Response:
     pool: ReplicaPool = request.app.state.pool
     up = len(pool.healthy())
@@ -361,6 +393,8 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
     routes += [Route("/v1/models", list_models, methods=["GET"]),
                Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
                Route("/metrics", metrics, methods=["GET"]), Route("/v1/stats", stats, methods=["GET"]),
+               Route("/v1/cache", cache_figures, methods=["GET"]),
+               Route("/v1/cache/invalidate", invalidate_caches, methods=["POST"]),
                Route("/health", health, methods=["GET"]), Route("/version", version_info, methods=["GET"])]
     routes += [Route(path, page, methods=["GET"]) for path in PAGES]
     routes.append(Route("/web/{name}", asset, methods=["GET"]))

@@ -1,4 +1,5 @@
-"""`pyserve serve --data-parallel-size N`: N replica processes behind the router."""
+"""`pyserve serve --data-parallel-size N`: N replica processes behind the router (their semantic
+caches reached through it too)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def test_the_front_keeps_its_own_flags():
 
 def test_two_local_replicas_serve_behind_one_port(model_dirs):
     model = model_dirs["llama"]
-    proc, base = start_server(model, "--data-parallel-size", "2", "--served-model-name", "tiny", "--embedding-model",
-                              "none", "--api-key", "k", workdir=model.parent)
+    proc, base = start_server(model, "--data-parallel-size", "2", "--served-model-name", "tiny", "--semantic-cache",
+                              "--api-key", "k", workdir=model.parent)
     auth = {"Authorization": "Bearer k"}
     try:
         deadline = time.monotonic() + 120
@@ -41,6 +42,16 @@ def test_two_local_replicas_serve_behind_one_port(model_dirs):
         assert len(seen) == 2  # cold prompts go where the least is cached: both replicas serve
         text = httpx.get(base + "/metrics", headers=auth).text
         assert all(f'pyserve:num_requests_running{{replica="{url}",model="tiny"}} 0' in text for url in seen)
+        # Each replica's semantic cache, through the front: figures summed, invalidation sent to each.
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "What is a tuple?"}], "max_tokens": 3,
+               "temperature": 0}
+        assert httpx.post(base + "/v1/chat/completions", json=ask, headers=auth, timeout=60).status_code == 200
+        cache = httpx.get(base + "/v1/cache", headers=auth).json()
+        assert cache["stores"] == 1 == sum(f["stores"] for f in cache["replicas"].values())
+        assert len(cache["replicas"]) == 2
+        dropped = httpx.post(base + "/v1/cache/invalidate", json={}, headers=auth).json()
+        assert dropped == {"invalidated": 1, "replicas": 2}
+        assert httpx.get(base + "/v1/cache", headers=auth).json()["entries"] == 0
     finally:
         assert stop_server(proc) == 0
     for url in seen:  # the replicas went with the front
