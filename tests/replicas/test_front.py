@@ -51,6 +51,16 @@ def chat(base: str, messages: list[dict], **kw) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
 
 
+def answering(base: str, n: int, tag: str) -> set[str]:
+    """The replicas that answered `n` one-line chats, each with 200."""
+    seen = set()
+    for i in range(n):
+        r = chat(base, [{"role": "user", "content": f"{tag} {i}"}])
+        assert r.status_code == 200, r.text
+        seen.add(r.headers[REPLICA_HEADER])
+    return seen
+
+
 def test_a_conversation_stays_on_the_replica_holding_its_prefix(router, replicas):
     urls = {url for _, url in replicas}
     system = {"role": "system", "content": "You answer in Python. " * 8}
@@ -271,74 +281,74 @@ def _cut_mid_event(h: _Fake):
     h.close_connection = True
 
 
-def test_a_refused_request_is_sent_to_another_replica(replicas, model_dirs):
-    httpd, full = fake(_queue_full)
-    live = replicas[1][1]
-    procs = []
-    try:
-        procs.append(start_router([full, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
-        base = procs[-1][1]
-        for i in range(4):
-            r = chat(base, [{"role": "user", "content": f"q{i}"}])
-            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
-        series = parse_metrics(httpx.get(base + "/metrics").text)
-        # Round-robin's cursor moves on each pick, the retry's included: every request tries `full` first.
-        assert series['pyserve_router:retries_total{reason="refused"}'] == 4
-        # Every replica refusing: the client gets the refusal as the replica sent it.
-        procs.append(start_router([full], workdir=model_dirs["llama"].parent))
-        r = chat(procs[-1][1], [{"role": "user", "content": "q"}])
-        assert r.status_code == 429 and r.json()["error"]["message"] == "queue full"
-        assert r.headers["retry-after"] == "7" and r.headers[REPLICA_HEADER] == full
-    finally:
-        for proc, _ in procs:
-            stop_server(proc)
+@pytest.fixture()
+def routers(model_dirs):
+    """Starts routers over the given replica URLs (and flags); stops them at the end."""
+    started = []
+
+    def start(urls: list[str], *flags: str) -> str:
+        started.append(start_router(urls, *flags, workdir=model_dirs["llama"].parent))
+        return started[-1][1]
+
+    yield start
+    for proc, _ in started:
+        stop_server(proc)
+
+
+@pytest.fixture()
+def fakes():
+    """Starts fake replicas (see `fake`); shuts them down at the end."""
+    started = []
+
+    def start(post, models=(MODEL,), port: int = 0) -> str:
+        httpd, url = fake(post, models, port)
+        started.append(httpd)
+        return url
+
+    yield start
+    for httpd in started:
         httpd.shutdown()
+        httpd.server_close()
 
 
-def test_a_request_goes_to_the_replicas_serving_its_model(replicas, model_dirs):
+def test_a_refused_request_is_sent_to_another_replica(replicas, routers, fakes):
+    full, live = fakes(_queue_full), replicas[1][1]
+    base = routers([full, live], "--policy", "round_robin")
+    assert answering(base, 4, "q") == {live}
+    series = parse_metrics(httpx.get(base + "/metrics").text)
+    # Round-robin's cursor moves on each pick, the retry's included: every request tries `full` first.
+    assert series['pyserve_router:retries_total{reason="refused"}'] == 4
+    # Every replica refusing: the client gets the refusal as the replica sent it.
+    r = chat(routers([full]), [{"role": "user", "content": "q"}])
+    assert r.status_code == 429 and r.json()["error"]["message"] == "queue full"
+    assert r.headers["retry-after"] == "7" and r.headers[REPLICA_HEADER] == full
+
+
+def test_a_request_goes_to_the_replicas_serving_its_model(replicas, routers, fakes):
     """One replica serves `other` only, the live one `tiny`: each request goes where its model is
     listed; a replica answering model_not_found for a model it listed is retried elsewhere."""
-    other, other_url = fake(_answers_as_other, models=["other"])
-    stale, stale_url = fake(_no_such_model, models=[MODEL])
-    live = replicas[1][1]
-    procs = []
-    try:
-        procs.append(start_router([other_url, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
-        base = procs[-1][1]
-        for i in range(4):
-            r = chat(base, [{"role": "user", "content": f"q{i}"}])
-            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
-            r = httpx.post(base + "/v1/chat/completions", json={"model": "other", "messages": []}, timeout=10)
-            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == other_url and r.json()["model"] == "other"
-        series = parse_metrics(httpx.get(base + "/metrics").text)
-        assert sum(v for k, v in series.items() if k.startswith("pyserve_router:retries_total")) == 0  # none astray
-        procs.append(start_router([stale_url, live], "--policy", "round_robin", workdir=model_dirs["llama"].parent))
-        base = procs[-1][1]
-        for i in range(3):
-            r = chat(base, [{"role": "user", "content": f"s{i}"}])
-            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == live
-        # The stale one answered once; then its list no longer holds the model, so it is left out.
-        series = parse_metrics(httpx.get(base + "/metrics").text)
-        assert series['pyserve_router:retries_total{reason="refused"}'] == 1
-    finally:
-        for proc, _ in procs:
-            stop_server(proc)
-        other.shutdown()
-        stale.shutdown()
+    other, stale, live = fakes(_answers_as_other, models=["other"]), fakes(_no_such_model), replicas[1][1]
+    base = routers([other, live], "--policy", "round_robin")
+    assert answering(base, 4, "q") == {live}
+    for _ in range(4):
+        r = httpx.post(base + "/v1/chat/completions", json={"model": "other", "messages": []}, timeout=10)
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == other and r.json()["model"] == "other"
+    series = parse_metrics(httpx.get(base + "/metrics").text)
+    assert sum(v for k, v in series.items() if k.startswith("pyserve_router:retries_total")) == 0  # none astray
+    base = routers([stale, live], "--policy", "round_robin")
+    assert answering(base, 3, "s") == {live}
+    # The stale one answered once; then its list no longer holds the model, so it is left out.
+    series = parse_metrics(httpx.get(base + "/metrics").text)
+    assert series['pyserve_router:retries_total{reason="refused"}'] == 1
 
 
-def test_a_stream_cut_inside_an_event_ends_with_a_whole_error_event(model_dirs):
-    httpd, url = fake(_cut_mid_event)
-    proc, base = start_router([url], workdir=model_dirs["llama"].parent)
-    try:
-        r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": True}, timeout=10)
-        events = [e for e in r.text.split("\n\n") if e]
-        assert [json.loads(e.removeprefix("data: ")) for e in events][0] == {"id": "x", "choices": []}
-        error = json.loads(events[-1].removeprefix("data: "))["error"]  # each event whole JSON: the half one dropped
-        assert len(events) == 2 and error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
-    finally:
-        stop_server(proc)
-        httpd.shutdown()
+def test_a_stream_cut_inside_an_event_ends_with_a_whole_error_event(routers, fakes):
+    base = routers([fakes(_cut_mid_event)])
+    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": True}, timeout=10)
+    events = [e for e in r.text.split("\n\n") if e]
+    assert [json.loads(e.removeprefix("data: ")) for e in events][0] == {"id": "x", "choices": []}
+    error = json.loads(events[-1].removeprefix("data: "))["error"]  # each event whole JSON: the half one dropped
+    assert len(events) == 2 and error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
 
 
 def test_a_client_that_leaves_a_non_streamed_request_frees_the_replica(router, replicas):
@@ -357,27 +367,22 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_the_replica(router, r
     assert whole.status_code == 200 and gone < whole.elapsed.total_seconds() / 2  # cut, not run to the end
 
 
-def test_a_port_that_answered_something_else_serves_once_a_replica_is_there(replicas, model_dirs):
+def test_a_port_that_answered_something_else_serves_once_a_replica_is_there(replicas, routers, fakes):
     """After the router started, a non-model answer on a replica's port (a proxy's page while a pod
     restarts) keeps it out only while it lasts."""
     port = free_port()
-    proc, base = start_router([f"http://127.0.0.1:{port}", replicas[1][1]], "--health-interval", "0.1",
-                              workdir=model_dirs["llama"].parent)
-    try:
-        page = http.server.ThreadingHTTPServer(("127.0.0.1", port), _NotAModelServer)
-        threading.Thread(target=page.serve_forever, daemon=True).start()
-        time.sleep(0.5)
-        assert httpx.get(base + "/health").json()["replicas_healthy"] == 1
-        page.shutdown()
-        page.server_close()
-        real, _ = fake(_queue_full, port=port)
-        deadline = time.monotonic() + 10
-        while httpx.get(base + "/health").json()["replicas_healthy"] != 2:
-            assert time.monotonic() < deadline, "the replica's port stayed refused"
-            time.sleep(0.05)
-        real.shutdown()
-    finally:
-        stop_server(proc)
+    base = routers([f"http://127.0.0.1:{port}", replicas[1][1]], "--health-interval", "0.1")
+    page = http.server.ThreadingHTTPServer(("127.0.0.1", port), _NotAModelServer)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    time.sleep(0.5)
+    assert httpx.get(base + "/health").json()["replicas_healthy"] == 1
+    page.shutdown()
+    page.server_close()
+    fakes(_queue_full, port=port)
+    deadline = time.monotonic() + 10
+    while httpx.get(base + "/health").json()["replicas_healthy"] != 2:
+        assert time.monotonic() < deadline, "the replica's port stayed refused"
+        time.sleep(0.05)
 
 
 def test_a_replica_that_stops_answering_ends_its_requests(replicas, model_dirs):
