@@ -192,9 +192,11 @@ class AsyncEngine:
         compile)."""
         self.system.check_alive()
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:  # a kernel would index past the logits
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         grammar = None

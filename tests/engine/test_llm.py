@@ -286,6 +286,14 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm, prompt):
         llm.generate(prompt, GREEDY, use_tqdm=False)
 
 
+@pytest.mark.parametrize("field, params", [("logit_bias", SamplingParams(logit_bias={300: 1.0}, max_tokens=2)),
+                                           ("stop_token_ids", SamplingParams(stop_token_ids=[300], max_tokens=2))])
+def test_sampling_token_ids_outside_the_vocabulary_are_refused_and_the_engine_keeps_serving(llm, field, params):
+    with pytest.raises(ValueError, match=f"{field}: token id 300 is outside the vocabulary"):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
 def test_empty_prompt_is_refused(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)
