@@ -14,11 +14,15 @@ from collections.abc import Callable
 
 import orjson
 
+from pyserve.server.tenants import TENANT_SCOPE_KEY
 
-async def post_json(app: Callable, path: str, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
+
+async def post_json(app: Callable, path: str, body: dict, headers: dict[str, str],
+                    tenant: str | None = None) -> tuple[int, dict]:
     """(status, JSON body) of POST `path` with `body`; a body that is not JSON raises
     ValueError. An exception in the app is its 500 answer (the server's error middleware sends it,
-    then re-raises), not the caller's, as with httpx's `raise_app_exceptions=False`."""
+    then re-raises), not the caller's, as with httpx's `raise_app_exceptions=False`. `tenant`: who
+    the request is made for (TENANT_SCOPE_KEY; a scope key no HTTP client can set)."""
     raw = orjson.dumps(body)
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
@@ -26,6 +30,7 @@ async def post_json(app: Callable, path: str, body: dict, headers: dict[str, str
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
                     *((k.lower().encode(), v.encode()) for k, v in headers.items())],
         "client": ("127.0.0.1", 0), "server": ("pyserve.batches", 80),
+        **({TENANT_SCOPE_KEY: tenant} if tenant is not None else {}),
     }
     sent = False
     answered = asyncio.Event()

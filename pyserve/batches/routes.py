@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.server.body import json_body, json_response
-from pyserve.server.chat_cache import tenant_of
+from pyserve.server.tenants import tenant_of
 from pyserve.server.errors import BadRequest, NotFound, PayloadTooLarge
 from pyserve.server.state import ServerState
 

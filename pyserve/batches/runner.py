@@ -111,6 +111,7 @@ class BatchRunner:
         expires (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
         done = self.store.answered(batch["id"])
         todo = sorted((ln for ln in good if ln.number not in done), key=_order)
+        owner = self.store.owner(batch["id"])  # each line runs as the job's tenant (the semantic cache's scope)
         in_flight: set[asyncio.Task] = set()
         room = asyncio.Semaphore(self.max_in_flight)
         checked = time.monotonic()
@@ -130,7 +131,7 @@ class BatchRunner:
                     if self._should_stop(batch):
                         room.release()
                         return
-                task = asyncio.create_task(self._one(batch, line))
+                task = asyncio.create_task(self._one(batch, line, owner))
                 in_flight.add(task)
                 task.add_done_callback(finished)
             while in_flight:
@@ -154,10 +155,10 @@ class BatchRunner:
             return True
         return False
 
-    async def _one(self, batch: dict, line: Line) -> None:
+    async def _one(self, batch: dict, line: Line, owner: str) -> None:
         body = {**line.body, "priority": self.priority}
         try:
-            status, payload = await post_json(self.app, batch["endpoint"], body, self.headers)
+            status, payload = await post_json(self.app, batch["endpoint"], body, self.headers, tenant=owner)
         except Exception as e:  # noqa: BLE001 - recorded as the line's error
             self.store.add_result(batch["id"], line.number, False, error_record(line.custom_id, "internal_error",
                                                                                 repr(e)))

@@ -1,17 +1,17 @@
 """The semantic cache as /v1/chat/completions uses it (pyserve.semantic_cache holds the parts).
 
-A request is looked up when it is deterministic (temperature 0, or a seed; `--semantic-cache-sampled`
-lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`: not read, still
-stored; `no-store`: neither). Its exact scope is the tenant (a hash of the bearer key and the
-`X-Tenant` header), the model or adapter, the system prompt, every other field of the body but
-the messages and streaming, and the conversation's shape with every message that is not the
-user's word for word (assistant answers and tool calls, tool results: data, where one changed
-word is another state of the world); within it, the nearest stored conversation by its user
-messages answers if it passes its threshold and its guard admits the request's
-(semantic_cache.guard). A miss stores the
-finished answer (a choice cut short by an error, a disconnect or, streamed, with tool calls is
-not stored). Hits and misses say so in
-the `x-pyserve-cache` header and `usage.pyserve_cache`; a streamed hit is replayed as SSE.
+A request is looked up when it is deterministic (temperature 0, or a seed;
+`--semantic-cache-sampled` lifts that), asks for one choice, and its `Cache-Control` allows it
+(`no-cache`: not read, still stored; `no-store`: neither). Its exact scope is the tenant
+(server.tenants: the bearer key and the `X-Tenant` header; a batch line's, its job's owner), the
+model or adapter, every field of the body but the messages, streaming and priority, and the
+conversation's shape with every message that is not the user's word for word (system prompts,
+assistant answers and tool calls, tool results: data, where one changed word is another state
+of the world); within it, the nearest stored conversation by its user messages answers if it
+passes its threshold and its guard admits the request's (semantic_cache.guard). A miss stores
+the finished answer (a choice cut short by an error, a disconnect or, streamed, with tool calls
+is not stored). Hits and misses say so in the `x-pyserve-cache` header and
+`usage.pyserve_cache`; a streamed hit is replayed as SSE.
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ from pyserve.semantic_cache.guard import Guard, guard_of
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.store import Entry, Lookup, SemanticStore
 from pyserve.server.schemas import ChatCompletionRequest
+from pyserve.server.tenants import tenant_of
 
 HEADER = "x-pyserve-cache"
-UNSCOPED_FIELDS = {"messages", "stream", "stream_options", "user"}
-
-
-def tenant_of(request: Request) -> str:
-    """Who owns an entry: the bearer key presented and the X-Tenant header, hashed."""
-    raw = request.headers.get("authorization", "") + "\0" + request.headers.get("x-tenant", "")
-    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+# Left out of the exact scope: the messages (scoped apart), and what cannot change the answer
+# (how it is sent, who asks, its place in the queue: a batch line's priority).
+UNSCOPED_FIELDS = {"messages", "stream", "stream_options", "user", "priority"}
 
 
 @dataclass(slots=True)

@@ -209,3 +209,27 @@ async def test_without_a_data_dir_the_routes_say_so(model_dirs):
         for method, path in (("GET", "/v1/batches"), ("POST", "/v1/files"), ("GET", "/v1/files/file-x")):
             r = await http.request(method, path)
             assert (r.status_code, r.json()["error"]["code"]) == (404, "batch_api_off")
+
+
+def test_batch_lines_read_and_write_their_owners_semantic_cache(model_dirs, tmp_path):
+    """A job's lines run as the tenant that created it: the answer a line stores is another line's
+    of the same tenant, and that tenant's interactive requests' too, never another tenant's."""
+    model = model_dirs["llama"]
+    proc, base = start_server(model, "--served-model-name", MODEL, "--api-key", KEY, "--semantic-cache",
+                              "--data-dir", str(tmp_path / "data"), workdir=model.parent)
+    try:
+        def run_job(tenant: str, prefix: str) -> dict:
+            api = client(base, tenant)
+            job = api.batches.create(input_file_id=upload(api, lines(1, prefix=prefix)).id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+            (record,) = records(api, wait(api, job.id).output_file_id)
+            return record["response"]["body"]["usage"]
+
+        assert run_job("acme", "a")["pyserve_cache"] == "miss"
+        assert run_job("globex", "g")["pyserve_cache"] == "miss"  # the same line, another tenant: not acme's entry
+        assert run_job("acme", "b")["pyserve_cache"] == "hit"
+        interactive = httpx.post(base + "/v1/chat/completions", timeout=60, json=json.loads(lines(1)[0])["body"],
+                                 headers={"Authorization": f"Bearer {KEY}", "X-Tenant": "acme"})
+        assert interactive.headers["x-pyserve-cache"] == "hit"
+    finally:
+        stop_server(proc)

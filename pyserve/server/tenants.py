@@ -1,0 +1,21 @@
+"""Who a request is made for: the tenant that owns semantic-cache entries, batch files and jobs."""
+
+from __future__ import annotations
+
+import hashlib
+
+from starlette.requests import Request
+
+# Set in the ASGI scope by the server's own in-process requests (a batch line: its job's owner);
+# an HTTP client cannot set a scope key, only headers.
+TENANT_SCOPE_KEY = "pyserve.tenant"
+
+
+def tenant_of(request: Request) -> str:
+    """The bearer key presented and the X-Tenant header, hashed; for an in-process request, the
+    tenant it is made for."""
+    own = request.scope.get(TENANT_SCOPE_KEY)
+    if own is not None:
+        return own
+    raw = request.headers.get("authorization", "") + "\0" + request.headers.get("x-tenant", "")
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
