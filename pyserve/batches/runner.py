@@ -93,9 +93,11 @@ class BatchRunner:
                 self._set(batch, "failed", errors={"object": "list", "data": [
                     {**record["error"], "param": None, "line": n + 1} for n, record in bad[:MAX_LISTED_ERRORS]]})
                 return
+            # Resumed after a restart, a line can fail a check it passed (its model no longer
+            # served): it gets its error record too, unless it was answered before.
+            for n, record in bad:
+                self.store.add_result(batch["id"], n, False, record)
             if batch["status"] == "validating":
-                for n, record in bad:
-                    self.store.add_result(batch["id"], n, False, record)
                 batch["request_counts"]["total"] = len(good) + len(bad)
                 self._set(batch, "in_progress")
             await self._answer(batch, good)
