@@ -19,7 +19,9 @@ from pyserve.server.state import ServerState
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
-_WINDOW = re.compile(r"^(\d+)([smh])$")
+_WINDOW = re.compile(r"^(\d{1,7})([smh])$")
+MAX_WINDOW_SECONDS = 7 * 24 * 3600  # OpenAI's only window is 24h; this server takes up to a week
+MAX_METADATA = (16, 64, 512)  # keys, characters of a key, of a value: OpenAI's bounds
 
 
 def _service(request: Request):
@@ -98,6 +100,10 @@ async def file_content(request: Request) -> Response:
 
 async def delete_file(request: Request) -> Response:
     service, record = _file(request)
+    reader = next((b["id"] for _, b in service.store.active_batches() if b["input_file_id"] == record.id), None)
+    if reader is not None:  # its lines are read again if the server restarts before the job ends
+        raise BadRequest(f"file_id: {record.id} is the input of {reader}, which has not finished "
+                         "(cancel it, or wait for it to end)", param="file_id")
     service.store.delete_file(record.id)
     return json_response({"id": record.id, "object": "file", "deleted": True})
 
@@ -113,10 +119,10 @@ async def create_batch(request: Request) -> Response:
         raise BadRequest(f"endpoint: {body.get('endpoint')!r} is not supported (one of {', '.join(ENDPOINTS)})",
                          param="endpoint")
     window = _WINDOW.match(str(body.get("completion_window")))
-    if window is None:
-        raise BadRequest("completion_window: give a duration such as '24h' (also '90m' or '30s')",
-                         param="completion_window")
-    seconds = int(window[1]) * {"s": 1, "m": 60, "h": 3600}[window[2]]
+    seconds = int(window[1]) * {"s": 1, "m": 60, "h": 3600}[window[2]] if window else 0
+    if not 1 <= seconds <= MAX_WINDOW_SECONDS:
+        raise BadRequest("completion_window: give a duration such as '24h' (also '90m' or '30s'), at most "
+                         f"{MAX_WINDOW_SECONDS // 3600}h", param="completion_window")
     record = service.store.file(str(body.get("input_file_id")), owner)
     if record is None:
         raise NotFound(f"input_file_id: no file {body.get('input_file_id')!r}", param="input_file_id")
@@ -124,8 +130,11 @@ async def create_batch(request: Request) -> Response:
         raise BadRequest(f"input_file_id: the file's purpose is {record.purpose!r}, not 'batch'",
                          param="input_file_id")
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise BadRequest("metadata: must be an object of strings", param="metadata")
+    keys, key_chars, value_chars = MAX_METADATA
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= keys and all(
+            isinstance(v, str) and len(k) <= key_chars and len(v) <= value_chars for k, v in metadata.items())):
+        raise BadRequest(f"metadata: an object of at most {keys} strings (keys up to {key_chars} characters, "
+                         f"values up to {value_chars})", param="metadata")
     now = int(time.time())
     batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body["endpoint"], "errors": None,
              "input_file_id": record.id, "completion_window": body["completion_window"], "status": "validating",

@@ -103,6 +103,13 @@ class BatchRunner:
             await self._answer(batch, good)
             if not self._should_stop(batch):  # every line answered
                 self._set(batch, "finalizing")
+            if batch["status"] == "finalizing" and time.time() >= batch["expires_at"]:
+                # As OpenAI's: each line the window closed on gets an error record.
+                answered = self.store.answered(batch["id"])
+                for line in good:
+                    if line.number not in answered:
+                        self.store.add_result(batch["id"], line.number, False, error_record(
+                            line.custom_id, "batch_expired", "the completion window ended before this line ran"))
         if batch["status"] == "cancelling":
             self._finish(batch, "cancelled")
         elif batch["status"] == "finalizing":

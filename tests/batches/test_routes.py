@@ -99,6 +99,8 @@ def test_cancel_stops_the_job_and_keeps_what_was_answered(server):
     f = upload(api, lines(120, max_tokens=120, ignore_eos=True))
     batch = api.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait(api, batch.id, until=("in_progress",))
+    with pytest.raises(openai.BadRequestError, match="has not finished"):  # a running job's input stays
+        api.files.delete(f.id)
     cancelled = api.batches.cancel(batch.id)
     assert cancelled.status == "cancelling"
     batch = wait(api, batch.id, timeout=30)
@@ -108,6 +110,7 @@ def test_cancel_stops_the_job_and_keeps_what_was_answered(server):
     assert len({r["custom_id"] for r in out}) == len(out)
     with pytest.raises(openai.BadRequestError):
         api.batches.cancel(batch.id)
+    assert api.files.delete(f.id).deleted  # the job has ended
 
 
 def test_a_job_past_its_window_expires_with_its_partial_output(server):
@@ -118,6 +121,10 @@ def test_a_job_past_its_window_expires_with_its_partial_output(server):
     batch = wait(api, batch.id, timeout=30)
     assert batch.status == "expired" and batch.expired_at
     assert len(records(api, batch.output_file_id)) == batch.request_counts.completed < 800
+    expired = records(api, batch.error_file_id)  # as OpenAI's: every line the window closed on, in the errors
+    assert len(expired) == batch.request_counts.failed == 800 - batch.request_counts.completed
+    assert {r["error"]["code"] for r in expired} == {"batch_expired"}
+    assert {r["custom_id"] for r in expired + records(api, batch.output_file_id)} == {f"e{i}" for i in range(800)}
 
 
 def test_interactive_requests_go_before_queued_batch_lines(server):
@@ -187,6 +194,10 @@ def test_bad_requests_name_the_field(server):
     f = upload(api, lines(1))
     for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "soon"},
                                                                          "completion_window"),
+                          ({"completion_window": "99999999999999999999h"}, "completion_window"),
+                          ({"completion_window": "0s"}, "completion_window"),
+                          ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                          ({"metadata": {"k": "v" * 513}}, "metadata"),
                           ({"extra_body": {"priority": 1}}, "priority")):
         args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kwargs}
         with pytest.raises(openai.BadRequestError) as e:
@@ -202,6 +213,7 @@ def test_bad_requests_name_the_field(server):
     assert e.value.status_code == 413
     r = httpx.get(server + "/v1/batches")
     assert r.status_code == 401
+    assert api.batches.list().data is not None  # the refused jobs were never stored
 
 
 async def test_without_a_data_dir_the_routes_say_so(model_dirs):
