@@ -191,6 +191,8 @@ class AsyncEngine:
         the field when it can never be served (a GrammarError for a constraint that does not
         compile)."""
         self.system.check_alive()
+        if not -(2**31) <= priority < 2**31:  # the scheduler's i32: past it, the step would fail
+            raise ValueError(f"priority: {priority} is outside [-2**31, 2**31)")
         vocab = self.model_config.vocab_size
         for name, ids in (("prompt_token_ids", prompt_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("stop_token_ids", params.stop_token_ids)):

@@ -112,7 +112,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0  # the scheduler's i32
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

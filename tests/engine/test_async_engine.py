@@ -65,3 +65,17 @@ async def test_the_forwards_run_on_the_engines_thread_or_the_callers_loop(llama_
     assert len(stream.output.outputs[0].token_ids) == 4
     here = threading.current_thread().name
     assert ran_on and set(ran_on) == ({"pyserve-engine"} if own_thread else {here})
+
+
+async def test_a_priority_past_the_schedulers_range_is_refused_and_the_engine_serves_on(llama_dir):
+    engine = AsyncEngine(EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64,
+                                      watchdog_timeout=None), own_thread=False)
+    await engine.start()
+    try:
+        with pytest.raises(ValueError, match="priority"):
+            await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2), priority=2**31)
+        stream = await engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+        await asyncio.wait_for(stream.done.wait(), 60)
+        assert len(stream.output.outputs[0].token_ids) == 2 and engine.health().status == "ok"
+    finally:
+        await engine.stop()

@@ -93,11 +93,14 @@ def test_fields_without_effect_are_accepted_and_change_nothing(server, endpoint)
      "messages.1.tool_calls.0.function.x"),
     ("completions", {"logit_bias": {"\u00b2": 5}}, "logit_bias"),  # a digit, not 0-9
     ("completions", {"stop_token_ids": [7, 10**6]}, "stop_token_ids"),  # outside the vocabulary
+    ("completions", {"priority": 2**31}, "priority"),  # past the scheduler's i32 (it once killed the engine)
+    ("chat", {"priority": -(2**31) - 1}, "priority"),
 ])
 def test_fields_set_but_not_served_are_400s_naming_the_nested_field(server, endpoint, body, param):
     r = _post(server, endpoint, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(param + ": ")
+    assert _post(server, endpoint).status_code == 200  # and the server carries on
 
 
 def test_a_response_message_sent_back_as_it_came_is_accepted(server):
