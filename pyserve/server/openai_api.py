@@ -23,7 +23,7 @@ from pyserve.server.body import check_token_ids, json_body, json_response, valid
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
-from pyserve.server.errors import BadRequest, TooManyRequests, Unavailable
+from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable
 from pyserve.server.decision import serve_decided
 from pyserve.server.models import RouteSpec, ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -218,6 +218,9 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
     limit = state.settings.max_waiting
     if limit is not None and engine.num_waiting() + len(prompts) * req.n > limit:
         raise TooManyRequests(f"the queue is full ({limit} waiting requests)")
+    if lora is not None and model.loras.get(lora.lora_name) is not lora:
+        # Unloaded while the request was being prepared (its template rendered): as if it came after.
+        raise NotFound(f"model: the adapter {lora.lora_name!r} was unloaded", param="model", code="model_not_found")
     base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     ctx = CompletionContext(kind, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
                             tools, echo, echo_only=echo is not None and max_tokens == 0)

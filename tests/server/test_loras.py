@@ -84,3 +84,42 @@ def test_bad_adapters_are_refused_and_the_server_carries_on(server, path, reason
     assert httpx.get(base + "/health").status_code == 200
     assert chat(base, DEFAULT_MODEL_NAME).status_code == 200
     assert chat(base, "bad").status_code == 404
+
+
+async def test_an_adapter_unloaded_while_a_request_renders_is_a_404_and_freed(tmp_path, monkeypatch):
+    """The unload lands between the request's lookup of the adapter and its start (its chat
+    template rendering in a thread): the request is a 404, and the adapter is not loaded again
+    behind the registry's back (it was, and stayed loaded for good)."""
+    import asyncio
+    import threading
+
+    from pyserve.default_model import TARGET_DIR
+    from pyserve.model.tokenizer import Tokenizer
+    from pyserve.testing.in_process import serving_models
+
+    shutil.copytree(ADAPTER_DIRS["docstrings"], tmp_path / "docs")
+    models = {"m": {"model": str(TARGET_DIR), "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+                    "num_kv_blocks": 64}}
+    async with serving_models(models, lora_root=str(tmp_path), api_key=KEY, embedding_model="none") as (engines, http):
+        engine = engines["m"]
+        r = await http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": "docs"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        rendering, go_on = threading.Event(), threading.Event()
+        render = Tokenizer.apply_chat_template
+
+        def held(self, *args, **kwargs):
+            rendering.set()
+            go_on.wait(30)
+            return render(self, *args, **kwargs)
+
+        monkeypatch.setattr(Tokenizer, "apply_chat_template", held)
+        request = asyncio.create_task(http.post("/v1/chat/completions", headers=AUTH,
+                                                json={"model": "d", "messages": ASK, "max_tokens": 2}))
+        assert await asyncio.to_thread(rendering.wait, 30)
+        unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "d"}, headers=AUTH)
+        assert unloaded.status_code == 200
+        go_on.set()
+        r = await request
+        assert r.status_code == 404 and "was unloaded" in r.json()["error"]["message"]
+        await asyncio.sleep(0.1)  # the registry frees an idle adapter's weights on the next turn
+        assert engine.loras == {}
