@@ -9,13 +9,27 @@ from starlette.responses import Response
 from pyserve.server.body import json_body
 from pyserve.server.errors import BadRequest
 
+MAX_NAME_CHARS = 256
+
+
+def _fields(body: dict, allowed: tuple[str, ...]) -> str:
+    """The adapter name of a load or unload body, its fields checked (a name shows in /v1/models
+    and in metric labels: printable, no spaces)."""
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: not a field here (give {', '.join(allowed)})", param=unknown[0])
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not name.isprintable() \
+            or any(c.isspace() for c in name):
+        raise BadRequest(f"lora_name must be 1 to {MAX_NAME_CHARS} printable characters without spaces",
+                         param="lora_name")
+    return name
+
 
 async def load_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
     body = await json_body(request)
-    name, path = body.get("lora_name"), body.get("lora_path")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("lora_name must be a non-empty string", param="lora_name")
+    name, path = _fields(body, ("lora_name", "lora_path")), body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise BadRequest("lora_path must be a non-empty string", param="lora_path")
     loras = state.models.primary.loras
@@ -32,9 +46,6 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     state = request.app.state.pyserve
-    body = await json_body(request)
-    name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("lora_name must be a non-empty string", param="lora_name")
+    name = _fields(await json_body(request), ("lora_name",))
     await state.models.primary.loras.remove(name)
     return Response(f"Success: LoRA adapter '{name}' removed successfully.", 200, media_type="text/plain")

@@ -31,8 +31,11 @@ ERRORS = {
     "429": "the waiting queue is full",
     "503": "the engine is dead or the server is shutting down",
 }
-LORA_REQUEST = {"type": "object", "required": ["lora_name"],
-                "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
+_LORA_NAME = {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "^[^\\s]+$"}
+LORA_LOAD = {"type": "object", "required": ["lora_name", "lora_path"], "additionalProperties": False,
+             "properties": {"lora_name": _LORA_NAME, "lora_path": {"type": "string", "minLength": 1}}}
+LORA_UNLOAD = {"type": "object", "required": ["lora_name"], "additionalProperties": False,
+               "properties": {"lora_name": _LORA_NAME}}
 
 
 def _model_schema(model: type[BaseModel], components: dict[str, Any], served: list[str]) -> dict[str, Any]:
@@ -110,10 +113,11 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
                                   "responses": {"200": {"description": "OpenAPI 3.1", "content": object_}}}},
     }
     if settings.lora_root:
-        for path, summary in (("/v1/load_lora_adapter", "Load a LoRA adapter from the LoRA root"),
-                              ("/v1/unload_lora_adapter", "Unload a LoRA adapter")):
-            paths[path] = {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(LORA_REQUEST)},
-                                    "responses": {"200": {"description": "done", "content": object_},
+        done = {"text/plain": {"schema": {"type": "string"}}}  # vLLM's "Success: LoRA adapter ..."
+        for path, summary, schema in (("/v1/load_lora_adapter", "Load a LoRA adapter from the LoRA root", LORA_LOAD),
+                                      ("/v1/unload_lora_adapter", "Unload a LoRA adapter", LORA_UNLOAD)):
+            paths[path] = {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(schema)},
+                                    "responses": {"200": {"description": "done", "content": done},
                                                   **_errors("400", *auth, "404", "413")}}}
     if settings.data_dir:
         file_part = {"multipart/form-data": {"schema": {

@@ -86,6 +86,19 @@ def test_bad_adapters_are_refused_and_the_server_carries_on(server, path, reason
     assert chat(base, "bad").status_code == 404
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/load_lora_adapter", {"lora_name": "x\u0000y", "lora_path": "docs-copy"}, "lora_name"),
+    ("/v1/load_lora_adapter", {"lora_name": "a b", "lora_path": "docs-copy"}, "lora_name"),
+    ("/v1/load_lora_adapter", {"lora_name": "ok", "lora_path": "docs-copy", "rank": 8}, "rank"),
+    ("/v1/unload_lora_adapter", {"lora_name": "docstrings", "force": True}, "force"),
+])
+def test_adapter_names_and_fields_are_checked(server, path, body, param):
+    base, _ = server
+    r = httpx.post(base + path, headers=AUTH, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "x\u0000y" not in httpx.get(base + "/v1/models", headers=AUTH).text
+
+
 async def test_an_adapter_unloaded_while_a_request_renders_is_a_404_and_freed(tmp_path, monkeypatch):
     """The unload lands between the request's lookup of the adapter and its start (its chat
     template rendering in a thread): the request is a 404, and the adapter is not loaded again
