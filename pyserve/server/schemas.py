@@ -292,7 +292,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template: Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE)] | None = None
-    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # [] refused, as OpenAI
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     functions: Annotated[list[FunctionDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # legacy tools

@@ -247,6 +247,7 @@ def test_legacy_functions(client):
     ({"tools": TOOLS, "functions": [TOOLS[0]["function"]]}, "functions"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": []}, "tools"),
     ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages.1"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}]}, "messages.1.tool_call_id"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
