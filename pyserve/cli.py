@@ -208,7 +208,8 @@ def _run_router(settings, args: argparse.Namespace) -> None:
 
 def batch(args: argparse.Namespace) -> None:
     from pyserve.logs import configure_logging
-    from pyserve.server.batch import run_batch
+    from pyserve.server.batch import read_input, run_batch
+    from pyserve.server.settings import ServerSettings
 
     configure_logging()
     if not Path(args.input).is_file():  # before the model loads
@@ -216,9 +217,14 @@ def batch(args: argparse.Namespace) -> None:
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         sys.exit(f"pyserve batch: --output: {out_dir} is not a directory this process can write to")
+    settings = ServerSettings(served_model_name=args.served_model_name or served_name(args.model),
+                              lora_modules=dict(args.lora_modules))
+    try:
+        lines = read_input(Path(args.input), settings)
+    except ValueError as e:  # the file as a whole cannot be a batch input
+        sys.exit(f"pyserve batch: --input: {str(e).removeprefix('input_file_id: ')}")
     engine = _engine(_engine_config(args))
-    name = args.served_model_name or served_name(args.model)
-    num_errors = asyncio.run(run_batch(engine, name, Path(args.input), Path(args.output)))
+    num_errors = asyncio.run(run_batch(engine, settings, lines, Path(args.output)))
     print(f"batch: wrote {args.output} ({num_errors} lines with errors)", file=sys.stderr, flush=True)
     health = engine.health()
     if health.status == "dead":  # the records say 503, but the batch did not run
@@ -284,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(b)
     b.add_argument("--input", required=True)
     b.add_argument("--output", required=True)
+    b.add_argument("--lora-modules", nargs="*", default=[], type=lora_module, metavar="NAME=PATH",
+                   help="adapters the lines may name as their model (NAME=PATH, or an embedded adapter's name)")
     b.set_defaults(func=batch)
     e = sub.add_parser("eval", help="run an eval set through serving configurations: quality, cost, latency")
     e.add_argument("--data", required=True, help="the eval set (JSON Lines; see pyserve.eval.items)")

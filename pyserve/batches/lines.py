@@ -1,6 +1,7 @@
-"""An input file's lines, checked before a job starts: each must be a JSON object with a unique
-string `custom_id`, `method` POST, the job's `url` and a `body` object naming a served model.
-A line that fails gets an error record (with its custom_id when it has one); the rest run."""
+"""An input file's lines, checked before a job starts (the server's Batch API and `pyserve batch`
+alike): each must be a JSON object with a unique string `custom_id`, `method` POST, one of the
+job's urls and a `body` object naming a served model, not streamed. A line that fails gets an
+error record (with its custom_id when it has one); the rest run."""
 
 from __future__ import annotations
 
@@ -14,18 +15,32 @@ from dataclasses import dataclass
 class Line:
     number: int  # 0-based, among the file's non-blank lines
     custom_id: str
+    url: str
     body: dict
 
 
 def error_record(custom_id, code: str, message: str) -> dict:
+    """The output record of a line that never reached the server."""
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
-def check_lines(content: bytes, endpoint: str, model_served: Callable[[str], bool],
-                max_lines: int) -> tuple[list[Line], list[tuple[int, dict]]]:
+def answered_record(custom_id, status: int, payload: dict) -> dict:
+    """The output record of a line the server answered: its status and body; `error` set unless 200."""
+    err = None
+    if status != 200:
+        body_error = payload.get("error") or {}
+        err = {"code": body_error.get("code") or body_error.get("type"), "message": body_error.get("message")}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": payload.get("id") if status == 200 else None,
+                         "body": payload}, "error": err}
+
+
+def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callable[[str], bool],
+                max_lines: int, default_model: str | None = None) -> tuple[list[Line], list[tuple[int, dict]]]:
     """(the lines to run, (line number, error record) for the others). ValueError when the file as
-    a whole cannot be a batch input (not UTF-8, empty, too many lines)."""
+    a whole cannot be a batch input (not UTF-8, empty, too many lines). `default_model`: the model
+    of a body that names none (`pyserve batch`, as vLLM's run_batch; the Batch API has none)."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -44,13 +59,15 @@ def check_lines(content: bytes, endpoint: str, model_served: Callable[[str], boo
         except json.JSONDecodeError as e:
             bad.append((n, error_record(None, "invalid_json", f"line {n + 1} is not valid JSON: {e}")))
             continue
+        if default_model is not None and isinstance(item, dict) and isinstance(item.get("body"), dict):
+            item["body"].setdefault("model", default_model)
         custom_id = item.get("custom_id") if isinstance(item, dict) else None
-        problem = _problem(item, endpoint, model_served, seen)
+        problem = _problem(item, endpoints, model_served, seen)
         if problem is not None:
             bad.append((n, error_record(custom_id, *problem)))
             continue
         seen.add(custom_id)
-        good.append(Line(n, custom_id, item["body"]))
+        good.append(Line(n, custom_id, item["url"], item["body"]))
     return good, bad
 
 
@@ -59,7 +76,7 @@ def duplicate(custom_id: str) -> tuple[str, str]:
     return "duplicate_custom_id", f"custom_id: {custom_id!r} is used by an earlier line"
 
 
-def _problem(item, endpoint: str, model_served, seen: set[str]) -> tuple[str, str] | None:
+def _problem(item, endpoints: tuple[str, ...], model_served, seen: set[str]) -> tuple[str, str] | None:
     if not isinstance(item, dict):
         return "invalid_request", "the line must be a JSON object"
     custom_id = item.get("custom_id")
@@ -69,8 +86,8 @@ def _problem(item, endpoint: str, model_served, seen: set[str]) -> tuple[str, st
         return duplicate(custom_id)
     if item.get("method") != "POST":
         return "invalid_method", "method: must be POST"
-    if item.get("url") != endpoint:
-        return "invalid_url", f"url: {item.get('url')!r} is not this batch's endpoint {endpoint!r}"
+    if item.get("url") not in endpoints:
+        return "invalid_url", f"url: {item.get('url')!r} is not this batch's endpoint ({' or '.join(endpoints)})"
     body = item.get("body")
     if not isinstance(body, dict):
         return "invalid_request", "body: must be a JSON object"

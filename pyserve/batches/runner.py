@@ -20,13 +20,12 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import Callable
 
 import structlog
 
 from pyserve.batches.asgi_call import post_json
-from pyserve.batches.lines import Line, check_lines, error_record
+from pyserve.batches.lines import Line, answered_record, check_lines, error_record
 from pyserve.batches.store import BatchStore
 
 log = structlog.get_logger("pyserve.batches")
@@ -85,7 +84,7 @@ class BatchRunner:
         if batch["status"] in ("validating", "in_progress"):
             content = self.store.content(batch["input_file_id"])
             try:
-                good, bad = check_lines(content, batch["endpoint"], self.model_served, self.max_lines)
+                good, bad = check_lines(content, (batch["endpoint"],), self.model_served, self.max_lines)
             except ValueError as e:  # only while validating: a job in progress passed these checks
                 self._set(batch, "failed", errors=_errors("invalid_file", str(e), "input_file_id"))
                 return
@@ -172,14 +171,7 @@ class BatchRunner:
             self.store.add_result(batch["id"], line.number, False, error_record(line.custom_id, "internal_error",
                                                                                 repr(e)))
             return
-        record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-                  "response": {"status_code": status,
-                               "request_id": payload.get("id") if status == 200 else None,
-                               "body": payload}, "error": None}
-        if status != 200:
-            err = payload.get("error") or {}
-            record["error"] = {"code": err.get("code") or err.get("type"), "message": err.get("message")}
-        self.store.add_result(batch["id"], line.number, status == 200, record)
+        self.store.add_result(batch["id"], line.number, status == 200, answered_record(line.custom_id, status, payload))
 
     def _finish(self, batch: dict, status: str) -> None:
         """Writes the output and error files from the stored rows, then the final status."""

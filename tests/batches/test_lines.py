@@ -18,7 +18,7 @@ def test_each_bad_line_is_reported_with_its_custom_id_and_the_rest_run():
         line("nm", body={"model": "nope"}), line("s", body={"model": "m", "stream": True}), json.dumps([1]),
         line(""), "", line("ok2"),
     ]).encode()
-    good, bad = check_lines(content, URL, lambda m: m == "m", max_lines=100)
+    good, bad = check_lines(content, (URL,), lambda m: m == "m", max_lines=100)
     assert [(g.number, g.custom_id) for g in good] == [(0, "ok1"), (9, "ok2")]
     assert [(n, r["custom_id"], r["error"]["code"]) for n, r in bad] == [
         (1, None, "invalid_json"), (2, "ok1", "duplicate_custom_id"), (3, "u", "invalid_url"),
@@ -32,4 +32,4 @@ def test_each_bad_line_is_reported_with_its_custom_id_and_the_rest_run():
                                                           "4 lines; a batch takes at most 3")])
 def test_a_file_that_cannot_be_an_input_is_refused_naming_it(content, message):
     with pytest.raises(ValueError, match=message):
-        check_lines(content, URL, lambda m: True, max_lines=3)
+        check_lines(content, (URL,), lambda m: True, max_lines=3)
