@@ -166,12 +166,13 @@ class BatchRunner:
     async def _one(self, batch: dict, line: Line, owner: str) -> None:
         body = {**line.body, "priority": self.priority}
         try:
-            status, payload = await post_json(self.app, batch["endpoint"], body, self.headers, tenant=owner)
+            status, payload = await post_json(self.app, line.url, body, self.headers, tenant=owner)
         except Exception as e:  # noqa: BLE001 - recorded as the line's error
             self.store.add_result(batch["id"], line.number, False, error_record(line.custom_id, "internal_error",
                                                                                 repr(e)))
             return
-        self.store.add_result(batch["id"], line.number, status == 200, answered_record(line.custom_id, status, payload))
+        record = answered_record(line.custom_id, status, payload)
+        self.store.add_result(batch["id"], line.number, status == 200, record)
 
     def _finish(self, batch: dict, status: str) -> None:
         """Writes the output and error files from the stored rows, then the final status."""

@@ -10,8 +10,9 @@ header.
   answer's first line is below MIN_LOGPROB (see `confidence`) the request is escalated: the
   large model serves it as asked (`x-pyserve-escalated: yes`; the tokens the small model spent in
   `x-pyserve-small-prompt-tokens` and `x-pyserve-small-completion-tokens`, the body's usage being
-  the large model's), its prefix cache holding what it has seen before. Streaming trade: nothing is streamed until the small answer is decided; a kept small
-  answer is then sent as SSE at once, an escalated request streams the large model's answer.
+  the large model's), its prefix cache holding what it has seen before. Streaming trade:
+  nothing is streamed until the small answer is decided; a kept small answer is then sent as
+  SSE at once, an escalated request streams the large model's answer.
 """
 
 from __future__ import annotations
