@@ -2,10 +2,12 @@
 tokens use them): a completion prompt or chat messages to token ids, and token ids to text.
 
 /tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
-model's chat template with `tools` when given, `add_generation_prompt` default true); it answers {count, max_model_len,
-tokens, token_strs} (`token_strs` with `return_token_strs: true`, else null). /detokenize takes
-`tokens` (and `skip_special_tokens`, default false: special tokens are text too, as vLLM gives
-them) and answers {prompt}, so that /tokenize of messages then /detokenize gives the rendered chat. `model`, when given, names a served model or adapter (default: the primary model).
+model's chat template, with `tools` when given; `add_generation_prompt` default true); it
+answers {count, max_model_len, tokens, token_strs} (`token_strs` with `return_token_strs: true`,
+else null). /detokenize takes `tokens` (and `skip_special_tokens`, default false: special tokens
+are text too, as vLLM gives them) and answers {prompt}, so that /tokenize of messages then
+/detokenize gives the rendered chat. `model`, when given, names a served model or adapter
+(default: the primary model).
 """
 
 from __future__ import annotations
