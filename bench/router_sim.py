@@ -15,11 +15,10 @@ ratio. Pure Python, no server: seconds. Writes bench/results/router_sim.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from collections import OrderedDict
-from pathlib import Path
+
+import harness
 
 BLOCK = 16
 
@@ -57,7 +56,7 @@ class LruReplica:
         return hit
 
 
-def hit_rate(policy: str, replicas: int, pool: int, args, seed: int) -> float:
+def hit_rate(policy: str, replicas: int, pool: int, concurrency: int, args, seed: int) -> float:
     rng = random.Random(seed)
     systems = [[rng.randrange(1 << 40) for _ in range(args.system_tokens)] for _ in range(args.systems)]
     history = [list(systems[i % args.systems]) for i in range(args.conversations)]
@@ -65,7 +64,7 @@ def hit_rate(policy: str, replicas: int, pool: int, args, seed: int) -> float:
     waiting, active = list(range(args.conversations)), {}
     turn = hits = looked = 0
     while waiting or active:
-        while waiting and len(active) < args.concurrency:
+        while waiting and len(active) < concurrency:
             active[waiting.pop(0)] = args.turns
         chat = rng.choice(list(active))
         history[chat] += [rng.randrange(1 << 40) for _ in range(args.user_tokens)]
@@ -88,7 +87,7 @@ def hit_rate(policy: str, replicas: int, pool: int, args, seed: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, "router_sim")
     ap.add_argument("--systems", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=450)
     ap.add_argument("--conversations", type=int, default=32)
@@ -99,17 +98,17 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--pools", type=int, nargs="+", default=[40, 60, 80, 100, 150, 200, 300, 400, 500, 800, 2000])
     ap.add_argument("--seeds", type=int, default=3, help="runs per point (hit rates averaged)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "router_sim.json"))
     args = ap.parse_args()
-    report = {"workload": {k: getattr(args, k) for k in ("systems", "system_tokens", "conversations", "turns",
+    head = harness.header(__file__)
+    harness.print_header(head)
+    report = {**head, "workload": {k: getattr(args, k) for k in ("systems", "system_tokens", "conversations", "turns",
                                                           "user_tokens", "answer_tokens", "seeds")}, "runs": []}
     for concurrency in args.concurrency:
-        args.concurrency = concurrency
         for replicas in args.replicas:
             rows = []
             for pool in args.pools:
-                rates = {p: sum(hit_rate(p, replicas, pool, args, seed) for seed in range(args.seeds)) / args.seeds
-                         for p in ("cache_aware", "round_robin")}
+                rates = {p: sum(hit_rate(p, replicas, pool, concurrency, args, seed)
+                                for seed in range(args.seeds)) / args.seeds for p in ("cache_aware", "round_robin")}
                 ratio = rates["cache_aware"] / rates["round_robin"] if rates["round_robin"] else None
                 rows.append({"pool_blocks": pool, **rates, "ratio": ratio})
             best = max((r for r in rows if r["ratio"] is not None), key=lambda r: r["ratio"])
@@ -117,7 +116,7 @@ def main() -> None:
             print(f"{concurrency} chats in flight, {replicas} replicas: " + ", ".join(
                 f"{r['pool_blocks']}: {r['cache_aware']:.2f}/{r['round_robin']:.2f}" for r in rows)
                 + f"; largest ratio {best['ratio']:.2f}x at {best['pool_blocks']} blocks", flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    harness.write_report(args.out, report)
 
 
 if __name__ == "__main__":
