@@ -30,7 +30,7 @@ class RouterSettings:
     health_timeout: float = option(0.5, "seconds a replica's /health may take before it counts as down")
     connect_timeout: float = option(2.0, "seconds to connect to a replica before the request is retried elsewhere")
     lost_timeout: float = option(10.0, "seconds a replica may fail its health checks before the requests in flight "
-                                 "on it are ended (502; a stream with an error event)")
+                                 "on it are ended (504; a stream with an error event)")
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
 
     def __post_init__(self) -> None:
