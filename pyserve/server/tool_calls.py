@@ -50,6 +50,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise BadRequest(f"{field_name}: function names must be unique", param=field_name)
+    for_grammar = {}  # each function as the format's grammar takes it, checked once here
     for f in functions:
         kind = (f.parameters or {}).get("type", "object")
         if kind != "object":
@@ -57,8 +58,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
                              f"(type: object), not type {kind!r}", param=field_name)
         try:
             StructuredOutputsParams(json=f.parameters or {"type": "object"})  # OpenAI's schema limits
-            if f.strict:
-                closed_objects(f.parameters or {"type": "object"})
+            for_grammar[f.name] = _for_grammar(f)
         except GrammarError as e:
             raise BadRequest(f"{field_name}: {f.name}: parameters: {e}", param=field_name) from e
     tools = template_tools(functions)
@@ -73,7 +73,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
             return ToolPlan(tools, None, fmt, legacy)
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
         parallel = req.parallel_tool_calls and not legacy
-        grammar = fmt.grammar([_for_grammar(f) for f in functions], parallel, free_text=True)
+        grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True)
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
@@ -87,7 +87,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         parallel = False
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
-    grammar = fmt.grammar([_for_grammar(f) for f in forced], parallel)
+    grammar = fmt.grammar([for_grammar[f.name] for f in forced], parallel)
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)), forced=True)
 
