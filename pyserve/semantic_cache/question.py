@@ -10,8 +10,8 @@ from pyserve.semantic_cache.guard import content_words
 
 
 def conversation_text(messages: list[tuple[str, str]]) -> str:
-    """(role, text) pairs, system and developer messages left out, as one text."""
-    return "\n".join(f"{role}: {text}" for role, text in messages if role not in ("system", "developer"))
+    """(role, text) pairs: the user's, as one text."""
+    return "\n".join(f"{role}: {text}" for role, text in messages if role == "user")
 
 
 def question_text(text: str) -> str:

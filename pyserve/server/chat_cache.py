@@ -85,7 +85,7 @@ class ChatCache:
         fields = req.model_dump(mode="json", exclude=UNSCOPED_FIELDS, exclude_none=True)
         tenant = tenant_of(request)
         scope = hashlib.sha256(orjson.dumps([tenant, model, exact, fields], option=orjson.OPT_SORT_KEYS)).hexdigest()
-        text = conversation_text([(m.role, m.text()) for m in req.messages if m.role == "user"])
+        text = conversation_text([(m.role, m.text()) for m in req.messages])
         vector = (await asyncio.to_thread(embed_texts, self.encoder, [question_text(text)]))[0]
         return CachePlan(scope, tenant, model, vector, guard_of(text), read, write)
 
