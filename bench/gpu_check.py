@@ -540,6 +540,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
@@ -554,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
     c = Check(DRY if args.dry_run else FULL, args.dry_run)
+    device = torch.cuda.get_device_name() if c.dev.type == "cuda" else "cpu (interpreter)"
+    steps: list[dict] = []
+    report = {"device": device, "dry_run": args.dry_run, "copy_gb_s": c.copy_gbs, "steps": steps}
     wanted = set(args.steps.split(",")) if args.steps else None
-    steps = []
     for fn in STEPS:
         if wanted is not None and fn.__name__ not in wanted:
             continue
@@ -567,11 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append({"step": fn.__name__, "seconds": time.perf_counter() - start, "rows": rows})
         print(f"{fn.__name__}: {'ok' if all(r['ok'] for r in rows) else 'FAILED'} "
               f"({steps[-1]['seconds']:.1f} s)", flush=True)
-    device = torch.cuda.get_device_name() if c.dev.type == "cuda" else "cpu (interpreter)"
-    report = {"device": device, "dry_run": args.dry_run, "copy_gb_s": c.copy_gbs, "steps": steps}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "gpu_check.md").write_text(markdown(report))
+        write(args.out, report)  # after every step: a window cut short keeps what ran
     print(markdown(report))
     return 0 if all(r["ok"] for st in steps for r in st["rows"]) else 1
 
