@@ -44,3 +44,23 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> Path:
     return model_dirs["llama"]
+
+
+def real_model(name: str) -> Path:
+    """A real checkpoint from the cache (pyserve.testing.real_models). Missing, the test is skipped
+    naming the command that fetches it; where PYSERVE_REAL_MODELS=required (CI), it fails."""
+    from pyserve.testing.real_models import cached
+
+    path = cached(name)
+    if path is None:
+        message = f"{name} is not fetched: python -m pyserve.testing.real_models {name}"
+        if os.environ.get("PYSERVE_REAL_MODELS") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, llama.cpp's Q4_1 file (its embedding and head at Q8_0)."""
+    return real_model("smollm2-135m-instruct")

@@ -23,8 +23,8 @@ from pyserve.engine.sampling_params import SamplingParams
 from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.watchdog import Watchdog
 from pyserve.lora.request import LoRARequest
+from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import ModelConfig
-from pyserve.model.tokenizer import Tokenizer
 from pyserve.model.worker import ModelWorker
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
@@ -69,11 +69,11 @@ class AsyncEngine:
         self.config = config
         self.own_thread = own_thread
         self._engine_thread: LoopThread | None = None
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = load_config(config.model)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         cfg.check_context(self.max_model_len)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(config.model))
         spec = self.spec_config
         draft = None
@@ -98,6 +98,7 @@ class AsyncEngine:
             speculative=spec is not None,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
+            gguf_dequantize=config.gguf_dequantize,
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_timeout=config.distributed_timeout,
             enforce_eager=config.enforce_eager,
@@ -143,8 +144,8 @@ class AsyncEngine:
 
     def _check_draft(self, draft_dir: str) -> ModelConfig:
         """The draft's config, once its tokenizer is known to be the target's."""
-        draft_cfg = ModelConfig.from_dir(draft_dir)
-        same_vocab = Tokenizer.from_dir(draft_dir).inner.get_vocab() == self.tokenizer.inner.get_vocab()
+        draft_cfg = load_config(draft_dir)
+        same_vocab = load_tokenizer(draft_dir).inner.get_vocab() == self.tokenizer.inner.get_vocab()
         if not same_vocab or draft_cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft at {draft_dir} does not use the target's tokenizer")
         draft_cfg.check_context(self.max_model_len)

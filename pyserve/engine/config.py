@@ -37,6 +37,9 @@ class EngineConfig:
         "channel; CUDA compute capability 8.9+) or w8a8 (int8's weights and int8 activations, a scale per "
         "row; CPUs with VNNI: for batches, where int8's f32 arithmetic is the limit)", type=str)
     quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
+    gguf_dequantize: bool = option(
+        False, "GGUF: widen the file's quantized weights to the serving dtype once at load, instead of serving its "
+        "4- and 8-bit blocks on the int4 and int8 paths")
     tensor_parallel_size: int = option(
         1, "ranks the model is split over (heads, MLP features and vocabulary), each a process on this machine "
         "(on CUDA one device each; on CPUs torch.distributed's gloo)")

@@ -1,4 +1,5 @@
-"""Reads safetensors weights (one file or sharded with an index). Pickled weights are refused.
+"""Reads safetensors weights (one file or sharded with an index), or a GGUF file's tensors
+(model/gguf). Pickled weights are refused.
 
 The files are memory-mapped (safetensors does it): a checkpoint tensor already in the serving
 dtype on the CPU becomes the parameter itself, with no copy; others are converted or moved once.
@@ -20,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 from pyserve.model.config import ModelConfig
 from pyserve.model.decoder import CausalLM
 from pyserve.model.errors import WeightsError
+from pyserve.model.gguf import gguf_path, open_gguf
+from pyserve.model.gguf.weights import GgufWeights
 from pyserve.model.prequantized import checkpoint_quantization
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -75,14 +78,16 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    gguf_dequantize: bool = False,
 ) -> CausalLM:
     """Builds the model on `device` with every parameter taken from the checkpoint, strictly: a
     missing or unexpected tensor, or a shape mismatch, is an error naming it. The linear layers of a
     pre-quantized checkpoint (`quantization_config`: model/prequantized) are read into pyserve's
     quantized layers and the method is kept as `model.checkpoint_quantization`. Logs
     `weights_loaded` (tensors, bytes, seconds, GB/s, how many were used in place) where structlog
-    is configured.
+    is configured. A GGUF file (model/gguf) is read the same way, its quantized projections served as
+    model/gguf/weights.py says, or widened to `dtype` with `gguf_dequantize`.
 
     NOTE: a tensor used in place is the file's pages, mapped copy-on-write and read from the page
     cache when first touched: the file must not be truncated or rewritten in place while the model
@@ -94,12 +99,17 @@ def load_model(
         for name, buf in module.named_buffers(recurse=False):  # NOTE: not to_empty: see _SkipInit
             setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
     params = dict(model.named_parameters(remove_duplicate=False))
-    quantized = checkpoint_quantization(cfg.raw)
+    gguf = gguf_path(model_dir)
+    if gguf is None:
+        quantized, tensors = checkpoint_quantization(cfg.raw), iter_weights(model_dir)
+    else:
+        quantized = GgufWeights(open_gguf(gguf), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, gguf_dequantize)
+        tensors = quantized.tensors()
     packed: dict[str, dict[str, torch.Tensor]] = {}  # quantized layer -> its tensors, by suffix
     loaded: set[str] = set()
     unexpected = []
     num_tensors = num_bytes = in_place = 0
-    for name, tensor in iter_weights(model_dir):
+    for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a cached buffer some exporters keep
         param = params.get(name)

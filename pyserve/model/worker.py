@@ -112,6 +112,7 @@ class ModelWorker:
         speculative: bool = False,
         quantization: str | None = None,
         quantization_group_size: int = 64,
+        gguf_dequantize: bool = False,
         tensor_parallel_size: int = 1,
         distributed_timeout: float = 60.0,
         enforce_eager: bool = False,
@@ -137,7 +138,7 @@ class ModelWorker:
                                                                  distributed_timeout)
                 undo.callback(self._discard_group)
             torch.manual_seed(seed)
-            self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len)
+            self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len, gguf_dequantize)
             if quantization is not None and self.model.checkpoint_quantization is not None:
                 raise ValueError(f"quantization: the checkpoint is already quantized "
                                  f"({self.model.checkpoint_quantization}); leave quantization unset")

@@ -15,7 +15,7 @@ import torch
 
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import make_backend
-from pyserve.model.config import ModelConfig
+from pyserve.model.checkpoint import load_config
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
 from pyserve.model.worker import DTYPES, finish_model
@@ -39,7 +39,7 @@ def _exit_with_parent() -> None:
 
 def run(rank: int, size: int, init_method: str, device: torch.device, spec: RankSpec) -> None:
     group = TensorParallelGroup.join(rank, size, init_method, device, IDLE_TIMEOUT)
-    cfg = ModelConfig.from_dir(spec.model_dir)
+    cfg = load_config(spec.model_dir)
     dtype = DTYPES[spec.dtype]
     torch.manual_seed(spec.seed)
     model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len)
@@ -69,7 +69,7 @@ def follow_torchrun(config) -> None:
     from pyserve.model.worker import resolve_device, resolve_dtype
 
     rank, size = torchrun_rank()
-    cfg = ModelConfig.from_dir(config.model)
+    cfg = load_config(config.model)
     device = resolve_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

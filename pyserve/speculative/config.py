@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyserve.model.gguf.file import gguf_path
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -57,8 +59,9 @@ class SpeculativeConfig:
             model = fields["model"] or default_draft
             if model is None:
                 raise ValueError("speculative_config.model: a draft_model needs the draft's model directory")
-            if not (Path(model) / "config.json").is_file():
-                raise ValueError(f"speculative_config.model: no config.json in {model}")
+            if not (Path(model) / "config.json").is_file() and gguf_path(model) is None:
+                raise ValueError(f"speculative_config.model: {model} is neither a model directory (config.json) "
+                                 "nor a GGUF file")
             fields["model"] = str(model)
         elif fields["model"] is not None:
             raise ValueError("speculative_config.model is only for method 'draft_model'")

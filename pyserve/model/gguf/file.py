@@ -1,0 +1,102 @@
+"""A GGUF file opened with the `gguf` package's reader: metadata as plain values, tensors as views
+of the memory-mapped file. Opening checks what pyserve can serve (the architecture, each tensor's
+type), so a file it cannot serve is refused, naming the cause, before anything else loads."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyserve.model.config import UnsupportedModelError
+from pyserve.model.errors import WeightsError
+
+# GGUF's `general.architecture` -> the Hugging Face architecture served for it.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+PLAIN_TYPES = ("F32", "F16", "BF16")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # served on the int4 / int8 paths as they are
+DEQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # widened once at load
+
+
+def gguf_path(path: str | Path) -> Path | None:
+    """The GGUF file a model path names: the path itself when it is a `.gguf` file, or the one
+    `.gguf` file of a directory without a config.json; None for a Hugging Face directory."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise WeightsError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
+                           "name the one to serve (its path, or --gguf-file)")
+    return files[0] if files else None
+
+
+def open_gguf(path: str | Path) -> GgufFile:
+    """The file at `path`, opened once for the config, the tokenizer and the weights alike (reading
+    its metadata takes seconds for a vocabulary of 150k tokens); reopened when the file changes."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _opened(path, stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=2)
+def _opened(path: Path, mtime_ns: int, size: int) -> GgufFile:
+    return GgufFile(path)
+
+
+class GgufFile:
+    """One GGUF file, checked on open."""
+
+    def __init__(self, path: str | Path):
+        from gguf import GGUFReader  # llama.cpp's reader; imported here, where a GGUF is opened
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(str(self.path), "c")  # copy-on-write: tensors may be used in place
+        except (ValueError, OSError, IndexError) as e:  # a truncated file or a bad magic
+            raise WeightsError(f"{self.path} is not a readable GGUF file: {e}") from None
+        self.architecture = self.get("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedModelError(f"GGUF general.architecture {self.architecture!r} is not supported; "
+                                        f"supported: {', '.join(ARCHITECTURES)}")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        served = PLAIN_TYPES + NATIVE_TYPES + DEQUANTIZED_TYPES
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in served:
+                raise UnsupportedModelError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which pyserve "
+                                            f"does not serve; served types: {', '.join(served)}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value as Python (str, int, float, bool, list), or `default` when absent."""
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}`, e.g. arch("block_count")."""
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def rows(self, name: str) -> int:
+        """A tensor's rows (its outputs, for a matrix): GGUF lists dimensions innermost first."""
+        shape = self.tensors[name].shape
+        return int(shape[-1]) if len(shape) > 1 else 1
+
+    def data(self, name: str) -> np.ndarray:
+        """The tensor's stored data, a view of the mapped file: float values [rows, cols] for
+        plain types (BF16 as int16 bits), raw blocks [rows, bytes per row] (uint8) otherwise."""
+        t = self.tensors[name]
+        data = t.data
+        if t.tensor_type.name == "BF16":
+            data = data.view(np.int16)
+        return data

@@ -1,0 +1,167 @@
+"""A GGUF file's tensors under the Hugging Face names pyserve's model uses, and the served layer of
+each quantized projection:
+- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum): an Int4Linear in groups of
+  32, the nibbles repacked into its order, scale and offset as the file has them (Q4_0's offset is
+  -8 scales): the same weights, no widening;
+- Q8_0 (32 int8 weights and a scale a block): an Int8Linear, whose kernels take one scale per
+  row: each row re-rounded to it, an error bench/gguf_quality.py measures;
+- Q5_0, Q5_1 and the K-quants: dequantized once with the `gguf` package (llama.cpp's reference
+  arithmetic) into a full-precision layer;
+- F32 / F16 / BF16 as they are (an F32 tensor on the CPU is the mapped file itself).
+llama.cpp's converter reorders the rows of a Llama-family file's q and k projections for its own
+rotary layout; `_unpermute` restores Hugging Face's, for raw blocks as for floats (a row's blocks
+move whole)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from pyserve.model.errors import WeightsError
+from pyserve.model.gguf.file import GgufFile
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+QK_PERMUTED = ("llama", "mistral")  # architectures whose converter permutes q/k rows
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def hf_name(name: str) -> str | None:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _BLOCK.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+class GgufWeights:
+    """The loader's view of a GGUF file (model/loader.py): `tensors()` gives (HF name, tensor);
+    a quantized projection's tensor is its raw blocks, which `owns` claims and `layer` serves."""
+
+    def __init__(self, f: GgufFile, num_heads: int, num_kv_heads: int, head_dim: int, dequantize: bool = False):
+        """`dequantize`: every projection widened to the serving dtype (the reference the native
+        layers are measured against)."""
+        self.file = f
+        self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+        self.head_dim = head_dim
+        self.dequantize = dequantize
+        self.types: dict[str, str] = {}  # HF name of a quantized projection's weight -> its GGUF type
+
+    @property
+    def method(self) -> str | None:
+        """The quantization served, as stats() reports a pre-quantized checkpoint's (after tensors())."""
+        if self.dequantize or not self.types:
+            return None
+        return "gguf-" + "+".join(sorted(set(self.types.values())))
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        f = self.file
+        tied_quantized = "output.weight" not in f.tensors and f.type_of("token_embd.weight") not in ("F32", "F16",
+                                                                                                         "BF16")
+        for name in f.tensors:
+            target = hf_name(name)
+            if target is None:
+                raise WeightsError(f"GGUF tensor {name} is not one pyserve's {f.architecture} model uses")
+            kind = f.type_of(name)
+            data = self._rows_in_hf_order(name, f.data(name))
+            if name == "token_embd.weight" and tied_quantized:  # the head, from the same blocks
+                self.types["lm_head.weight"] = kind
+                yield "lm_head.weight", torch.from_numpy(np.ascontiguousarray(data))
+            if kind in ("F32", "F16", "BF16"):
+                tensor = torch.from_numpy(data)
+                yield target, tensor.view(torch.bfloat16) if kind == "BF16" else tensor
+            elif name == "token_embd.weight":  # looked up a row at a time: widened once
+                yield target, torch.from_numpy(_dequantize(data, kind, name))
+            else:
+                self.types[target] = kind
+                yield target, torch.from_numpy(data)
+
+    def owns(self, name: str, tensor: torch.Tensor) -> bool:
+        return name in self.types
+
+    def layer(self, module_name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, dtype: torch.dtype,
+              device: torch.device) -> nn.Module:
+        kind = self.types[f"{module_name}.weight"]
+        blocks = tensors["weight"].numpy()
+        bias = None if linear.bias is None else linear.bias.detach()
+        n, k = linear.out_features, linear.in_features
+        if kind in BLOCK_BYTES and blocks.shape != (n, k // 32 * BLOCK_BYTES[kind]):
+            raise WeightsError(f"GGUF weight of {module_name} has {blocks.shape} bytes, the config implies "
+                               f"{(n, k // 32 * BLOCK_BYTES[kind])}")
+        if kind in ("Q4_0", "Q4_1") and not self.dequantize:
+            packed, scales, offsets = q4_blocks(blocks, kind)
+            return Int4Linear(packed.to(device), scales.to(device), offsets.to(device), 32,
+                              None if bias is None else bias.to(device))
+        if kind == "Q8_0" and not self.dequantize:
+            q, scales = quantize_int8(torch.from_numpy(q8_0_dequantized(blocks)))
+            return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device))
+        weight = torch.from_numpy(_dequantize(blocks, kind, module_name))
+        out = nn.Linear(k, n, bias=bias is not None, device="meta")
+        out.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        return out
+
+    def _rows_in_hf_order(self, name: str, data: np.ndarray) -> np.ndarray:
+        """The inverse of llama.cpp's q/k row permutation: within each head its converter interleaves
+        the rotary halves' rows (row 2i from the first half, 2i + 1 from the second)."""
+        role = name.split(".")[2] if name.startswith("blk.") else ""
+        if self.file.architecture not in QK_PERMUTED or role not in self.heads:
+            return data
+        heads = self.heads[role]
+        rest = data.shape[1:]
+        return data.reshape(heads, self.head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(data.shape)
+
+
+def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K / 2] in Int4Linear's order, scales [N, K / 32], offsets [N, K / 32]) of
+    Q4_0 / Q4_1 blocks [N, K / 32 * bytes]. A block's byte j holds weight j (low nibble) and weight
+    j + 16 (high); Int4Linear's byte j holds weights 2j and 2j + 1."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, BLOCK_BYTES[kind])
+    scales = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        offsets = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:]
+    else:
+        offsets = -8.0 * scales
+        qs = b[..., 2:]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)  # the weights in order
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(np.ascontiguousarray(offsets))
+
+
+def q8_0_dequantized(blocks: np.ndarray) -> np.ndarray:
+    """The float32 weights [N, K] of Q8_0 blocks [N, K / 32 * 34]."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 34)
+    scales = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, blocks, 1]
+    return (b[..., 2:].view(np.int8).astype(np.float32) * scales).reshape(n, -1)
+
+
+def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if kind == "Q8_0":
+        return q8_0_dequantized(blocks)
+    if kind in ("Q4_0", "Q4_1"):
+        packed, scales, offsets = q4_blocks(blocks, kind)
+        p = packed.numpy()
+        q = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[0], -1, 32).astype(np.float32)
+        return (q * scales.numpy()[..., None] + offsets.numpy()[..., None]).reshape(p.shape[0], -1)
+    try:
+        return np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise WeightsError(f"GGUF tensor {name} ({kind}) could not be dequantized: {e}") from None

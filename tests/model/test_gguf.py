@@ -1,0 +1,198 @@
+"""GGUF files (pyserve/model/gguf): tiny models written as llama.cpp writes them serve what their
+Hugging Face directories serve; block formats become layers holding the file's own weights; files
+pyserve cannot serve are refused naming the cause."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pyserve import LLM, SamplingParams
+from pyserve.model.checkpoint import load_config, load_tokenizer
+from pyserve.model.config import UnsupportedModelError
+from pyserve.model.errors import WeightsError
+from pyserve.model.gguf import gguf_path
+from pyserve.model.gguf.tokenizer import build_tokenizer
+from pyserve.model.loader import load_model
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear
+from pyserve.testing import build_model
+from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+TEXT = "hello world 123, the cat"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model of each family whose GGUF files can hold its RoPE (no llama3 scaling)."""
+    root = tmp_path_factory.mktemp("gguf")
+    return {arch: build_model(root / arch, arch, **(LLAMA_ROPE if arch == "llama" else {}))
+            for arch in ("llama", "qwen2", "qwen3")}
+
+
+def _greedy(model, prompt_ids, **settings):
+    llm = LLM(model=str(model), **settings)
+    try:
+        return llm.generate([prompt_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_an_f32_gguf_serves_its_hf_directorys_greedy_tokens(tiny, tmp_path, arch):
+    """Config, tensor names, llama.cpp's q/k row order (llama) and the tokenizer all round-trip."""
+    hf_dir = tiny[arch]
+    gguf = gguf_from_hf(hf_dir, tmp_path / "m.gguf")
+    hf_tok, gguf_tok = load_tokenizer(hf_dir), load_tokenizer(gguf)
+    assert gguf_tok.encode(TEXT) == hf_tok.encode(TEXT)
+    chat = [{"role": "user", "content": "hi"}]
+    assert gguf_tok.apply_chat_template(chat) == hf_tok.apply_chat_template(chat)
+    assert (gguf_tok.eos_token, gguf_tok.bos_token) == (hf_tok.eos_token, hf_tok.bos_token)
+    cfg, ref_cfg = load_config(gguf), load_config(hf_dir)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == \
+        (ref_cfg.num_layers, ref_cfg.num_kv_heads, ref_cfg.head_dim, ref_cfg.qkv_bias, ref_cfg.qk_norm)
+    ids = hf_tok.encode(TEXT)
+    assert _greedy(gguf, ids) == _greedy(hf_dir, ids)
+
+
+@pytest.mark.parametrize("kind, layer", [("Q4_0", Int4Linear), ("Q4_1", Int4Linear), ("Q8_0", Int8Linear)])
+def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, kind, layer):
+    """4-bit blocks are served as they are (the same weights, bit for bit); 8-bit blocks on the
+    int8 path, each row re-rounded to one scale (within half its step of the file's weights)."""
+    gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf", projections=kind)
+    cfg = load_config(gguf)
+    native = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64)
+    wide = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
+    assert native.checkpoint_quantization == f"gguf-{kind}" and wide.checkpoint_quantization is None
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
+        served, file_weight = native.get_submodule(name), wide.get_submodule(name).weight
+        assert isinstance(served, layer) and isinstance(wide.get_submodule(name), torch.nn.Linear)
+        if layer is Int4Linear:
+            assert served.group_size == 32
+            assert torch.equal(served.dequantized(), file_weight)
+        else:
+            step = served.scales[:, None]
+            assert ((served.dequantized() - file_weight).abs() <= step / 2 + 1e-7).all()
+
+
+def _with_tensor(src_path, dst_path, name: str, kind: str, blocks: np.ndarray):
+    """A copy of the GGUF file `src_path` with tensor `name` replaced by raw `blocks` of `kind`."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    src = GGUFReader(str(src_path))
+    w = GGUFWriter(str(dst_path), src.fields["general.architecture"].contents())
+    for field in src.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0].name == "ARRAY" else None)
+    for t in src.tensors:
+        if t.name == name:
+            w.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst_path
+
+
+# K-quant blocks of 256 weights (gguf's writer cannot make them): random bytes, with each block's
+# fp16 scale fields set to small values. (bytes per block, byte offsets of its fp16 scales)
+K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", *K_BLOCKS])
+def test_other_block_formats_are_widened_with_ggufs_own_arithmetic(tmp_path, kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    hf_dir = build_model(tmp_path / "wide", "qwen2", hidden_size=256, intermediate_size=512)
+    gguf = gguf_from_hf(hf_dir, tmp_path / "f32.gguf")
+    rows = 512  # ffn_up: 256 inputs -> 512 outputs
+    if kind in K_BLOCKS:
+        size, scale_at = K_BLOCKS[kind]
+        blocks = np.random.default_rng(0).integers(0, 256, (rows, size), dtype=np.uint8)
+        for at in scale_at:
+            blocks[:, at:at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    else:
+        weight = np.random.default_rng(0).standard_normal((rows, 256)).astype(np.float32) * 0.1
+        blocks = quantize(weight, GGMLQuantizationType[kind])
+    gguf = _with_tensor(gguf, tmp_path / f"{kind}.gguf", "blk.0.ffn_up.weight", kind, blocks)
+    model = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64)
+    served = model.model.layers[0].mlp.up_proj
+    assert model.checkpoint_quantization == f"gguf-{kind}" and isinstance(served, torch.nn.Linear)
+    assert torch.equal(served.weight, torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind])))
+
+
+def test_a_directory_holding_one_gguf_is_served_from_it(tiny, tmp_path):
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    gguf = gguf_from_hf(tiny["qwen2"], folder / "m.gguf")
+    assert gguf_path(folder) == gguf
+    assert load_config(folder).family == "qwen2"
+    gguf_from_hf(tiny["qwen2"], folder / "other.gguf")
+    with pytest.raises(WeightsError, match="several GGUF files.*m.gguf, other.gguf"):
+        gguf_path(folder)
+
+
+def test_an_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
+    gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf", arch="phi3")
+    with pytest.raises(UnsupportedModelError, match="general.architecture 'phi3'"):
+        load_config(gguf)
+
+
+def test_an_unsupported_tensor_type_is_refused_naming_it(tiny, tmp_path):
+    gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf")
+    iq = np.zeros((128, 64 // 32 * 18), np.uint8)  # IQ4_NL: 18 bytes per 32 weights; ffn_up is 64 -> 128
+    bad = _with_tensor(gguf, tmp_path / "iq.gguf", "blk.0.ffn_up.weight", "IQ4_NL", iq)
+    start = time.perf_counter()
+    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_up.weight has type IQ4_NL"):
+        LLM(model=str(bad))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_file_that_is_not_gguf_is_refused_at_once(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    start = time.perf_counter()
+    with pytest.raises(WeightsError, match="broken.gguf is not a readable GGUF file"):
+        LLM(model=str(bad))
+    assert time.perf_counter() - start < 1.0
+
+
+class _Fields:
+    """The metadata build_tokenizer reads, without a file."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+
+def test_a_sentencepiece_vocabulary_merges_by_score_and_falls_back_to_bytes():
+    # SentencePiece merges the adjacent pair whose result scores highest: here ▁h, ll, llo, ▁he,
+    # ▁hello in turn ("el" scores too low to be made first).
+    pieces = {"\u2581": 0.0, "h": 0.0, "e": 0.0, "l": 0.0, "o": 0.0, "\u2581h": -1.0, "ll": -2.0, "llo": -3.0,
+              "\u2581he": -4.0, "el": -5.0, "\u2581hello": -6.0}
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * (3 + 256) + list(pieces.values())
+    tok, facts = build_tokenizer(_Fields({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0}))
+    enc = tok.encode("hello h\u00e9")
+    assert enc.tokens == ["<s>", "\u2581hello", "\u2581h", "<0xC3>", "<0xA9>"]
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "hello h\u00e9"
+    assert (facts["bos_token"], facts["eos_token"]) == ("<s>", "</s>")
+
+
+def test_an_unknown_pre_tokenizer_is_refused_naming_it():
+    with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre 'klingon'"):
+        build_tokenizer(_Fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "klingon",
+                                 "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}))
