@@ -102,7 +102,17 @@ def _served_models(args: argparse.Namespace) -> dict:
         configs = engine_configs(entries, base)
     except ModelsConfigError as e:
         sys.exit(f"pyserve serve: {e}")
-    return {name: ModelSpec(lambda c=config: _engine(c), loras) for name, (config, loras) in configs.items()}
+    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config))
+            for name, (config, loras) in configs.items()}
+
+
+def _download(config):
+    """The hub download of the config's model before its engine is built (None: a local path)."""
+    from pyserve.model.hub import fetch_model, is_hub_id
+
+    if not is_hub_id(config.model):
+        return None
+    return lambda: fetch_model(config.model, config.revision, config.gguf_file)
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -26,5 +26,10 @@ def resolve_model(model: str | Path | None) -> str:
 
 
 def served_name(model: str | Path | None) -> str:
-    """The name clients use for `model`: its directory's name, or `pyserve-default`."""
-    return DEFAULT_MODEL_NAME if model is None else Path(model).name
+    """The name clients use for `model`: its directory's (or file's) name, a hub id as given, or
+    `pyserve-default`."""
+    from pyserve.model.hub import is_hub_id
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return str(model) if is_hub_id(str(model)) else Path(model).name

@@ -25,6 +25,7 @@ from pyserve.engine.watchdog import Watchdog
 from pyserve.lora.request import LoRARequest
 from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import ModelConfig
+from pyserve.model.hub import fetch_model
 from pyserve.model.worker import ModelWorker
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
@@ -69,18 +70,19 @@ class AsyncEngine:
         self.config = config
         self.own_thread = own_thread
         self._engine_thread: LoopThread | None = None
-        self.model_config = load_config(config.model)
+        self.model_path = fetch_model(config.model, config.revision, config.gguf_file)  # downloads a hub id
+        self.model_config = load_config(self.model_path)
         cfg = self.model_config
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         cfg.check_context(self.max_model_len)
-        self.tokenizer = load_tokenizer(config.model)
-        self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(config.model))
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(self.model_path))
         spec = self.spec_config
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = (spec.model, self._check_draft(spec.model))
         self.worker = ModelWorker(
-            config.model,
+            self.model_path,
             cfg,
             device=config.device,
             dtype=config.dtype,
@@ -319,8 +321,4 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
-
-    @property
-    def model_path(self) -> str:
-        return self.config.model
 

@@ -15,7 +15,9 @@ class EngineConfig:
     """Every engine default, spelled once: `LLM(...)` takes these fields as keywords and
     `pyserve serve` / `pyserve batch` derive their flags from them (pyserve.options)."""
 
-    model: str
+    model: str  # a model directory, a GGUF file, or a hub id (ORG/NAME, ORG/NAME:FILE.gguf): model/hub.py
+    revision: str | None = option(None, "hub ids: the branch, tag or commit to download", type=str)
+    gguf_file: str | None = option(None, "the GGUF file to serve from a hub repository or a local folder", type=str)
     device: str = option("auto", "auto | cpu | cuda")
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16")
     block_size: int = option(16, "tokens per KV block")

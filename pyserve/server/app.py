@@ -68,8 +68,8 @@ async def health(request: Request) -> Response:
     """200 when every served model's engine is alive and stepping; else 503 naming the first
     that is not (`model`)."""
     startup: Startup = request.app.state.startup
-    if startup.status == "loading":
-        return json_response({"status": "loading"}, 503)
+    if startup.status in ("loading", "downloading"):
+        return json_response({"status": startup.status}, 503)
     if startup.status == "failed":
         return json_response({"status": "failed", "error": repr(startup.error)}, 503)
     state: ServerState = request.app.state.pyserve

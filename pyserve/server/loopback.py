@@ -4,6 +4,7 @@ it (SIGTERM: the server drains). Used by `pyserve eval` and by the tests and ben
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -12,15 +13,16 @@ import time
 from pathlib import Path
 
 
-def start_server(model_dir: Path | None, *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path | str | None, *flags: str, workdir: Path,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `pyserve serve MODEL FLAGS` (no MODEL when `model_dir` is None: the embedded default)
-    on a free loopback port and returns once /health answers.
+    on a free loopback port and returns once /health answers. `env`: variables set for it.
 
     It runs from `workdir`, outside the repository, so the installed package (with its native
     module) is imported, and logs to a file there: an unread pipe would fill up and block it.
     """
     model = [] if model_dir is None else [str(model_dir)]
-    return _start(["serve", *model], flags, workdir)
+    return _start(["serve", *model], flags, workdir, env)
 
 
 def start_router(replicas: list[str], *flags: str, workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -35,14 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], flags: tuple[str, ...], workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start(args: list[str], flags: tuple[str, ...], workdir: Path,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "pyserve.cli", *args, "--port", str(port), *flags]
     log_path = Path(workdir) / f"{args[0]}-{port}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                                env=None if env is None else {**os.environ, **env})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

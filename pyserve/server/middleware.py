@@ -121,6 +121,6 @@ class LoadingGate:
         status = scope["app"].state.startup.status
         if status == "ready":
             return await self.app(scope, receive, send)
-        message = ("the model is loading; retry once /health answers 200" if status == "loading"
+        message = (f"the model is {status}; retry once /health answers 200" if status in ("loading", "downloading")
                    else "the model failed to load; the server is exiting")
         return await _send_error(send, 503, "service_unavailable", message, [(b"retry-after", b"1")])

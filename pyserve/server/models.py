@@ -28,6 +28,7 @@ class ModelSpec:
 
     engine: AsyncEngine | Callable[[], AsyncEngine]
     lora_modules: dict[str, str] = field(default_factory=dict)
+    download: Callable[[], object] | None = None  # fetches a hub id's files first (/health: "downloading")
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@ socket already answers (`/health` says "loading", other routes 503), then starte
 loop with their adapters (`--lora-modules`).
 
 `status` moves once: "loading" -> "ready" (the ServerState is `app.state.pyserve`) or "failed"
-(`error` set, `on_failure` called: the process is to exit non-zero).
+(`error` set, `on_failure` called: the process is to exit non-zero); while a hub id's files are
+fetched, it says "downloading" first.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ class Startup:
         return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
 
     def _build_all(self) -> tuple[dict[str, AsyncEngine], Encoder | None, ChatCache | None]:
+        for spec in self._specs.values():
+            if spec.download is not None:
+                self.status = "downloading"
+                spec.download()
+                self.status = "loading"
         engines = {name: spec.engine() if callable(spec.engine) else spec.engine for name, spec in self._specs.items()}
         return (engines, *self._build_encoder())
 

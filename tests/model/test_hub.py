@@ -1,0 +1,99 @@
+"""Hub ids (pyserve/model/hub.py) against a local stand-in of the hub's HTTP API: a model
+downloaded (only the files it needs), cached, then served offline; a GGUF file named in a
+repository; missing, gated and pickle-only repositories refused with messages naming the cause.
+huggingface_hub reads HF_ENDPOINT when imported, so each download runs in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from pyserve.testing import build_model, start_server, stop_server
+from pyserve.testing.hub_standin import HubStandIn
+from pyserve.testing.tiny_gguf import gguf_from_hf
+
+FETCH = ("import json, sys, time; from pyserve.model.hub import fetch_model\n"
+         "start = time.perf_counter()\n"
+         "try:\n    print(json.dumps({'path': fetch_model(sys.argv[1])}))\n"
+         "except ValueError as e:\n    print(json.dumps({'error': str(e), 'seconds': time.perf_counter() - start}))\n")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("hub") / "tiny", "qwen2")
+
+
+def _fetch(model: str, env: dict[str, str]) -> dict:
+    run = subprocess.run([sys.executable, "-c", FETCH, model], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _completion(base: str, model: str) -> str:
+    body = {"model": model, "prompt": "the cat", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_a_hub_id_is_downloaded_then_served_offline_from_the_cache(tiny, tmp_path):
+    (tiny / "pytorch_model.bin").write_bytes(b"a pickle is never fetched")
+    env = {"HF_HOME": str(tmp_path / "hf")}
+    with HubStandIn() as hub:
+        hub.add_folder("org/tiny", tiny)
+        proc, base = start_server("org/tiny", workdir=tmp_path, env={**env, "HF_ENDPOINT": hub.url})
+        try:
+            assert "org/tiny" in [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
+            online = _completion(base, "org/tiny")
+        finally:
+            stop_server(proc)
+        fetched = {r.rsplit("/", 1)[1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
+    assert fetched == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                       "tokenizer_config.json"}
+    proc, base = start_server("org/tiny", workdir=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
+    try:
+        assert _completion(base, "org/tiny") == online
+    finally:
+        stop_server(proc)
+
+
+def test_a_gguf_file_named_in_a_repository_is_the_only_file_fetched(tiny, tmp_path):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    gguf_from_hf(tiny, folder / "tiny-f32.gguf")
+    gguf_from_hf(tiny, folder / "tiny-q8_0.gguf", projections="Q8_0")
+    with HubStandIn() as hub:
+        hub.add_folder("org/ggufs", folder)
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
+        got = _fetch("org/ggufs:tiny-q8_0.gguf", env)
+        fetched = [r for r in hub.requests if r.startswith("GET /org/ggufs/resolve/")]
+    assert got["path"].endswith("tiny-q8_0.gguf")
+    assert len(fetched) == 1 and fetched[0].endswith("/tiny-q8_0.gguf")
+
+
+def test_missing_gated_and_pickle_only_repositories_are_refused_naming_the_cause(tiny, tmp_path):
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    (pickles / "config.json").write_text((tiny / "config.json").read_text())
+    (pickles / "pytorch_model.bin").write_bytes(b"not loaded")
+    with HubStandIn() as hub:
+        hub.add_folder("org/gated", tiny)
+        hub.gated.add("org/gated")
+        hub.add_folder("org/pickles", pickles)
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
+        missing, gated, pickled = (_fetch(m, env) for m in ("org/nothing", "org/gated", "org/pickles"))
+    assert "org/nothing was not found on the hub" in missing["error"]
+    assert "org/gated is gated" in gated["error"] and "HF_TOKEN" in gated["error"]
+    assert "org/pickles has no safetensors weights" in pickled["error"]
+    assert max(r["seconds"] for r in (missing, gated, pickled)) < 1.0
+
+
+def test_an_unreachable_hub_fails_at_once_naming_it(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "PATH": ""}
+    got = _fetch("org/anything", env)
+    assert "org/anything" in got["error"] and "reach" in got["error"]
+    assert got["seconds"] < 1.0
