@@ -30,7 +30,7 @@ from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
 from pyserve.server.stats_api import server_stats
-from pyserve.server.tokenize_api import detokenize, tokenize
+from pyserve.server.tokenize_api import detokenize, tokenize, tokenizer_info
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 from pyserve.server.state import ServerState
 
@@ -158,6 +158,7 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
             Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/stats", server_stats, methods=["GET"]),

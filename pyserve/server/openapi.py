@@ -99,6 +99,12 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
                                          **_errors("400", *auth, "404", "413")}}}
            for path, summary, model in (("/tokenize", "Token ids of a prompt or of chat messages", TokenizeRequest),
                                         ("/detokenize", "Text of token ids", DetokenizeRequest))},
+        "/tokenizer_info": {"get": {
+            "summary": "The tokenizer's special tokens, chat template and length limit (vLLM's)",
+            "parameters": [{"name": "model", "in": "query", "required": False,
+                            "schema": {"type": "string", "enum": served}}],
+            "responses": {"200": {"description": "tokenizer configuration", "content": object_},
+                          **_errors("400", *auth, "404")}}},
         "/v1/embeddings": {"post": {
             "summary": "Embeddings of strings or token ids",
             "requestBody": {"required": True,

@@ -8,6 +8,10 @@ else null). /detokenize takes `tokens` (and `skip_special_tokens`, default false
 are text too, as vLLM gives them) and answers {prompt}, so that /tokenize of messages then
 /detokenize gives the rendered chat. `model`, when given, names a served model or adapter
 (default: the primary model).
+
+GET /tokenizer_info (`?model=` as above) answers the tokenizer's configuration as vLLM does: its
+special tokens, chat template and length limit (lm-evaluation-harness' `tokenizer_backend=remote`
+reads it, then tokenizes through /tokenize).
 """
 
 from __future__ import annotations
@@ -87,3 +91,16 @@ async def detokenize(request: Request) -> Response:
     engine = state.models.resolve(req.model)[0].engine
     check_token_ids(req.tokens, engine.vocab_size, "tokens")
     return json_response({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    state: ServerState = request.app.state.pyserve
+    unknown = set(request.query_params) - {"model"}
+    if unknown:
+        raise BadRequest(f"unknown query parameter {sorted(unknown)[0]!r}", param=sorted(unknown)[0])
+    engine = state.models.resolve(request.query_params.get("model"))[0].engine
+    tok = engine.tokenizer
+    return json_response({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                          "eos_token": tok.eos_token, "pad_token": None, "unk_token": None,
+                          "chat_template": tok.chat_template, "model_max_length": engine.max_model_len,
+                          "vocab_size": engine.vocab_size})

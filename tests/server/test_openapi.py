@@ -13,7 +13,7 @@ def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
                                  "/metrics", "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/stats",
-                                 "/v1/models/{model_id}"}
+                                 "/v1/models/{model_id}", "/tokenizer_info"}
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["properties"]["model"]["enum"] == ["m", "adapter-a"]

@@ -68,3 +68,20 @@ async def test_messages_tokenize_with_the_tools_the_chat_would_render():
         assert "get_weather" in tok.decode(r.json()["tokens"], skip_special_tokens=False)
         r = await c.post("/tokenize", json={"prompt": "x", "tools": tools})
         assert r.status_code == 400 and "tools: allowed only with messages" in r.json()["error"]["message"]
+
+
+async def test_tokenizer_info_gives_what_a_remote_tokenizer_reads(llama_dir):
+    """What lm-evaluation-harness' RemoteTokenizer reads: special tokens and the chat template."""
+    async with client(llama_dir) as (engine, c):
+        r = await c.get("/tokenizer_info")
+        assert r.status_code == 200, r.text
+        info = r.json()
+        tok = engine.tokenizer
+        assert (info["eos_token"], info["bos_token"], info["chat_template"]) == \
+            (tok.eos_token, tok.bos_token, tok.chat_template)
+        assert info["model_max_length"] == 128 and info["vocab_size"] == engine.vocab_size
+        assert (await c.get("/tokenizer_info?model=tiny")).json() == info
+        missing = await c.get("/tokenizer_info?model=nope")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+        odd = await c.get("/tokenizer_info?modle=tiny")
+        assert odd.status_code == 400 and odd.json()["error"]["param"] == "modle"
