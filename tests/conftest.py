@@ -64,3 +64,9 @@ def real_model(name: str) -> Path:
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct, llama.cpp's Q4_1 file (its embedding and head at Q8_0)."""
     return real_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers layout, the original safetensors)."""
+    return real_model("all-minilm-l6-v2")
