@@ -29,10 +29,7 @@ def config_dict(f: GgufFile) -> dict[str, Any]:
         "rms_norm_eps": float(f.arch("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(f.arch("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(f.arch("context_length", 2048)),
-        # No `output.weight`: the head is the embedding. A quantized embedding is widened for its
-        # lookups, so the head is then served from the same blocks as a layer of its own.
-        "tie_word_embeddings": "output.weight" not in f.tensors and f.type_of("token_embd.weight") in ("F32", "F16",
-                                                                                                         "BF16"),
+        "tie_word_embeddings": "output.weight" not in f.tensors and not f.head_from_quantized_embedding,
         "attention_bias": "blk.0.attn_output.bias" in f.tensors,
         "torch_dtype": "float16" if f.type_of("token_embd.weight") == "F16" else "bfloat16",
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),

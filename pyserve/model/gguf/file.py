@@ -10,16 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from pyserve.model.config import UnsupportedModelError
+from pyserve.model.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from pyserve.model.errors import WeightsError
 
-# GGUF's `general.architecture` -> the Hugging Face architecture served for it.
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# GGUF's `general.architecture` -> the Hugging Face architecture served for it (GGUF names the
+# families as pyserve does).
+ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 PLAIN_TYPES = ("F32", "F16", "BF16")
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # served on the int4 / int8 paths as they are
 DEQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # widened once at load
@@ -83,6 +79,12 @@ class GgufFile:
     def arch(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}`, e.g. arch("block_count")."""
         return self.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def head_from_quantized_embedding(self) -> bool:
+        """No `output.weight` (the head is the embedding) and the embedding in blocks: it is widened
+        for its lookups, and the head served from the same blocks as a layer of its own."""
+        return "output.weight" not in self.tensors and self.type_of("token_embd.weight") not in PLAIN_TYPES
 
     def type_of(self, name: str) -> str:
         return self.tensors[name].tensor_type.name

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pyserve.model.errors import WeightsError
-from pyserve.model.gguf.file import GgufFile
+from pyserve.model.gguf.file import PLAIN_TYPES, GgufFile
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -67,18 +67,16 @@ class GgufWeights:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         f = self.file
-        tied_quantized = "output.weight" not in f.tensors and f.type_of("token_embd.weight") not in ("F32", "F16",
-                                                                                                         "BF16")
         for name in f.tensors:
             target = hf_name(name)
             if target is None:
                 raise WeightsError(f"GGUF tensor {name} is not one pyserve's {f.architecture} model uses")
             kind = f.type_of(name)
             data = self._rows_in_hf_order(name, f.data(name))
-            if name == "token_embd.weight" and tied_quantized:  # the head, from the same blocks
+            if name == "token_embd.weight" and f.head_from_quantized_embedding:  # the head, from the same blocks
                 self.types["lm_head.weight"] = kind
                 yield "lm_head.weight", torch.from_numpy(np.ascontiguousarray(data))
-            if kind in ("F32", "F16", "BF16"):
+            if kind in PLAIN_TYPES:
                 tensor = torch.from_numpy(data)
                 yield target, tensor.view(torch.bfloat16) if kind == "BF16" else tensor
             elif name == "token_embd.weight":  # looked up a row at a time: widened once
@@ -156,11 +154,9 @@ def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
 
     if kind == "Q8_0":
         return q8_0_dequantized(blocks)
-    if kind in ("Q4_0", "Q4_1"):
+    if kind in ("Q4_0", "Q4_1"):  # Int4Linear's own arithmetic: the served and widened weights agree bit for bit
         packed, scales, offsets = q4_blocks(blocks, kind)
-        p = packed.numpy()
-        q = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[0], -1, 32).astype(np.float32)
-        return (q * scales.numpy()[..., None] + offsets.numpy()[..., None]).reshape(p.shape[0], -1)
+        return Int4Linear(packed, scales, offsets, 32, None).dequantized().numpy()
     try:
         return np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32)
     except (ValueError, KeyError, NotImplementedError) as e:
