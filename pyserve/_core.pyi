@@ -167,8 +167,9 @@ def linear_q4(
     threads: int = 1,
 ) -> None:
     """`linear` with 4-bit weights: packed [fan_out, fan_in / 2] uint8 (weight 2j in the low
-    nibble of byte j), dequantized in registers as q * scales + offsets per row and group of
-    `group` inputs (scales, offsets [fan_out, fan_in / group] f32)."""
+    nibble of byte j), weight q * scales + offsets per row and group of `group` inputs (scales,
+    offsets [fan_out, fan_in / group] f32). Groups of 32 or more: the nibbles multiply x
+    quantized to int16 per block of 32 inputs, the offsets x itself."""
 
 def linear_w8a8(
     x: np.ndarray,

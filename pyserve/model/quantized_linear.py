@@ -20,8 +20,10 @@ layer at load, model/prequantized reads a quantized checkpoint's.
 int8: q = round(w / s) clamped to [-127, 127] with s = max |w| / 127 per output row; the layer
 computes (x q^T) * s + bias, i.e. x (q * s)^T + bias. int4: per row and group, s = (max - min) /
 15, zero z = round(-min / s) in [0, 15], q = round(w / s) + z clamped to [0, 15], w ~ (q - z) * s;
-the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear_q4`).
-`dequantized()` is what a layer multiplies by, in both cases.
+the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear_q4`; on a CPU,
+groups of 32 or more multiply the nibbles with x quantized to int16 per block of 32 inputs, the
+offsets with x itself: pyserve.testing.quantized_reference.Int4Reference is that arithmetic in
+torch). `dequantized()` is what a layer multiplies by, in both cases.
 
 w8a8: where a weight-only layer's arithmetic is f32 (at most the CPU's f32 FMA peak, which
 oneDNN's f32 GEMM already nears at 32 rows), int8 products run 4x as many multiply-adds per

@@ -1,12 +1,17 @@
 """References of quantized arithmetic that transformers does not have, for greedy parity tests and
-the quality bench: W8A8Linear's with the integer sums in int64 (exact by construction)."""
+the quality bench: W8A8Linear's with the integer sums in int64 (exact by construction), and
+Int4Linear's on a CPU (its groups of 32 or more multiply int16 activations, quantized per block
+of 32 inputs)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pyserve.model.quantized_linear import W8A8Linear, quantize_int8
+from pyserve.model.quantized_linear import Int4Linear, W8A8Linear, quantize_int8, unpack_int4
+
+ACTIVATION_BLOCK = 32  # inputs per scale of Int4Linear's int16 activations on a CPU
+ACTIVATION_MAX = 32767.0
 
 
 class W8A8Reference(nn.Module):
@@ -23,12 +28,47 @@ class W8A8Reference(nn.Module):
         return out.reshape(*x.shape[:-1], -1)
 
 
-def use_w8a8_reference(model: nn.Module) -> None:
-    """Every linear layer of a transformers model replaced by W8A8Reference; a tied head untied
-    first (pyserve quantizes the head, not the embedding)."""
+def activation_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] as Int4Linear's CPU kernel multiplies the nibbles with: each block of 32 inputs
+    quantized to int16 (scale max |x| / 32767, rounded half to even) and scaled back."""
+    blocks = x.float().reshape(x.shape[0], -1, ACTIVATION_BLOCK)
+    scales = blocks.abs().amax(dim=2, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / ACTIVATION_MAX
+    return (torch.round(blocks / scales).clamp_(-ACTIVATION_MAX, ACTIVATION_MAX) * scales).reshape(x.shape)
+
+
+class Int4Reference(nn.Module):
+    """Int4Linear's CPU arithmetic: the scaled nibbles meet x's int16 blocks, the offsets x itself."""
+
+    def __init__(self, layer: Int4Linear):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        rows = x.reshape(-1, x.shape[-1]).float()
+        n, groups = layer.scales.shape
+        scaled = (unpack_int4(layer.packed).float().reshape(n, groups, -1) * layer.scales[..., None]).reshape(n, -1)
+        offsets = layer.offsets.repeat_interleave(layer.group_size, dim=1)
+        out = activation_blocks(rows) @ scaled.t() + rows @ offsets.t()
+        if layer.bias is not None:
+            out += layer.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def _replace_linears(model: nn.Module, reference) -> None:
+    """Every linear layer of a transformers model replaced by `reference(layer)`; a tied head
+    untied first (pyserve quantizes the head, not the embedding)."""
     model.config.tie_word_embeddings = False
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, W8A8Reference(W8A8Linear.from_linear(child)))
+        setattr(parent, name, reference(child))
+
+
+def use_w8a8_reference(model: nn.Module) -> None:
+    _replace_linears(model, lambda linear: W8A8Reference(W8A8Linear.from_linear(linear)))
+
+
+def use_int4_reference(model: nn.Module, group_size: int) -> None:
+    _replace_linears(model, lambda linear: Int4Reference(Int4Linear.from_linear(linear, group_size)))

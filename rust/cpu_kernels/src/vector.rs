@@ -15,10 +15,10 @@
 //! }
 //! ```
 //!
-//! `linear_q4` and `linear_q8` have a third file, `*_avx512.rs`: their AVX2 entry hands a layer
-//! to it where the CPU has AVX-512F and the layer's shape suits it (a 4-bit layer at batch 1 is
-//! bound by the instructions that widen its nibbles, which AVX-512 halves; an int8 layer at 32
-//! rows by its tiles' register blocking); the same rules hold there.
+//! `linear_q8` has a third file, `linear_q8_avx512.rs`: its AVX2 entry hands a layer to it where
+//! the CPU has AVX-512F (an int8 layer at 32 rows is bound by its tiles' register blocking); the
+//! same rules hold there. `linear_q4`'s dispatch is its own (`linear_q4::run_outputs`): its
+//! AVX2 half takes quantized activations, not `RowWeights`' f32 rows.
 //!
 //! `k_avx2::run` is the pair's only `#[target_feature(enable = "avx2,fma")]` function. Everything
 //! it calls is `#[inline(always)]`, so it is compiled into it with AVX2 and FMA, the portable
@@ -38,8 +38,7 @@ pub fn avx2_fma_available() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// Whether a kernel's AVX-512 half may run (`linear_q4` and `linear_q8` have one): the CPU has
-/// AVX-512F.
+/// Whether a kernel's AVX-512 half may run (`linear_q8` has one): the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 pub fn avx512_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")

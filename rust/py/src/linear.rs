@@ -60,9 +60,9 @@ pub fn linear_w8a8(
 }
 
 /// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` with
-/// 4-bit weights, `packed` [fan_out, fan_in / 2] u8 (two a byte, the even one low), dequantized
-/// as q * scales + offsets per row and group of `group` inputs (scales, offsets [fan_out,
-/// fan_in / group] f32).
+/// 4-bit weights, `packed` [fan_out, fan_in / 2] u8 (two a byte, the even one low), weight
+/// q * scales + offsets per row and group of `group` inputs (scales, offsets [fan_out,
+/// fan_in / group] f32); groups of 32 or more on x quantized to int16 per block of 32 inputs.
 #[pyfunction]
 #[pyo3(signature = (x, packed, scales, offsets, group, bias, out, threads=1))]
 #[allow(clippy::too_many_arguments)]
