@@ -1,5 +1,9 @@
 """The batched LoRA kernels (Triton, the torch reference and the Rust CPU kernel) against a dense
-float64 computation, and the CPU kernel's argument checks and thread-count invariance."""
+float64 computation, and the CPU kernel's argument checks and thread-count invariance.
+
+Inputs are drawn on the CPU (seeded generators) and moved to DEVICE: the GPU where there is one
+(Triton compiles for it), else the CPU under the interpreter. The float64 oracle and the Rust
+kernel stay on the CPU."""
 
 from __future__ import annotations
 
@@ -16,13 +20,21 @@ from pyserve import _core  # noqa: E402
 from pyserve.kernels import lora as lora_kernels  # noqa: E402
 from pyserve.kernels.lora import add_lora, add_lora_cpu, add_lora_ref  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def dense_delta(x, a, b, scaling, slots):
+    """The float64 oracle, on the CPU whatever the inputs' device."""
+    x, a, b, scaling = (t.cpu().double() for t in (x, a, b, scaling))
     out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            out[t] = scaling[s].double() * (b[s].double() @ (a[s].double() @ x[t].double()))
+            out[t] = scaling[s] * (b[s] @ (a[s] @ x[t]))
     return out
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -36,16 +48,17 @@ def test_lora_kernels_match_reference_and_dense(gather, monkeypatch):
     token_slots = torch.tensor([0, -1, 1, 1, 2, 0, -1, 1, 0])
     y0 = torch.randn(t, fan_out, generator=g)
     want = y0.double() + dense_delta(x, a, b, scaling, token_slots)
+    b_scaled = (b.transpose(1, 2) * scaling[:, None, None]).contiguous()
+    cpu = add_lora_cpu(y0.clone(), x, a, b_scaled, token_slots.numpy())  # the Rust kernel: host memory
+    torch.testing.assert_close(cpu.double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpu[1], y0[1])
+    x, a, b, scaling, token_slots, y0 = on_device(x, a, b, scaling, token_slots, y0)
     if not gather:
         monkeypatch.setattr(lora_kernels, "GATHER_LIMIT", 0)
     ref = add_lora_ref(y0.clone(), x, a, b, scaling, token_slots)
-    torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ref.double().cpu(), want, atol=1e-4, rtol=1e-4)
     got = add_lora(y0.clone(), x, a, b, scaling, token_slots)
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    b_scaled = (b.transpose(1, 2) * scaling[:, None, None]).contiguous()
-    cpu = add_lora_cpu(y0.clone(), x, a, b_scaled, token_slots.numpy())
-    torch.testing.assert_close(cpu.double(), want, atol=1e-4, rtol=1e-4)
-    assert torch.equal(cpu[1], y0[1])
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[1], y0[1]) and torch.equal(ref[6], y0[6])  # base tokens untouched
 
 
@@ -104,8 +117,10 @@ def test_the_triton_kernels_loop_the_rank_and_span_tiles():
     y0 = torch.randn(t, fan_out, generator=g)
     want = y0.double() + dense_delta(x, a, b, scaling, token_slots)
     order, tiles = lora_kernels.segments(token_slots.numpy())
-    got = add_lora(y0.clone(), x, a, b, scaling, token_slots, (torch.from_numpy(order), torch.from_numpy(tiles)))
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    x, a, b, scaling, token_slots, y0, order, tiles = on_device(
+        x, a, b, scaling, token_slots, y0, torch.from_numpy(order), torch.from_numpy(tiles))
+    got = add_lora(y0.clone(), x, a, b, scaling, token_slots, (order, tiles))
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[20], y0[20])
 
 
@@ -123,5 +138,7 @@ def test_the_triton_kernels_stop_at_each_slots_own_rank():
     token_slots = torch.tensor([0, 1, 0, -1, 1, 0])
     y0 = torch.randn(t, fan_out, generator=g)
     want = y0.double() + dense_delta(x, clean_a, clean_b, scaling, token_slots)
-    got = add_lora(y0.clone(), x, a, b, scaling, token_slots, ranks=torch.tensor([5, 80], dtype=torch.int32))
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    x, a, b, scaling, token_slots, y0 = on_device(x, a, b, scaling, token_slots, y0)
+    got = add_lora(y0.clone(), x, a, b, scaling, token_slots,
+                   ranks=torch.tensor([5, 80], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)

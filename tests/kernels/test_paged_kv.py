@@ -182,10 +182,15 @@ def test_a_shared_workspace_keeps_its_storage_and_the_results():
     k_cache, v_cache, tables, _ = make_paged_kv(SEQ_LENS, 2, torch.float32)
     q = randn(len(SEQ_LENS), 4, HEAD_DIM, dtype=torch.float32)
     args = (q, k_cache, v_cache, tables, i32(SEQ_LENS), HEAD_DIM**-0.5)
+    # NOTE: the views are asked for on q.device, as the launcher asks: torch.device("cuda") is not
+    # equal to a tensor's torch.device("cuda:0"), and the workspace reallocates on a device change.
     first = paged_decode_attention(*args, num_splits=3, workspace=workspace)
-    storage = workspace.views(len(SEQ_LENS), 4, 3, HEAD_DIM, DEVICE)[0].data_ptr()
+    mid_o, mid_lse = workspace.views(len(SEQ_LENS), 4, 3, HEAD_DIM, q.device)
+    storage = (mid_o.untyped_storage().data_ptr(), mid_lse.untyped_storage().data_ptr())
     second = paged_decode_attention(*args, num_splits=2, workspace=workspace)  # fewer splits: same buffer
-    assert workspace.views(len(SEQ_LENS), 4, 2, HEAD_DIM, DEVICE)[0].data_ptr() == storage
+    mid_o, mid_lse = workspace.views(len(SEQ_LENS), 4, 2, HEAD_DIM, q.device)
+    assert (mid_o.untyped_storage().data_ptr(), mid_lse.untyped_storage().data_ptr()) == storage
+    assert mid_o.storage_offset() == 0 and mid_lse.storage_offset() == 0  # views of the buffers' starts
     torch.testing.assert_close(first, paged_decode_attention_ref(*args), **TOL[torch.float32])
     torch.testing.assert_close(second, first, **TOL[torch.float32])
 
