@@ -187,13 +187,20 @@ class DecodeWorkspace:
         """(mid_o [num_seqs, num_q_heads, num_splits, head_dim], mid_lse [.., num_splits]) f32."""
         n = num_seqs * num_q_heads * num_splits
         if self._lse is None or self._lse.numel() < n or self._o.numel() < n * head_dim \
-                or self._o.device != torch.device(device):
+                or self._o.device != _indexed(torch.device(device)):
             if self.fixed:
                 raise ValueError(f"a decode step of {num_seqs} rows x {num_q_heads} heads x {num_splits} splits "
                                  f"needs more than the fixed workspace holds")
             self._allocate(n, head_dim, device)
         return (self._o[:n * head_dim].view(num_seqs, num_q_heads, num_splits, head_dim),
                 self._lse[:n].view(num_seqs, num_q_heads, num_splits))
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" names the current GPU, which a tensor's device spells "cuda:N"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def multiprocessor_count(device: torch.device) -> int:
