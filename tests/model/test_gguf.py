@@ -100,32 +100,95 @@ def _with_tensor(src_path, dst_path, name: str, kind: str, blocks: np.ndarray):
     return dst_path
 
 
-# K-quant blocks of 256 weights (gguf's writer cannot make them): random bytes, with each block's
-# fp16 scale fields set to small values. (bytes per block, byte offsets of its fp16 scales)
-K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+# K-quant blocks of 256 weights (gguf's writer cannot make them): random bytes (any bytes are a
+# block), with each block's fp16 scale fields set to finite values. (bytes per block, byte offsets
+# of its fp16 scales)
+K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+            "Q6_K": (210, (208,))}
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", *K_BLOCKS])
-def test_other_block_formats_are_widened_with_ggufs_own_arithmetic(tmp_path, kind):
+def _blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """`rows` rows of `cols` weights in `kind`'s blocks: random K-quant blocks (their scales varying
+    from block to block), or gguf's quantization of random weights."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
 
+    rng = np.random.default_rng(seed)
+    if kind not in K_BLOCKS:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, GGMLQuantizationType[kind])
+    size, scale_at = K_BLOCKS[kind]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        scales = (rng.uniform(0.001, 0.01, (rows, cols // 256, 1))).astype(np.float16)
+        blocks[..., at:at + 2] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _dequantized(blocks: np.ndarray, kind: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind]))
+
+
+def _within_half_a_step(layer: Int8Linear, weight: torch.Tensor) -> bool:
+    """Each weight of the int8 layer within half its row's step of `weight` (and f32's rounding)."""
+    return bool(((layer.dequantized() - weight).abs() <= layer.scales[:, None] * (0.5 + 1e-5)).all())
+
+
+# The int8 path's error on _blocks' weights, RMS(served - file) / RMS(file), measured: Q5_0 0.0068,
+# Q5_1 0.0070, Q5_K 0.0060, Q6_K 0.0061 (each row's step is its largest weight / 127).
+INT8_RMS_ERROR = 0.01
+
+
+@pytest.mark.parametrize("kind, layer", [("Q4_K", Int4Linear), ("Q5_0", Int8Linear), ("Q5_1", Int8Linear),
+                                         ("Q5_K", Int8Linear), ("Q6_K", Int8Linear), ("Q2_K", torch.nn.Linear),
+                                         ("Q3_K", torch.nn.Linear)])
+def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tmp_path, kind, layer):
+    """Q4_K on the int4 path is the file's weights bit for bit (gguf's dequantization of them);
+    Q5 and Q6_K on the int8 path within half a row's step of them (and a measured RMS bound);
+    Q2_K / Q3_K widened, exactly gguf's; `gguf_dequantize` widens every one of them so."""
     hf_dir = build_model(tmp_path / "wide", "qwen2", hidden_size=256, intermediate_size=512)
-    gguf = gguf_from_hf(hf_dir, tmp_path / "f32.gguf")
-    rows = 512  # ffn_up: 256 inputs -> 512 outputs
-    if kind in K_BLOCKS:
-        size, scale_at = K_BLOCKS[kind]
-        blocks = np.random.default_rng(0).integers(0, 256, (rows, size), dtype=np.uint8)
-        for at in scale_at:
-            blocks[:, at:at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    blocks = _blocks(kind, 512, 256)  # ffn_up: 256 inputs -> 512 outputs
+    gguf = _with_tensor(gguf_from_hf(hf_dir, tmp_path / "f32.gguf"), tmp_path / f"{kind}.gguf",
+                        "blk.0.ffn_up.weight", kind, blocks)
+    native = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64)
+    wide = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
+    served, file_weight = native.model.layers[0].mlp.up_proj, _dequantized(blocks, kind)
+    assert native.checkpoint_quantization == f"gguf-{kind}" and wide.checkpoint_quantization is None
+    assert type(served) is layer
+    assert torch.equal(wide.model.layers[0].mlp.up_proj.weight, file_weight)
+    if layer is torch.nn.Linear:
+        assert torch.equal(served.weight, file_weight)
+    elif layer is Int4Linear:
+        assert served.group_size == 32 and torch.equal(served.dequantized(), file_weight)
     else:
-        weight = np.random.default_rng(0).standard_normal((rows, 256)).astype(np.float32) * 0.1
-        blocks = quantize(weight, GGMLQuantizationType[kind])
-    gguf = _with_tensor(gguf, tmp_path / f"{kind}.gguf", "blk.0.ffn_up.weight", kind, blocks)
+        error = served.dequantized() - file_weight
+        assert _within_half_a_step(served, file_weight)
+        assert float(error.pow(2).mean().sqrt() / file_weight.pow(2).mean().sqrt()) < INT8_RMS_ERROR
+
+
+def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
+    """A Llama file's q/k rows are in llama.cpp's rotary order: each row's K-quant blocks move back
+    whole, so the served layers hold Hugging Face's rows (Q4_K on the int4 path, Q6_K on int8)."""
+    from pyserve.testing.tiny_gguf import _permute
+
+    hf_dir = build_model(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512, **LLAMA_ROPE)
+    cfg = load_config(hf_dir)
+    gguf = gguf_from_hf(hf_dir, tmp_path / "f32.gguf")
+    hf_blocks = {"q": _blocks("Q4_K", cfg.num_heads * cfg.head_dim, 256, seed=1),
+                 "k": _blocks("Q6_K", cfg.num_kv_heads * cfg.head_dim, 256, seed=2)}
+    gguf = _with_tensor(gguf, tmp_path / "q.gguf", "blk.1.attn_q.weight", "Q4_K",
+                        _permute(hf_blocks["q"], cfg.num_heads))
+    gguf = _with_tensor(gguf, tmp_path / "qk.gguf", "blk.1.attn_k.weight", "Q6_K",
+                        _permute(hf_blocks["k"], cfg.num_kv_heads))
     model = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64)
-    served = model.model.layers[0].mlp.up_proj
-    assert model.checkpoint_quantization == f"gguf-{kind}" and isinstance(served, torch.nn.Linear)
-    assert torch.equal(served.weight, torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind])))
+    attn = model.model.layers[1].self_attn
+    assert model.checkpoint_quantization == "gguf-Q4_K+Q6_K"
+    assert isinstance(attn.q_proj, Int4Linear) and isinstance(attn.k_proj, Int8Linear)
+    assert torch.equal(attn.q_proj.dequantized(), _dequantized(hf_blocks["q"], "Q4_K"))
+    k_weight = _dequantized(hf_blocks["k"], "Q6_K")
+    assert _within_half_a_step(attn.k_proj, k_weight)
 
 
 def test_a_directory_holding_one_gguf_is_served_from_it(tiny, tmp_path):

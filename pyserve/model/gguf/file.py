@@ -17,8 +17,9 @@ from pyserve.model.errors import WeightsError
 # families as pyserve does).
 ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 PLAIN_TYPES = ("F32", "F16", "BF16")
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # served on the int4 / int8 paths as they are
-DEQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # widened once at load
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # Int4Linear in groups of 32: the file's weights as they are
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # Int8Linear: each row re-rounded to one scale
+DEQUANTIZED_TYPES = ("Q2_K", "Q3_K")  # widened once at load
 
 
 def gguf_path(path: str | Path) -> Path | None:
@@ -65,7 +66,7 @@ class GgufFile:
             raise UnsupportedModelError(f"GGUF general.architecture {self.architecture!r} is not supported; "
                                         f"supported: {', '.join(ARCHITECTURES)}")
         self.tensors = {t.name: t for t in self.reader.tensors}
-        served = PLAIN_TYPES + NATIVE_TYPES + DEQUANTIZED_TYPES
+        served = PLAIN_TYPES + INT4_TYPES + INT8_TYPES + DEQUANTIZED_TYPES
         for t in self.reader.tensors:
             if t.tensor_type.name not in served:
                 raise UnsupportedModelError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which pyserve "

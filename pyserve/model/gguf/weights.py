@@ -1,16 +1,20 @@
 """A GGUF file's tensors under the Hugging Face names pyserve's model uses, and the served layer of
 each quantized projection:
-- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum): an Int4Linear in groups of
-  32, the nibbles repacked into its order, scale and offset as the file has them (Q4_0's offset is
-  -8 scales): the same weights, no widening;
-- Q8_0 (32 int8 weights and a scale a block): an Int8Linear, whose kernels take one scale per
-  row: each row re-rounded to it, an error bench/gguf_quality.py measures;
-- Q5_0, Q5_1 and the K-quants: dequantized once with the `gguf` package (llama.cpp's reference
-  arithmetic) into a full-precision layer;
+- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) and Q4_K (256 weights a
+  block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32): an Int4Linear
+  in groups of 32, the nibbles repacked into its order, each group's scale and offset as the file
+  has them (Q4_0's offset is -8 scales; Q4_K's scale d * sc, offset -dmin * m): the same weights,
+  bit for bit, no widening;
+- Q8_0, Q5_0, Q5_1, Q5_K and Q6_K: an Int8Linear, whose kernels take one scale per row: each row
+  widened (gguf's arithmetic) and re-rounded to int8 (half a step at most, the step the row's
+  largest weight / 127): tests/model/test_gguf.py bounds it; on Qwen2.5-Coder-0.5B's Q4_K_M file
+  RMS(error) / RMS(weight) is 0.9% for Q8_0 and Q5_0, 1.6% for Q6_K (2.0-2.7% the worst tensor);
+- Q2_K / Q3_K: dequantized once with the `gguf` package (llama.cpp's reference arithmetic) into a
+  full-precision layer (no file of them measured on the int8 path yet);
 - F32 / F16 / BF16 as they are (an F32 tensor on the CPU is the mapped file itself).
-llama.cpp's converter reorders the rows of a Llama-family file's q and k projections for its own
-rotary layout; `_unpermute` restores Hugging Face's, for raw blocks as for floats (a row's blocks
-move whole)."""
+A quantized embedding is widened (a step looks up rows of it). llama.cpp's converter reorders the
+rows of a Llama-family file's q and k projections for its own rotary layout; `_rows_in_hf_order`
+restores Hugging Face's, for raw blocks as for floats (a row's blocks move whole)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from pyserve.model.errors import WeightsError
-from pyserve.model.gguf.file import PLAIN_TYPES, GgufFile
+from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -33,7 +37,8 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QK_PERMUTED = ("llama", "mistral")  # architectures whose converter permutes q/k rows
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per block of 32 weights
+Q4_K_BYTES = 144  # per block of 256
 
 
 def hf_name(name: str) -> str | None:
@@ -94,15 +99,15 @@ class GgufWeights:
         blocks = tensors["weight"].numpy()
         bias = None if linear.bias is None else linear.bias.detach()
         n, k = linear.out_features, linear.in_features
-        if kind in BLOCK_BYTES and blocks.shape != (n, k // 32 * BLOCK_BYTES[kind]):
-            raise WeightsError(f"GGUF weight of {module_name} has {blocks.shape} bytes, the config implies "
-                               f"{(n, k // 32 * BLOCK_BYTES[kind])}")
-        if kind in ("Q4_0", "Q4_1") and not self.dequantize:
+        if blocks.shape != (n, row_bytes(kind, k)):
+            raise WeightsError(f"GGUF weight of {module_name} ({kind}) has {blocks.shape} bytes, the config implies "
+                               f"{(n, row_bytes(kind, k))}")
+        if kind in INT4_TYPES and not self.dequantize:
             packed, scales, offsets = q4_blocks(blocks, kind)
             return Int4Linear(packed.to(device), scales.to(device), offsets.to(device), 32,
                               None if bias is None else bias.to(device))
-        if kind == "Q8_0" and not self.dequantize:
-            q, scales = quantize_int8(torch.from_numpy(q8_0_dequantized(blocks)))
+        if kind in INT8_TYPES and not self.dequantize:
+            q, scales = quantize_int8(torch.from_numpy(_dequantize(blocks, kind, module_name)))
             return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device))
         weight = torch.from_numpy(_dequantize(blocks, kind, module_name))
         out = nn.Linear(k, n, bias=bias is not None, device="meta")
@@ -122,10 +127,20 @@ class GgufWeights:
         return data.reshape(heads, self.head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(data.shape)
 
 
+def row_bytes(kind: str, k: int) -> int:
+    """Bytes of a row of `k` weights of a block type; -1 where k is not a whole number of its blocks."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    return -1 if k % weights else k // weights * size
+
+
 def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K / 2] in Int4Linear's order, scales [N, K / 32], offsets [N, K / 32]) of
-    Q4_0 / Q4_1 blocks [N, K / 32 * bytes]. A block's byte j holds weight j (low nibble) and weight
-    j + 16 (high); Int4Linear's byte j holds weights 2j and 2j + 1."""
+    Q4_0 / Q4_1 / Q4_K blocks [N, row bytes]. A Q4_0 / Q4_1 block's byte j holds weight j (low
+    nibble) and j + 16 (high); Int4Linear's byte j holds weights 2j and 2j + 1."""
+    if kind == "Q4_K":
+        return _q4_k_blocks(blocks)
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, BLOCK_BYTES[kind])
     scales = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -136,8 +151,33 @@ def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor
         offsets = -8.0 * scales
         qs = b[..., 2:]
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)  # the weights in order
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(np.ascontiguousarray(offsets))
+    return _packed(q), torch.from_numpy(scales), torch.from_numpy(np.ascontiguousarray(offsets))
+
+
+def _q4_k_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K (llama.cpp's block_q4_K, as gguf/quants.py reads it): 144 bytes per 256 weights: fp16 d,
+    fp16 dmin, 12 bytes of eight 6-bit scales sc and mins m, 128 bytes of nibbles. Group g (of 32)
+    weighs d * sc[g] * q - dmin * m[g]. The 12 bytes: byte i < 4 holds sc[i] in its low 6 bits and
+    sc[i + 4]'s high 2 bits above; byte 4 + i likewise m[i] and m[i + 4]'s high bits; byte 8 + i
+    sc[i + 4]'s low 4 bits (low nibble) and m[i + 4]'s (high). Each 64 weights are 32 bytes: the
+    first 32 weights in the low nibbles, the next 32 in the high."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q4_K_BYTES)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, blocks, 1]
+    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+    low, mins, high = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = np.concatenate([low & 0x3F, (high & 0xF) | (low >> 6 << 4)], axis=-1)  # [N, blocks, 8]
+    m = np.concatenate([mins & 0x3F, (high >> 4) | (mins >> 6 << 4)], axis=-1)
+    scales = (d * sc.astype(np.float32)).reshape(n, -1)
+    offsets = -(dmin * m.astype(np.float32)).reshape(n, -1)  # q * s + (-o) is gguf's q * s - o, bit for bit
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # [N, blocks, 64-weight chunk, nibble, byte]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, -1)
+    return _packed(q), torch.from_numpy(scales), torch.from_numpy(offsets)
+
+
+def _packed(q: np.ndarray) -> torch.Tensor:
+    """Int4Linear's bytes of 4-bit values [N, K] in order: weight 2j low, 2j + 1 high."""
+    return torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
 
 
 def q8_0_dequantized(blocks: np.ndarray) -> np.ndarray:
@@ -154,7 +194,7 @@ def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
 
     if kind == "Q8_0":
         return q8_0_dequantized(blocks)
-    if kind in ("Q4_0", "Q4_1"):  # Int4Linear's own arithmetic: the served and widened weights agree bit for bit
+    if kind in INT4_TYPES:  # Int4Linear's own arithmetic: the served and widened weights agree bit for bit
         packed, scales, offsets = q4_blocks(blocks, kind)
         return Int4Linear(packed, scales, offsets, 32, None).dequantized().numpy()
     try:
