@@ -66,7 +66,7 @@ class CompletionContext:
         calls = self._calls.get(idx)
         if calls is None:
             calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy, self.tools.named,
-                                                        self.tools.forced)
+                                                   self.tools.forced, self.tools.fallback)
         return calls
 
     def release_lora(self) -> None:

@@ -13,8 +13,9 @@ from pyserve.server.errors import BadRequest
 from pyserve.server.schemas import ChatCompletionRequest, FunctionDef, NamedFunction, NamedToolChoice
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects
+from pyserve.tools.fallback import JsonCallFallback
 from pyserve.tools.formats import ToolFormat
-from pyserve.tools.parser import ParseDelta, ParsedCall, ToolCallParser
+from pyserve.tools.parser import CallDelta, ParseDelta, ParsedCall, ToolCallParser
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class ToolPlan:
     legacy: bool = False  # answer in the shape of `functions` / `function_call`
     named: bool = False  # one function forced by name: its call ends with finish_reason "stop", as OpenAI's
     forced: bool = False  # "required" or named: the whole output is calls, never content
+    fallback: JsonCallFallback | None = None  # "auto": an answer that is only a call's JSON object is a call
 
     @property
     def field(self) -> str:
@@ -69,12 +71,13 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         raise BadRequest(f"{field_name}: this model's chat template shows no tool-call format "
                          "(start the server with --tool-call-parser)", param=field_name)
     if choice == "auto":
-        if not any(f.strict for f in functions):
-            return ToolPlan(tools, None, fmt, legacy)
-        # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
         parallel = req.parallel_tool_calls and not legacy
+        fallback = JsonCallFallback(list(for_grammar.values()), parallel)
+        if not any(f.strict for f in functions):
+            return ToolPlan(tools, None, fmt, legacy, fallback=fallback)
+        # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
         grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True)
-        return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy)
+        return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy, fallback=fallback)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
             raise BadRequest(f"{stop_field}: not with a forced call ({choice_name} required or a named function)",
@@ -109,15 +112,21 @@ def _for_grammar(function: FunctionDef) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class ChoiceCalls:
-    """One choice's calls as they are read: ids given once per call."""
+    """One choice's calls as they are read: ids given once per call. With a `fallback`, the
+    calls the format's parser finds come first; only an answer in which it finds none may be a
+    bare call object (tools.fallback), so while streaming, content that could still become one
+    is held until it cannot or the answer ends."""
 
     parser: ToolCallParser
     legacy: bool
     named: bool = False  # see ToolPlan.named
     forced: bool = False  # see ToolPlan.forced: a call cut before its name leaves no content behind
+    fallback: JsonCallFallback | None = None  # see ToolPlan.fallback
     text: str = ""
     ids: list[str] = field(default_factory=list)
     has_calls: bool = False
+    held: str = ""  # content held back while the answer may still be a bare call object
+    may_fall_back: bool = True  # False once the answer so far can no longer be one (it only grows)
 
     def _id(self, index: int) -> str:
         while len(self.ids) <= index:
@@ -127,6 +136,8 @@ class ChoiceCalls:
     def message(self, text: str) -> dict[str, Any]:
         """The final message of a complete output."""
         content, calls = self.parser.parse(text)
+        if not calls and self.fallback is not None and (calls := self.fallback.calls(text)):
+            content = ""
         if self.forced:
             content = ""
         msg: dict[str, Any] = {"role": "assistant",
@@ -141,6 +152,8 @@ class ChoiceCalls:
         """The chunk delta for newly decoded text, and whether the choice has calls so far."""
         self.text += text_delta
         pd: ParseDelta = self.parser.feed(self.text, final)
+        if self.fallback is not None and self.may_fall_back:
+            pd = self._hold_for_fallback(pd, final)
         out: dict[str, Any] = {}
         if pd.content and not self.forced:
             out["content"] = pd.content
@@ -157,6 +170,21 @@ class ChoiceCalls:
                 for c in pd.calls]
         self.has_calls = self.has_calls or bool(pd.calls)
         return out, self.has_calls
+
+    def _hold_for_fallback(self, pd: ParseDelta, final: bool) -> ParseDelta:
+        """`pd` with its content held while the answer may still be a bare call object; at the
+        end, that answer's calls in place of the held content."""
+        if not pd.calls and not final and self.fallback.could_become_call(self.text):
+            self.held += pd.content
+            return ParseDelta()
+        self.may_fall_back = False
+        calls = self.fallback.calls(self.text) if final and not pd.calls else []
+        if calls:
+            self.held = ""
+            return ParseDelta(calls=[CallDelta(i, c.name, c.arguments) for i, c in enumerate(calls)])
+        # The format's own calls (what was held is their text before them), or content after all.
+        pd.content, self.held = self.held + pd.content, ""
+        return pd
 
     def _call(self, index: int, call: ParsedCall) -> dict[str, Any]:
         return {"id": self._id(index), "type": "function",

@@ -272,3 +272,58 @@ def test_offline_chat_renders_the_tools():
     text = llm.tokenizer.decode(with_tools.prompt_token_ids)
     assert "get_weather" in text and "<tools>" in text
     assert len(with_tools.prompt_token_ids) > len(without.prompt_token_ids)
+
+
+# A bare call object under "auto" (issue 43), through the server: the tiny random model is held to
+# the exact answer by guided_choice, so the text is the one a real model wrote.
+QWEN_ANSWER = '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n```'
+
+
+async def _chat(client, stream: bool, **body) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """(content, [(id, name, arguments)], finish_reason) of one choice, streamed or not."""
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 200, "stream": stream, **body}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        calls = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                 for c in choice["message"].get("tool_calls") or []]
+        return choice["message"]["content"], calls, choice["finish_reason"]
+    content, calls, finish = "", {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for ch in json.loads(line[6:])["choices"]:
+            content += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(tc["index"], ["", "", ""])
+                entry[0] = tc.get("id") or entry[0]
+                entry[1] = tc["function"].get("name") or entry[1]
+                entry[2] += tc["function"]["arguments"]
+            finish = ch["finish_reason"] or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("answer, call", [
+    (QWEN_ANSWER, ("get_weather", '{"city": "Paris", "unit": "celsius"}')),
+    ('{"name": "add", "parameters": {"a": 2, "b": 3}}', ("add", '{"a": 2, "b": 3}')),
+    ('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}', None),  # invalid arguments
+    ('{"name": "get_time", "arguments": {"city": "Paris"}}', None),  # undeclared
+    ("Sure.\n" + QWEN_ANSWER, None),  # text around the object
+    ('```python\nget_weather(city="Paris", unit="celsius")\n```', None),  # code that calls the function
+])
+async def test_an_auto_answer_that_is_only_a_call_object_is_a_call(llama_dir, answer, call):
+    from pyserve.testing.in_process import serving_models
+
+    async with serving_models({"tiny": {"model": str(llama_dir), "num_kv_blocks": 128}},
+                              tool_call_parser="hermes") as (_, c):
+        for stream in (False, True):
+            content, calls, finish = await _chat(c, stream, tools=TOOLS, guided_choice=[answer])
+            if call is None:
+                assert (content, calls, finish) == (answer, [], "stop")
+            else:
+                assert content is None and finish == "tool_calls"
+                ((call_id, *got),) = calls
+                assert tuple(got) == call and call_id.startswith("call_")
+        # tool_choice "none" never reads calls, whatever the answer
+        assert await _chat(c, False, tools=TOOLS, tool_choice="none", guided_choice=[answer]) == (answer, [], "stop")
