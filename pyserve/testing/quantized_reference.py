@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pyserve.model.quantized_linear import Int4Linear, W8A8Linear, quantize_int8, unpack_int4
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, W8A8Linear, quantize_int8, unpack_int4
 
 ACTIVATION_BLOCK = 32  # inputs per scale of Int4Linear's int16 activations on a CPU
 ACTIVATION_MAX = 32767.0
@@ -70,5 +70,27 @@ def use_w8a8_reference(model: nn.Module) -> None:
     _replace_linears(model, lambda linear: W8A8Reference(W8A8Linear.from_linear(linear)))
 
 
-def use_int4_reference(model: nn.Module, group_size: int) -> None:
-    _replace_linears(model, lambda linear: Int4Reference(Int4Linear.from_linear(linear, group_size)))
+class Int8Reference(nn.Module):
+    """Int8Linear's arithmetic: x times the dequantized weight."""
+
+    def __init__(self, layer: Int8Linear):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.layer.dequantized(), self.layer.bias)
+
+
+def use_int8_reference(model: nn.Module) -> None:
+    _replace_linears(model, lambda linear: Int8Reference(Int8Linear.from_linear(linear)))
+
+
+def use_int4_reference(model: nn.Module, group_size: int, head: str = "int8") -> None:
+    """`--quantization int4`'s arithmetic: every projection on Int4Reference, the LM head on int8
+    (quantize_linears' rule) or, with head="int4", on int4 too."""
+    def reference(linear: nn.Linear) -> nn.Module:
+        if linear is model.lm_head and head == "int8":
+            return Int8Reference(Int8Linear.from_linear(linear))
+        return Int4Reference(Int4Linear.from_linear(linear, group_size))
+
+    _replace_linears(model, reference)

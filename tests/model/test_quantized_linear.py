@@ -161,6 +161,14 @@ def test_greedy_parity_with_transformers_running_the_same_arithmetic(arch, metho
     assert stats["quantization"] == method
 
 
+def test_int4_keeps_the_lm_head_at_int8(model_dirs):
+    with LLM(str(model_dirs["llama"]), quantization="int4", quantization_group_size=32, block_size=4,
+             num_kv_blocks=64) as llm:
+        model = llm.engine.worker.model
+        kinds = {type(m) for name, m in model.named_modules() if ".layers." in name and hasattr(m, "weight_bytes")}
+        assert type(model.lm_head) is Int8Linear and kinds == {Int4Linear}
+
+
 @pytest.mark.skipif(not fast_int8_matmul(), reason="w8a8 is served only where oneDNN multiplies int8 (VNNI)")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_w8a8_greedy_parity_with_transformers_running_its_arithmetic(arch, model_dirs):
