@@ -1,4 +1,4 @@
-"""Calls a model wrote as a bare JSON object instead of in its format (issue 43): Qwen2.5-Coder
+"""Calls a model wrote as a bare JSON object instead of in its format: Qwen2.5-Coder
 answers a tool prompt with ```json {"name": "get_weather", "arguments": {...}}``` rather than
 `<tool_call>` tags. Under tool_choice "auto" only, such an answer is read as calls when the WHOLE
 answer (surrounding whitespace aside) is one JSON value, bare or in one ```json / ``` fence, that is
