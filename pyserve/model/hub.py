@@ -7,6 +7,7 @@ fetched: a repository that has only those is refused."""
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from pyserve.model.errors import WeightsError
@@ -42,9 +43,11 @@ def fetch_model(model: str, revision: str | None = None, gguf_file: str | None =
     return download(m.group("repo"), revision, m.group("file") or gguf_file)
 
 
+@lru_cache(maxsize=16)
 def download(repo: str, revision: str | None, gguf_file: str | None) -> str:
     """The repository's needed files in the hub cache (fetched if missing): its snapshot folder,
-    or the GGUF file's path."""
+    or the GGUF file's path. A process resolves each (repo, revision, file) once: the server's
+    start downloads before it builds the engine, which asks again (a failure is not kept)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)

@@ -52,8 +52,10 @@ def test_a_hub_id_is_downloaded_then_served_offline_from_the_cache(tiny, tmp_pat
         finally:
             stop_server(proc)
         fetched = {r.rsplit("/", 1)[1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
+        listings = [r for r in hub.requests if r.startswith("GET /api/models/org/tiny/revision/")]
     assert fetched == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                        "tokenizer_config.json"}
+    assert len(listings) == 1, hub.requests  # resolved once, though the start and the engine both ask
     proc, base = start_server("org/tiny", workdir=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
     try:
         assert _completion(base, "org/tiny") == online
