@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import harness
+from batch1_decode import pyserve_tok_s, read_seconds  # the same measures of decode and of a read
 from pyserve import LLM, SamplingParams
 from pyserve.testing.real_models import fetch
 
@@ -68,17 +69,6 @@ def load_seconds(path: Path) -> tuple[float, float]:
     return loaded, tokenizer
 
 
-def read_seconds(nbytes: int) -> float:
-    buf = torch.ones(nbytes // 4)
-    buf.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return harness.median(times)
-
-
 def embedding_table_bytes(llm: LLM) -> int:
     """Bytes of the embedding table where the head does not share it: a step reads one row of it
     per token, so the roofline leaves it out."""
@@ -86,13 +76,6 @@ def embedding_table_bytes(llm: LLM) -> int:
     table = model.model.embed_tokens.weight
     head = getattr(model.lm_head, "weight", None)
     return 0 if head is not None and head.data_ptr() == table.data_ptr() else table.numel() * table.element_size()
-
-
-def pyserve_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 def llama_bench_tok_s(bin_dir: Path, path: Path, tokens: int, threads: int) -> float:
@@ -119,11 +102,12 @@ def measure(name: str, bin_dir: Path, args) -> dict:
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
     nbytes = llm.stats()["weight_bytes"]
     read = nbytes - embedding_table_bytes(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     runs = harness.interleaved({
-        "pyserve": lambda: pyserve_tok_s(llm, [prompt], args.tokens),
+        "pyserve": lambda: pyserve_tok_s(llm, [prompt], params),
         "llama.cpp": lambda: llama_bench_tok_s(bin_dir, path, args.tokens, args.threads),
         "roofline": lambda: 1.0 / read_seconds(read),
-        "pyserve_batch5": lambda: pyserve_tok_s(llm, [prompt] * 5, args.tokens),
+        "pyserve_batch5": lambda: pyserve_tok_s(llm, [prompt] * 5, params),
     }, runs=args.runs, warmup=1)
     quantization = llm.stats()["quantization"]
     llm.close()

@@ -41,17 +41,16 @@ class Int4Reference(nn.Module):
 
     def __init__(self, layer: Int4Linear):
         super().__init__()
-        self.layer = layer
+        n, groups = layer.scales.shape
+        self.scaled = (unpack_int4(layer.packed).float().reshape(n, groups, -1) * layer.scales[..., None]).reshape(n, -1)
+        self.offsets = layer.offsets.repeat_interleave(layer.group_size, dim=1)
+        self.bias = layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layer = self.layer
         rows = x.reshape(-1, x.shape[-1]).float()
-        n, groups = layer.scales.shape
-        scaled = (unpack_int4(layer.packed).float().reshape(n, groups, -1) * layer.scales[..., None]).reshape(n, -1)
-        offsets = layer.offsets.repeat_interleave(layer.group_size, dim=1)
-        out = activation_blocks(rows) @ scaled.t() + rows @ offsets.t()
-        if layer.bias is not None:
-            out += layer.bias
+        out = activation_blocks(rows) @ self.scaled.t() + rows @ self.offsets.t()
+        if self.bias is not None:
+            out += self.bias
         return out.reshape(*x.shape[:-1], -1)
 
 
@@ -75,10 +74,10 @@ class Int8Reference(nn.Module):
 
     def __init__(self, layer: Int8Linear):
         super().__init__()
-        self.layer = layer
+        self.weight, self.bias = layer.dequantized(), layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.layer.dequantized(), self.layer.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def use_int8_reference(model: nn.Module) -> None:

@@ -6,36 +6,22 @@ generation task through the chat template and gets the offline engine's greedy a
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 from pyserve import LLM, SamplingParams
 from pyserve.testing import start_server, stop_server
+from pyserve.testing.lm_eval_tasks import MULTIPLE_CHOICE, task_manager
 
 QUESTIONS = [
     {"question": "The capital of France is", "choices": [" Paris", " Berlin", " Madrid"], "answer": 0},
     {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Kelvin", " Newton"], "answer": 0},
     {"question": "The opposite of hot is", "choices": [" cold", " loud", " tall"], "answer": 0},
 ]
-MC_TASK = """task: pyserve_smollm2_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
 CHAT = [{"question": "What is the capital of France? Answer in one word.", "answer": "Paris"},
         {"question": "Name the largest planet of the solar system in one word.", "answer": "Jupiter"}]
-GEN_TASK = """task: pyserve_smollm2_gen
+GENERATION = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -63,15 +49,6 @@ def server(smollm2, tmp_path_factory):
     stop_server(proc)
 
 
-def _task(tmp_path, name: str, template: str, rows: list[dict]):
-    from lm_eval.tasks import TaskManager
-
-    data = tmp_path / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / f"{name}.yaml").write_text(template.format(data=data))
-    return TaskManager(include_path=str(tmp_path))
-
-
 def test_local_completions_with_the_remote_tokenizer_scores_pyserves_logprobs(server, smollm2, tmp_path,
                                                                              monkeypatch):
     import lm_eval
@@ -79,7 +56,7 @@ def test_local_completions_with_the_remote_tokenizer_scores_pyserves_logprobs(se
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = _task(tmp_path, "pyserve_smollm2_mc", MC_TASK, QUESTIONS)
+    tasks = task_manager(tmp_path, "pyserve_smollm2_mc", MULTIPLE_CHOICE, QUESTIONS)
     lm = LocalCompletionsAPI(base_url=f"{server}/v1/completions", model="smollm2", num_concurrent=1, max_retries=1)
     assert lm.tokenizer_backend == "remote"  # detected from the server's /tokenizer_info
     results = lm_eval.simple_evaluate(model=lm, tasks=["pyserve_smollm2_mc"], task_manager=tasks, log_samples=True)
@@ -103,7 +80,7 @@ def test_local_chat_completions_gets_the_engines_greedy_answers(server, smollm2,
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = _task(tmp_path, "pyserve_smollm2_gen", GEN_TASK, CHAT)
+    tasks = task_manager(tmp_path, "pyserve_smollm2_gen", GENERATION, CHAT)
     results = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args=f"base_url={server}/v1/chat/completions,model=smollm2,num_concurrent=1,max_retries=1",

@@ -5,45 +5,28 @@ computes for the same tokens."""
 
 from __future__ import annotations
 
-import json
 import math
 
 from pyserve import LLM, SamplingParams
 from pyserve.testing import start_server, stop_server
+from pyserve.testing.lm_eval_tasks import MULTIPLE_CHOICE, task_manager
 
 QUESTIONS = [
     {"question": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"], "answer": 0},
     {"question": "for i in range(10):\n", "choices": ["    print(i)", "    break", "    pass"], "answer": 0},
     {"question": "import", "choices": [" os", " sys", " json"], "answer": 1},
 ]
-TASK = """task: pyserve_tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
 
 
 def test_lm_eval_local_completions_gets_pyserves_loglikelihoods(llama_dir, tmp_path, monkeypatch):
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "pyserve_tiny_mc.yaml").write_text(TASK.format(data=data))
+    manager = task_manager(tasks, "pyserve_tiny_mc", MULTIPLE_CHOICE, QUESTIONS)
     proc, base = start_server(llama_dir, "--served-model-name", "tiny", "--block-size", "4", "--num-kv-blocks",
                               "256", workdir=tmp_path)
     try:
@@ -51,7 +34,7 @@ def test_lm_eval_local_completions_gets_pyserves_loglikelihoods(llama_dir, tmp_p
             model="local-completions",
             model_args=f"base_url={base}/v1/completions,model=tiny,tokenizer={llama_dir},"
                        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1",
-            tasks=["pyserve_tiny_mc"], task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+            tasks=["pyserve_tiny_mc"], task_manager=manager, log_samples=True)
     finally:
         stop_server(proc)
     samples = results["samples"]["pyserve_tiny_mc"]
