@@ -77,9 +77,16 @@ class LoraRegistry:
         self.engine.unload_lora(entry.lora.lora_int_id)
 
     def under_root(self, path: str) -> str:
-        """The adapter path resolved (symlinks included) and checked to lie inside the root."""
+        """The adapter path resolved (symlinks included), checked to lie inside the root and to be
+        a path the file system can look up; a BadRequest naming lora_path otherwise."""
         assert self.root is not None
         target = (self.root / path).resolve()
         if not target.is_relative_to(self.root):
             raise BadRequest(f"lora_path must lie inside the server's LoRA root {self.root}", param="lora_path")
+        try:
+            target.stat()
+        except FileNotFoundError:
+            pass  # the loader says what is missing
+        except OSError as e:  # a name or path too long, a loop of links: the path's fault, not the server's
+            raise BadRequest(f"lora_path: cannot be looked up ({e.strerror})", param="lora_path") from None
         return str(target)

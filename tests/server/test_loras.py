@@ -4,6 +4,8 @@ bad adapters refused with 4xx while the server stays healthy, per-adapter counte
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import shutil
 
@@ -84,6 +86,28 @@ def test_bad_adapters_are_refused_and_the_server_carries_on(server, path, reason
     assert httpx.get(base + "/health").status_code == 200
     assert chat(base, DEFAULT_MODEL_NAME).status_code == 200
     assert chat(base, "bad").status_code == 404
+
+
+@pytest.mark.parametrize("path", ["a" * 5000, "a/" * 2500])
+def test_a_path_no_file_system_takes_is_a_400_and_the_connection_serves_on(server, path):
+    """A 5000-character lora_path (one name, or many) is refused naming lora_path, and the
+    keep-alive connection it came on answers the next request (a 500 used to drop it)."""
+    base, _ = server
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/load_lora_adapter", json.dumps({"lora_name": "long", "lora_path": path}),
+                     {**AUTH, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert (r.status, error["param"]) == (400, "lora_path") and "too long" in error["message"]
+        sock = conn.sock
+        conn.request("GET", "/v1/models", headers=AUTH)
+        r = conn.getresponse()
+        assert r.status == 200 and "long" not in [m["id"] for m in json.loads(r.read())["data"]]
+        assert conn.sock is sock  # the same connection
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("path, body, param", [
