@@ -102,6 +102,11 @@ class SemanticStore:
             self.evictions += 1
         return entry
 
+    def held(self, match: Callable[[Entry], bool]) -> tuple[int, int]:
+        """How many entries `match` accepts, and their bytes."""
+        mine = [e.nbytes for e in self._entries.values() if match(e)]
+        return len(mine), sum(mine)
+
     def invalidate(self, match: Callable[[Entry], bool]) -> int:
         """Drops every entry `match` accepts; returns how many."""
         doomed = [e for e in self._entries.values() if match(e)]

@@ -1,5 +1,6 @@
 """The semantic cache's own routes (with `--semantic-cache`; they need the server's API key, so
-a server without `--api-key` refuses them): `GET /v1/cache` (its figures) and
+a server without `--api-key` refuses them): `GET /v1/cache` (the caller's tenant's figures: its
+entries, bytes, hits, misses and stores; the server's are in /v1/stats and /metrics) and
 `POST /v1/cache/invalidate` ({"model": NAME} or {}), which drops the caller's tenant's entries
 (of that model, or all) and answers how many."""
 
@@ -23,7 +24,7 @@ def _cache(state: ServerState) -> ChatCache:
 
 
 async def cache_info(request: Request) -> Response:
-    return json_response(_cache(request.app.state.pyserve).figures())
+    return json_response(_cache(request.app.state.pyserve).tenant_figures(tenant_of(request)))
 
 
 async def invalidate(request: Request) -> Response:

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,16 @@ HEADER = "x-pyserve-cache"
 # Left out of the exact scope: the messages (scoped apart), and what cannot change the answer
 # (how it is sent, who asks, its place in the queue: a batch line's priority).
 UNSCOPED_FIELDS = {"messages", "stream", "stream_options", "user", "priority"}
+# Tenants whose hits, misses and stores are counted (the least recently active are forgotten):
+# a client names its tenant, so their number has no bound of its own.
+MAX_COUNTED_TENANTS = 10_000
+
+
+@dataclass(slots=True)
+class Counts:
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
 
 
 @dataclass(slots=True)
@@ -57,14 +68,35 @@ class ChatCache:
         self.encoder, self.calibration, self.sampled = encoder, calibration, sampled
         self.store = SemanticStore(encoder.dim, ttl, max_entries, max_bytes)
         self.hits = self.misses = self.stores = 0
+        self._tenants: OrderedDict[str, Counts] = OrderedDict()  # least recently active first
 
     def figures(self) -> dict:
-        """Entries, bytes, hits, misses, stores, evictions, expirations, the threshold and the bounds."""
+        """The server's: entries, bytes, hits, misses, stores, evictions, expirations, the
+        threshold and the bounds."""
         store = self.store
         return {"entries": len(store), "bytes": store.bytes, "hits": self.hits, "misses": self.misses,
                 "stores": self.stores, "evictions": store.evictions, "expirations": store.expirations,
-                "threshold": self.calibration.threshold, "ttl": store.ttl, "max_entries": store.max_entries,
+                **self._settings()}
+
+    def tenant_figures(self, tenant: str) -> dict:
+        """One tenant's: its entries, their bytes, its hits, misses and stores; the threshold and
+        the bounds."""
+        entries, nbytes = self.store.held(lambda e: e.tenant == tenant)
+        counts = self._tenants.get(tenant, Counts())
+        return {"entries": entries, "bytes": nbytes, "hits": counts.hits, "misses": counts.misses,
+                "stores": counts.stores, **self._settings()}
+
+    def _settings(self) -> dict:
+        store = self.store
+        return {"threshold": self.calibration.threshold, "ttl": store.ttl, "max_entries": store.max_entries,
                 "max_bytes": store.max_bytes}
+
+    def _counts(self, tenant: str) -> Counts:
+        counts = self._tenants.pop(tenant, None) or Counts()
+        self._tenants[tenant] = counts
+        if len(self._tenants) > MAX_COUNTED_TENANTS:
+            self._tenants.popitem(last=False)
+        return counts
 
     def eligible(self, req: ChatCompletionRequest) -> bool:
         deterministic = req.temperature == 0 or req.seed is not None
@@ -94,10 +126,13 @@ class ChatCache:
         if not plan.read:
             return None
         found = self.store.lookup(plan.scope, plan.vector, plan.guard)
+        counts = self._counts(plan.tenant)
         if found.entry is None:
             self.misses += 1
+            counts.misses += 1
         else:
             self.hits += 1
+            counts.hits += 1
         return found
 
     def save(self, plan: CachePlan, body: dict) -> None:
@@ -109,6 +144,7 @@ class ChatCache:
         self.store.insert(plan.scope, plan.vector, plan.guard, answer, plan.tenant, plan.model,
                           self.calibration.threshold)
         self.stores += 1
+        self._counts(plan.tenant).stores += 1
 
     def invalidate(self, tenant: str, model: str | None) -> int:
         return self.store.invalidate(lambda e: e.tenant == tenant and (model is None or e.model == model))

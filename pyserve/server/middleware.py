@@ -3,7 +3,8 @@ while the model loads, and the CORS settings the server and the router share.
 
 Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
 compare keys in constant time. The `Bearer` scheme is matched case-insensitively (RFC 9110: auth
-schemes are), the key exactly.
+schemes are), the key exactly, whatever whitespace stands around it (`bearer_key`: the tenant is
+read the same way).
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ async def _send_error(send, status: int, type_: str, message: str, extra_headers
     await send({"type": "http.response.body", "body": body})
 
 
+def bearer_key(value: bytes) -> bytes | None:
+    """The key of an Authorization value `Bearer KEY` (the scheme in any case, spaces or tabs
+    around the key); None for another scheme or no key."""
+    parts = value.split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
+
+
 class APIKeyMiddleware:
     def __init__(self, app, api_key: str, public_paths: frozenset[str], internal_key: str | None = None):
         """`internal_key`: a second key, for the server's own in-process requests (batch lines)."""
@@ -42,9 +52,7 @@ class APIKeyMiddleware:
         given = b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    given = b""
+                given = bearer_key(value) or b""
                 break
         known = hmac.compare_digest(given, self.expected) or (
             self.internal is not None and hmac.compare_digest(given, self.internal))

@@ -159,7 +159,7 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
     if settings.semantic_cache:
         forbidden = {"403": {"description": "the server has no API key",
                              "content": _json({"$ref": REF.format(model="Error")})}}
-        paths["/v1/cache"] = {"get": {"summary": "The semantic cache's figures",
+        paths["/v1/cache"] = {"get": {"summary": "The caller's tenant's semantic-cache figures",
                                       "responses": {"200": {"description": "figures", "content": object_},
                                                     **_errors(*auth), **forbidden}}}
         paths["/v1/cache/invalidate"] = {"post": {

@@ -6,6 +6,8 @@ import hashlib
 
 from starlette.requests import Request
 
+from pyserve.server.middleware import bearer_key
+
 # Set in the ASGI scope by the server's own in-process requests (a batch line: its job's owner);
 # an HTTP client cannot set a scope key, only headers.
 TENANT_SCOPE_KEY = "pyserve.tenant"
@@ -13,9 +15,14 @@ TENANT_SCOPE_KEY = "pyserve.tenant"
 
 def tenant_of(request: Request) -> str:
     """The bearer key presented and the X-Tenant header, hashed; for an in-process request, the
-    tenant it is made for."""
+    tenant it is made for. A bearer key is read as the API key check reads it (`bearer`,
+    `Bearer  KEY`: one tenant) and spelled `Bearer KEY`, so a tenant's hash is the one its
+    usual header always had; another Authorization value counts as it stands."""
     own = request.scope.get(TENANT_SCOPE_KEY)
     if own is not None:
         return own
-    raw = request.headers.get("authorization", "") + "\0" + request.headers.get("x-tenant", "")
+    auth = request.headers.get("authorization", "")
+    key = bearer_key(auth.encode("latin-1"))
+    who = auth if key is None else "Bearer " + key.decode("latin-1")
+    raw = who + "\0" + request.headers.get("x-tenant", "")
     return hashlib.sha256(raw.encode()).hexdigest()[:32]

@@ -137,12 +137,46 @@ async def test_invalidation_needs_the_key_and_drops_only_the_callers_tenant(serv
     assert (r.status_code, r.json()["error"]["param"]) == (400, "tenant")
     r = await served.post("/v1/cache/invalidate", json={"model": "nope"})
     assert (r.status_code, r.json()["error"]["param"]) == (404, "model")
-    info = (await served.get("/v1/cache")).json()
-    assert info["entries"] == 2 and 0.5 < info["threshold"] < 1
-    stats = (await served.get("/v1/stats")).json()
-    assert stats["semantic_cache"] == info and stats["semantic_cache"]["hits"] >= 1
+    info = (await served.get("/v1/cache", headers={"X-Tenant": "b"})).json()
+    assert (info["entries"], info["stores"], info["hits"]) == (1, 1, 1) and 0.5 < info["threshold"] < 1
+    stats = (await served.get("/v1/stats")).json()  # the server's figures
+    assert (stats["semantic_cache"]["entries"], stats["semantic_cache"]["hits"]) == (2, 1)
     r = await served.get("/v1/stats", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
+
+
+async def test_the_bearer_schemes_case_and_spaces_name_one_tenant(served):
+    """`bearer KEY` and `BEARER  KEY` pass the key check as `Bearer KEY` does, and are its
+    tenant: its entries hit, /v1/cache shows them, invalidation drops them."""
+    assert (await chat(client(served, "t"), "How do I reverse a string in Python?"))[0] == "miss"
+    for auth in (f"bearer {KEY}", f"BEARER  {KEY}", f"Bearer \t{KEY}"):
+        headers = {"Authorization": auth, "X-Tenant": "t"}
+        r = await served.post("/v1/chat/completions", headers=headers, json={
+            "model": "tiny", "messages": ask("How do I reverse a string in Python?"), "max_tokens": 8, "temperature": 0})
+        assert (r.status_code, r.headers["x-pyserve-cache"]) == (200, "hit"), auth
+        assert (await served.get("/v1/cache", headers=headers)).json()["entries"] == 1
+    r = await served.post("/v1/cache/invalidate", json={}, headers={"Authorization": f"bearer {KEY}", "X-Tenant": "t"})
+    assert r.json() == {"invalidated": 1}
+
+
+async def test_the_cache_figures_are_the_callers_own(served):
+    """GET /v1/cache: the caller's tenant's entries, bytes, hits, misses and stores, not the
+    server's (those are in /v1/stats)."""
+    a, b = client(served, "a"), client(served, "b")
+    for text in ("How do I sort a dict by value?", "How do I flatten a list of lists?"):
+        assert (await chat(b, text))[0] == "miss"
+    assert (await chat(b, "How do I sort a dict by value?"))[0] == "hit"
+    assert (await chat(a, "How do I sort a dict by value?"))[0] == "miss"
+
+    def figures(tenant):
+        return served.get("/v1/cache", headers={"X-Tenant": tenant})
+
+    mine = {t: (await figures(t)).json() for t in ("a", "b", "c")}
+    assert [(f["entries"], f["hits"], f["misses"], f["stores"]) for f in mine.values()] == \
+        [(1, 0, 1, 1), (2, 1, 2, 2), (0, 0, 0, 0)]
+    assert mine["c"]["bytes"] == 0 < mine["a"]["bytes"] < mine["b"]["bytes"]
+    server = (await served.get("/v1/stats")).json()["semantic_cache"]
+    assert (server["entries"], server["bytes"]) == (3, mine["a"]["bytes"] + mine["b"]["bytes"])
 
 
 def test_a_hit_is_a_new_response_with_fresh_tool_call_ids():
