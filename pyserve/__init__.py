@@ -21,6 +21,13 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed distribution's: one number, written by the build
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("pyserve")
+        except PackageNotFoundError:
+            return "unknown"  # a source tree that was never installed
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pyserve' has no attribute {name!r}")

@@ -266,12 +266,28 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
 
+class _Version(argparse.Action):
+    """--version: prints the installed package's version (read only when asked: the metadata
+    import costs every start tens of milliseconds) and exits."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print pyserve's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import pyserve
+
+        print(f"pyserve {pyserve.__version__}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pyserve.options import add_flags
     from pyserve.replicas.settings import RouterSettings
     from pyserve.server.settings import ServerSettings
 
     parser = _Parser(prog="pyserve", description="LLM serving engine")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=DEFAULTS_SHOWN)
     _engine_args(s)

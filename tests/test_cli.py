@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 import httpx
 import pytest
@@ -25,6 +26,15 @@ def test_lora_module_takes_name_equals_path_or_an_embedded_short_name():
     assert lora_module("tests") == ("tests", str(ADAPTER_DIRS["tests"]))
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=PATH"):
         lora_module("nope")
+
+
+def test_version_is_the_installed_distributions(capsys):
+    import pyserve
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert (done.value.code, capsys.readouterr().out) == (0, f"pyserve {version('pyserve')}\n")
+    assert pyserve.__version__ == version("pyserve") != ""
 
 
 def test_batch_needs_its_files_and_serve_its_address():
