@@ -1,11 +1,11 @@
 """The semantic cache's bench: wrong hits and paraphrase hits on the bench's own pairs, lookup
 time with 100k entries in one scope, cross-tenant hits, and the time a hit takes to answer.
 
-    python bench/semantic_cache.py [--entries 100000] [--out bench/results/semantic_cache.json]
+    python bench/semantic_cache.py [--entries 100000] [--embedding-model DIR] [--out FILE.json]
 
 1. Pairs (bench/semantic_cache_pairs.py): each pair's first question stored in a scope of its
    own, the second looked up, as the server does (its conversation's content words embedded by
-   the packaged WordLlama model, guards compared, the threshold calibrated to 1% on the shipped
+   the packaged WordLlama model or `--embedding-model`'s, guards compared, the threshold calibrated to 1% on the shipped
    calibration pairs). A trick that hits is a wrong hit; rates with 95% Clopper-Pearson intervals.
    The same for other error bounds (`--semantic-cache-error-bound`). Beside it, one global
    cosine threshold of 0.8 on the same model's embedding of the whole
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from semantic_cache_pairs import FAMILIES, bench_pairs  # noqa: E402
 
 from pyserve.embeddings.encoder import embed_texts  # noqa: E402
-from pyserve.embeddings.packaged import PackagedEncoder  # noqa: E402
+from pyserve.embeddings.load import load_encoder  # noqa: E402
 from pyserve.semantic_cache.guard import guard_of  # noqa: E402
 from pyserve.semantic_cache.calibration import calibrate_encoder  # noqa: E402
 from pyserve.semantic_cache.question import conversation_text, question_text  # noqa: E402
@@ -156,16 +156,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=100_000)
     p.add_argument("--http-hits", type=int, default=200)
+    p.add_argument("--embedding-model", default="wordllama", help="as the server's --embedding-model")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    encoder = PackagedEncoder()
+    encoder = load_encoder(args.embedding_model)
     calibration = calibrate_encoder(encoder, 0.01)
     trade = {}
     for bound in TRADE_OFF_BOUNDS:
         t = calibrate_encoder(encoder, bound).threshold
         rates = pair_rates(encoder, t)["pyserve"]
         trade[str(bound)] = {"threshold": round(t, 4), **{k: rates[k]["rate"] for k in rates}}
-    report = {"threshold": round(calibration.threshold, 4), "calibration_negatives": calibration.negatives,
+    report = {"embedding_model": encoder.name, "threshold": round(calibration.threshold, 4), "calibration_negatives": calibration.negatives,
               "calibration_positives_hit": round(calibration.positives_hit, 4),
               "pairs": pair_rates(encoder, calibration.threshold), "error_bound_trade_off": trade,
               "lookups": lookups(encoder, args.entries, calibration.threshold),
