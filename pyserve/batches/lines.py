@@ -45,7 +45,9 @@ def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callab
         text = content.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"input_file_id: the file is not UTF-8 ({e})") from None
-    raw = [ln for ln in text.splitlines() if ln.strip()]
+    # A line ends at "\n" only (a "\r" before it dropped), as OpenAI and vLLM read a file:
+    # U+2028, U+2029 and U+0085 are characters inside a line (JSON.stringify writes them raw).
+    raw = [ln.removesuffix("\r") for ln in text.split("\n") if ln.strip()]
     if not raw:
         raise ValueError("input_file_id: the file has no lines")
     if len(raw) > max_lines:

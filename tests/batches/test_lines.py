@@ -33,3 +33,15 @@ def test_each_bad_line_is_reported_with_its_custom_id_and_the_rest_run():
 def test_a_file_that_cannot_be_an_input_is_refused_naming_it(content, message):
     with pytest.raises(ValueError, match=message):
         check_lines(content, (URL,), lambda m: True, max_lines=3)
+
+
+def test_a_line_ends_at_newline_only_so_unicode_separators_stay_inside_it():
+    """U+2028, U+2029 and U+0085 as json.dumps(ensure_ascii=False) and JSON.stringify write them:
+    raw, inside a string; a "\\r" before the "\\n" is dropped."""
+    texts = ["a\u2028b", "c\u2029d", "e\u0085f"]
+    content = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": URL, "body": {
+        "model": "m", "messages": [{"role": "user", "content": t}]}}, ensure_ascii=False) + "\r\n"
+        for i, t in enumerate(texts))
+    good, bad = check_lines(content.encode(), (URL,), lambda m: m == "m", max_lines=100)
+    assert bad == []
+    assert [(g.custom_id, g.body["messages"][0]["content"]) for g in good] == list(zip(["c0", "c1", "c2"], texts))

@@ -208,3 +208,20 @@ def test_batch_serves_its_lora_modules_and_refuses_a_file_that_is_no_input(tmp_p
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode != 0 and "pyserve batch: --input: the file is not UTF-8" in run.stderr
     assert "engine_loaded" not in run.stderr  # refused before the model loaded
+
+
+def test_batch_reads_a_line_with_unicode_separators_as_one_request(tmp_path):
+    """`pyserve batch` reads lines as the Batch API does: U+2028, U+2029 and U+0085 written raw
+    (json.dumps(ensure_ascii=False), JSON.stringify) stay inside their line."""
+    from pyserve.server.batch import read_input
+    from pyserve.server.settings import ServerSettings
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": COMPLETIONS,
+                                         "body": {"prompt": f"x{sep}y"}}, ensure_ascii=False)
+                             for i, sep in enumerate("\u2028\u2029\u0085")) + "\n", encoding="utf-8")
+    good, bad = read_input(src, ServerSettings(served_model_name="m"))
+    assert bad == []
+    assert [(g.custom_id, g.body) for g in good] == [("c0", {"prompt": "x\u2028y", "model": "m"}),
+                                                     ("c1", {"prompt": "x\u2029y", "model": "m"}),
+                                                     ("c2", {"prompt": "x\u0085y", "model": "m"})]
