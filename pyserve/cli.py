@@ -403,9 +403,12 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pyserve.child_process import read_secrets
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    read_secrets(args, os.environ)  # --api-key / --replica-api-key left off: PYSERVE_API_KEY, ...
     args.func(args)
 
 

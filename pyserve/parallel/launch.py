@@ -10,15 +10,14 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import torch
 
+from pyserve.child_process import module_command
 from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 
 log = structlog.get_logger("pyserve.parallel")
@@ -62,12 +61,9 @@ class Followers:
     def start(cls, size: int, spec: RankSpec, device: torch.device,
               timeout: float) -> tuple[Followers, TensorParallelGroup]:
         init = f"tcp://127.0.0.1:{_free_port()}"
-        # From the folder that holds this very package, so the ranks import the pyserve rank 0 runs
-        # (from the current directory, `python -m` could find a source tree without its native module).
-        home = Path(__file__).resolve().parents[2]
-        procs = [subprocess.Popen([sys.executable, "-m", "pyserve.parallel.follower", "--rank", str(rank),
+        procs = [subprocess.Popen([*module_command("pyserve.parallel.follower"), "--rank", str(rank),
                                    "--size", str(size), "--init-method", init, "--device", device.type,
-                                   "--spec", json.dumps(dataclasses.asdict(spec))], cwd=home)
+                                   "--spec", json.dumps(dataclasses.asdict(spec))])
                  for rank in range(1, size)]
         followers = cls(procs)
         try:

@@ -2,7 +2,9 @@
 process on a loopback port of its own, started and kept running (one that exits after it once
 answered /health is started again) while the router serves in front of them. One that exits
 before it ever answered fails the start: the command would fail every time (a bad flag, a model
-that does not load). On Linux a replica gets SIGTERM when its parent dies, so none is orphaned."""
+that does not load). On Linux a replica gets SIGTERM when its parent dies, so none is orphaned.
+A replica runs the installed package whatever the working directory, and gets the API key in its
+environment, never on its command line (pyserve.child_process)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import urllib.request
 
 import structlog
 
+from pyserve.child_process import module_command, split_secrets
 from pyserve.server.loopback import free_port
 
 log = structlog.get_logger("pyserve.router")
@@ -41,7 +44,7 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 class LocalReplicas:
     def __init__(self, serve_argv: list[str], n: int):
-        self.argv = replica_argv(serve_argv)
+        self.argv, self.secrets = split_secrets(replica_argv(serve_argv))  # secrets: environment variables
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.ready = [False] * n  # answered /health once
@@ -71,9 +74,13 @@ class LocalReplicas:
                 p.kill()
                 p.wait()
 
+    def command(self, i: int) -> list[str]:
+        """Replica i's command line (what `ps` shows: no secret)."""
+        return [*module_command("pyserve.cli"), *self.argv, "--host", "127.0.0.1", "--port", str(self.ports[i])]
+
     def _spawn(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "pyserve.cli", *self.argv, "--host", "127.0.0.1", "--port", str(self.ports[i])]
-        self.procs[i] = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.procs[i] = subprocess.Popen(self.command(i), env={**os.environ, **self.secrets},
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.info("replica_started", replica=self.urls[i], pid=self.procs[i].pid)
 
     def _watch(self) -> None:

@@ -1,6 +1,7 @@
-"""`pyserve serve` (or `pyserve router`) as a child process on loopback: started on a free port (from a work directory,
-so the installed package is imported, its log in a file there), stopped the way an operator stops
-it (SIGTERM: the server drains). Used by `pyserve eval` and by the tests and benchmarks."""
+"""`pyserve serve` (or `pyserve router`) as a child process on loopback: started on a free port (the
+installed package, its log in a file in a work directory, an API key in its environment: see
+pyserve.child_process), stopped the way an operator stops it (SIGTERM: the server drains). Used by
+`pyserve eval` and by the tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from pyserve.child_process import module_command, split_secrets
 
 
 def start_server(model_dir: Path | str | None, *flags: str, workdir: Path,
@@ -18,8 +20,7 @@ def start_server(model_dir: Path | str | None, *flags: str, workdir: Path,
     """Starts `pyserve serve MODEL FLAGS` (no MODEL when `model_dir` is None: the embedded default)
     on a free loopback port and returns once /health answers. `env`: variables set for it.
 
-    It runs from `workdir`, outside the repository, so the installed package (with its native
-    module) is imported, and logs to a file there: an unread pipe would fill up and block it.
+    It runs from `workdir` and logs to a file there: an unread pipe would fill up and block it.
     """
     model = [] if model_dir is None else [str(model_dir)]
     return _start(["serve", *model], flags, workdir, env)
@@ -42,11 +43,12 @@ def _start(args: list[str], flags: tuple[str, ...], workdir: Path,
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pyserve.cli", *args, "--port", str(port), *flags]
+    flags, secrets = split_secrets(flags)
+    cmd = [*module_command("pyserve.cli"), *args, "--port", str(port), *flags]
     log_path = Path(workdir) / f"{args[0]}-{port}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-                                env=None if env is None else {**os.environ, **env})
+                                env={**os.environ, **(env or {}), **secrets})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -39,6 +39,20 @@ def test_forks_and_speculation_match_one_rank(model_dirs):
     assert all(a == b for a, b in results[2])  # both greedy samples of a prompt agree
 
 
+def test_ranks_import_the_installed_package_from_any_directory(model_dirs, tmp_path, monkeypatch):
+    """From a folder holding a decoy `pyserve` package (as the repository's root holds its source
+    tree), the follower ranks still import the installed one."""
+    (tmp_path / "pyserve").mkdir()
+    (tmp_path / "pyserve" / "__init__.py").write_text("raise ImportError('the decoy pyserve was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    ps = prompts(300, seed=5, lengths=(7, 20))
+    tokens = {}
+    for size in (1, 2):
+        with LLM(str(model_dirs["llama"]), tensor_parallel_size=size, block_size=4, num_kv_blocks=64) as llm:
+            tokens[size] = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert tokens[2] == tokens[1]
+
+
 @pytest.mark.parametrize("size, field", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
 def test_a_size_that_does_not_divide_the_model_is_refused(size, field, model_dirs):
     with pytest.raises(ValueError, match=f"tensor_parallel_size {size} does not divide the model's {field}"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from pyserve.replicas.front import REPLICA_HEADER
-from pyserve.replicas.local import replica_argv
+from pyserve.replicas.local import LocalReplicas, replica_argv
 from pyserve.server.loopback import free_port
 from pyserve.testing import start_server, stop_server
 
@@ -22,16 +22,32 @@ def test_the_front_keeps_its_own_flags():
     assert replica_argv(argv) == ["serve", "m", "--api-key", "k"]
 
 
-def test_two_local_replicas_serve_behind_one_port(model_dirs):
+def test_a_replicas_command_line_holds_no_key():
+    """`ps` shows every local user a process's command line: the key goes in the environment."""
+    replicas = LocalReplicas(["serve", "m", "--api-key", "s3cret", "--data-parallel-size", "2"], 2)
+    assert replicas.argv == ["serve", "m"]
+    assert not any("s3cret" in arg for arg in replicas.command(0))
+    assert replicas.secrets == {"PYSERVE_API_KEY": "s3cret"}
+
+
+def test_two_local_replicas_serve_behind_one_port(model_dirs, tmp_path):
+    """Started from a folder holding a decoy `pyserve` package (as the repository's root holds
+    its source tree): the front and its replicas import the installed one."""
     model = model_dirs["llama"]
+    (tmp_path / "pyserve").mkdir()
+    (tmp_path / "pyserve" / "__init__.py").write_text("raise ImportError('the decoy pyserve was imported')\n")
     proc, base = start_server(model, "--data-parallel-size", "2", "--served-model-name", "tiny", "--semantic-cache",
-                              "--api-key", "k", workdir=model.parent)
+                              "--api-key", "k", workdir=tmp_path)
     auth = {"Authorization": "Bearer k"}
     try:
         deadline = time.monotonic() + 120
         while httpx.get(base + "/health").json()["replicas_healthy"] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        replicas = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent(d) == proc.pid]
+        assert [Path(f"/proc/{pid}/cwd").resolve() for pid in replicas] == [tmp_path.resolve()] * 2
+        for pid in [proc.pid, *replicas]:  # the key is on no command line
+            assert b"k" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
         seen = set()
         for i in range(6):
@@ -40,6 +56,9 @@ def test_two_local_replicas_serve_behind_one_port(model_dirs):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             seen.add(r.headers[REPLICA_HEADER])
         assert len(seen) == 2  # cold prompts go where the least is cached: both replicas serve
+        for url in seen:  # each replica still holds its clients to the key
+            assert httpx.get(url + "/v1/models").status_code == 401
+            assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
         text = httpx.get(base + "/metrics", headers=auth).text
         assert all(f'pyserve:num_requests_running{{replica="{url}",model="tiny"}} 0' in text for url in seen)
         # Each replica's semantic cache, through the front: figures summed, invalidation sent to each.
