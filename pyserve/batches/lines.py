@@ -1,14 +1,17 @@
 """An input file's lines, checked before a job starts (the server's Batch API and `pyserve batch`
 alike): each must be a JSON object with a unique string `custom_id`, `method` POST, one of the
-job's urls and a `body` object naming a served model, not streamed. A line that fails gets an
-error record (with its custom_id when it has one); the rest run."""
+job's urls and a `body` object naming a served model, not streamed. A line is parsed as the
+server parses a request body (orjson): one it would refuse over HTTP (nested more than 1024 deep,
+an escaped lone surrogate such as "\\ud800") is not valid JSON here either. A line that fails gets
+an error record (with its custom_id when it has one); the rest run."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import orjson
 
 
 @dataclass(slots=True)
@@ -57,9 +60,10 @@ def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callab
     seen: set[str] = set()
     for n, ln in enumerate(raw):
         try:
-            item = json.loads(ln)
-        except json.JSONDecodeError as e:
-            bad.append((n, error_record(None, "invalid_json", f"line {n + 1} is not valid JSON: {e}")))
+            item = orjson.loads(ln)
+        except orjson.JSONDecodeError as e:  # e.msg: orjson's "line 1, column c" counts within the line
+            bad.append((n, error_record(None, "invalid_json",
+                                        f"line {n + 1} is not valid JSON: {e.msg} (column {e.colno})")))
             continue
         if default_model is not None and isinstance(item, dict) and isinstance(item.get("body"), dict):
             item["body"].setdefault("model", default_model)

@@ -1,0 +1,103 @@
+"""The Batch API's routes and runner in the test's own event loop, over a stand-in for the
+server's chat route (no engine): what a job's lines become and what its batch object reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from types import SimpleNamespace
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pyserve.batches.routes import create_batch, file_content, retrieve_batch, upload_file
+from pyserve.batches.runner import BatchRunner
+from pyserve.batches.service import BatchService
+from pyserve.batches.store import BatchStore
+from pyserve.server.errors import EXCEPTION_HANDLERS
+
+URL = "/v1/chat/completions"
+MODEL = "m"
+DONE = ("completed", "failed", "cancelled", "expired")
+
+
+async def chat(request: Request) -> JSONResponse:
+    """A chat answer whose usage is read off the request: prompt_tokens the characters of the
+    message, completion_tokens its max_tokens, 1 cached token, 1 reasoning token."""
+    body = await request.json()
+    prompt, completion = len(body["messages"][0]["content"]), body["max_tokens"]
+    return JSONResponse({"id": f"chatcmpl-{prompt}", "object": "chat.completion", "model": body["model"],
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                      "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                   "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 1},
+                                   "completion_tokens_details": {"reasoning_tokens": 1}}})
+
+
+def line(custom_id: str, content: str = "hello", max_tokens: int = 3, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": {
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body}})
+
+
+@contextlib.asynccontextmanager
+async def batch_api(data_dir):
+    """A client of the files and batches routes, their runner started over `chat`."""
+    app = Starlette(routes=[Route(URL, chat, methods=["POST"]), Route("/v1/files", upload_file, methods=["POST"]),
+                            Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+                            Route("/v1/batches", create_batch, methods=["POST"]),
+                            Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])],
+                    exception_handlers=EXCEPTION_HANDLERS)
+    store = BatchStore(data_dir)
+    runner = BatchRunner(store, app, {}, MODEL.__eq__, max_in_flight=4, max_lines=1_000_000)
+    app.state.pyserve = SimpleNamespace(batches=BatchService(store, runner, max_file_bytes=64 << 20))
+    runner.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            yield http
+    finally:
+        await runner.stop()
+        store.close()
+
+
+async def run_job(http: httpx.AsyncClient, text: str) -> tuple[dict, list[dict], list[dict]]:
+    """(the finished batch object, its output records, its error records) of a job over `text`."""
+    upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", text.encode())})
+    created = await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": URL,
+                                                   "completion_window": "24h"})
+    batch = created.json()
+    while batch["status"] not in DONE:
+        await asyncio.sleep(0.02)
+        batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
+
+    async def records(file_id: str | None) -> list[dict]:
+        if file_id is None:
+            return []
+        return [json.loads(ln) for ln in (await http.get(f"/v1/files/{file_id}/content")).text.splitlines()]
+
+    return batch, await records(batch["output_file_id"]), await records(batch["error_file_id"])
+
+
+async def test_a_line_nested_3000_deep_gets_an_error_record_and_the_rest_run(tmp_path):
+    deep = '{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": ' + "[" * 3000 + \
+           "]" * 3000 + "}"
+    async with batch_api(tmp_path) as http:
+        batch, out, errors = await run_job(http, "\n".join([line("a"), deep, line("b")]))
+    assert (batch["status"], batch["request_counts"]) == ("completed", {"total": 3, "completed": 2, "failed": 1})
+    assert [r["custom_id"] for r in out] == ["a", "b"]
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [(None, "invalid_json")]
+    assert "depth limit exceeded" in errors[0]["error"]["message"]
+
+
+async def test_an_escaped_lone_surrogate_is_an_invalid_json_record_not_an_internal_error(tmp_path):
+    """Refused as the server refuses such a body over HTTP, before it is sent."""
+    async with batch_api(tmp_path) as http:
+        batch, out, errors = await run_job(http, "\n".join([line("a"), line("lone", content="x\ud800y"), line("b")]))
+    assert '"x\\ud800y"' in line("lone", content="x\ud800y")  # the escape, as json.dumps writes it
+    assert (batch["status"], batch["request_counts"]) == ("completed", {"total": 3, "completed": 2, "failed": 1})
+    assert [r["custom_id"] for r in out] == ["a", "b"]
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [(None, "invalid_json")]
+    assert errors[0]["error"]["message"].startswith("line 2 is not valid JSON: no low surrogate in string")
