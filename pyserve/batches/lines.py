@@ -2,8 +2,9 @@
 alike): each must be a JSON object with a unique string `custom_id`, `method` POST, one of the
 job's urls and a `body` object naming a served model, not streamed. A line is parsed as the
 server parses a request body (orjson): one it would refuse over HTTP (nested more than 1024 deep,
-an escaped lone surrogate such as "\\ud800") is not valid JSON here either. A line that fails gets
-an error record (with its custom_id when it has one); the rest run."""
+an escaped lone surrogate such as "\\ud800") is not valid JSON here either; a body is sent as orjson
+writes it, at most MAX_BODY_DEPTH objects and arrays deep. A line that fails gets an error record
+(with its custom_id when it has one); the rest run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
+
+MAX_BODY_DEPTH = 254  # objects and arrays, the body counted: the deepest orjson writes (post_json sends with it)
 
 
 @dataclass(slots=True)
@@ -102,4 +105,21 @@ def _problem(item, endpoints: tuple[str, ...], model_served, seen: set[str]) -> 
         return "model_not_found", f"body.model: {model!r} is not served here"
     if body.get("stream"):
         return "invalid_request", "body.stream: batch lines are not streamed"
-    return None
+    return _too_deep(body)
+
+
+def _too_deep(body: dict) -> tuple[str, str] | None:
+    """Depth is the one thing orjson cannot write of what orjson.loads read."""
+    if _writable(body):
+        return None
+    key = next(k for k, v in body.items() if not _writable({k: v}))
+    return "invalid_request", (f"body.{key}: nested more than {MAX_BODY_DEPTH} objects and arrays deep (the body "
+                               "counted), deeper than a batch line is sent")
+
+
+def _writable(value) -> bool:
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return False
+    return True

@@ -101,3 +101,17 @@ async def test_an_escaped_lone_surrogate_is_an_invalid_json_record_not_an_intern
     assert [r["custom_id"] for r in out] == ["a", "b"]
     assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [(None, "invalid_json")]
     assert errors[0]["error"]["message"].startswith("line 2 is not valid JSON: no low surrogate in string")
+
+
+async def test_a_body_nested_deeper_than_a_line_can_be_sent_is_an_error_record_naming_the_field(tmp_path):
+    metadata: dict = {"k": "v"}
+    for _ in range(399):  # 400 objects deep
+        metadata = {"k": metadata}
+    async with batch_api(tmp_path) as http:
+        batch, out, errors = await run_job(http, "\n".join([line("a"), line("deep", metadata=metadata)]))
+    assert (batch["status"], batch["request_counts"]) == ("completed", {"total": 2, "completed": 1, "failed": 1})
+    assert [r["custom_id"] for r in out] == ["a"]
+    assert [(r["custom_id"], r["response"], r["error"]) for r in errors] == [("deep", None, {
+        "code": "invalid_request",
+        "message": "body.metadata: nested more than 254 objects and arrays deep (the body counted), deeper than a "
+                   "batch line is sent"})]
