@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import sys
 import time
 import weakref
@@ -23,6 +24,7 @@ from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
 from pyserve.engine.outputs import RequestOutput
 from pyserve.engine.sampling_params import SamplingParams
+from pyserve.engine.vllm_args import engine_keywords
 from pyserve.lora.request import LoRARequest
 
 Prompt = str | Sequence[int]
@@ -42,10 +44,12 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any):
         """`model`: a Hugging Face model directory (default: the embedded model); `config`: any
         field of EngineConfig (device, dtype, max_num_seqs, enable_lora, speculative_config, ...),
-        with the same defaults as `pyserve serve`'s flags."""
+        with the same defaults as `pyserve serve`'s flags, or vLLM's keyword for it
+        (pyserve.engine.vllm_args: one that pyserve does not serve is refused, saying why)."""
         if "watchdog_timeout" in config:
             raise TypeError("watchdog_timeout: the offline LLM runs its forwards on its own loop; nothing could watch them")
-        config = EngineConfig(model=resolve_model(model), watchdog_timeout=None, **config)
+        fields = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "watchdog_timeout"))
+        config = EngineConfig(model=resolve_model(model), watchdog_timeout=None, **engine_keywords(config, fields))
         self.engine = AsyncEngine(config, own_thread=False)  # first: a model refused here leaves no loop to close
         self._loop = asyncio.new_event_loop()
         self._run(self.engine.start())
