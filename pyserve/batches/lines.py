@@ -19,10 +19,17 @@ MAX_BODY_DEPTH = 254  # objects and arrays, the body counted: the deepest orjson
 
 @dataclass(slots=True)
 class Line:
-    number: int  # 0-based, among the file's non-blank lines
+    number: int  # 0-based, among the file's non-blank lines: the output's order, the store's key
     custom_id: str
     url: str
     body: dict
+
+
+@dataclass(slots=True)
+class Rejected:
+    number: int  # as Line.number
+    line: int  # 1-based, in the file as a user counts its lines (blank ones too)
+    record: dict  # its error record
 
 
 def error_record(custom_id, code: str, message: str) -> dict:
@@ -43,8 +50,8 @@ def answered_record(custom_id, status: int, payload: dict) -> dict:
 
 
 def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callable[[str], bool],
-                max_lines: int, default_model: str | None = None) -> tuple[list[Line], list[tuple[int, dict]]]:
-    """(the lines to run, (line number, error record) for the others). ValueError when the file as
+                max_lines: int, default_model: str | None = None) -> tuple[list[Line], list[Rejected]]:
+    """(the lines to run, the others with their error records). ValueError when the file as
     a whole cannot be a batch input (not UTF-8, empty, too many lines). `default_model`: the model
     of a body that names none (`pyserve batch`, as vLLM's run_batch; the Batch API has none)."""
     try:
@@ -53,27 +60,27 @@ def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callab
         raise ValueError(f"input_file_id: the file is not UTF-8 ({e})") from None
     # A line ends at "\n" only (a "\r" before it dropped), as OpenAI and vLLM read a file:
     # U+2028, U+2029 and U+0085 are characters inside a line (JSON.stringify writes them raw).
-    raw = [ln.removesuffix("\r") for ln in text.split("\n") if ln.strip()]
+    raw = [(i + 1, ln.removesuffix("\r")) for i, ln in enumerate(text.split("\n")) if ln.strip()]
     if not raw:
         raise ValueError("input_file_id: the file has no lines")
     if len(raw) > max_lines:
         raise ValueError(f"input_file_id: the file has {len(raw)} lines; a batch takes at most {max_lines}")
     good: list[Line] = []
-    bad: list[tuple[int, dict]] = []
+    bad: list[Rejected] = []
     seen: set[str] = set()
-    for n, ln in enumerate(raw):
+    for n, (line, ln) in enumerate(raw):
         try:
             item = orjson.loads(ln)
         except orjson.JSONDecodeError as e:  # e.msg: orjson's "line 1, column c" counts within the line
-            bad.append((n, error_record(None, "invalid_json",
-                                        f"line {n + 1} is not valid JSON: {e.msg} (column {e.colno})")))
+            bad.append(Rejected(n, line, error_record(None, "invalid_json",
+                                                      f"line {line} is not valid JSON: {e.msg} (column {e.colno})")))
             continue
         if default_model is not None and isinstance(item, dict) and isinstance(item.get("body"), dict):
             item["body"].setdefault("model", default_model)
         custom_id = item.get("custom_id") if isinstance(item, dict) else None
         problem = _problem(item, endpoints, model_served, seen)
         if problem is not None:
-            bad.append((n, error_record(custom_id, *problem)))
+            bad.append(Rejected(n, line, error_record(custom_id, *problem)))
             continue
         seen.add(custom_id)
         good.append(Line(n, custom_id, item["url"], item["body"]))

@@ -90,12 +90,12 @@ class BatchRunner:
                 return
             if batch["status"] == "validating" and not good:  # as OpenAI's: a file with no line to run fails
                 self._set(batch, "failed", errors={"object": "list", "data": [
-                    {**record["error"], "param": None, "line": n + 1} for n, record in bad[:MAX_LISTED_ERRORS]]})
+                    {**r.record["error"], "param": None, "line": r.line} for r in bad[:MAX_LISTED_ERRORS]]})
                 return
             # Resumed after a restart, a line can fail a check it passed (its model no longer
             # served): it gets its error record too, unless it was answered before.
-            for n, record in bad:
-                self.store.add_result(batch["id"], n, False, record)
+            for r in bad:
+                self.store.add_result(batch["id"], r.number, False, r.record)
             if batch["status"] == "validating":
                 batch["request_counts"]["total"] = len(good) + len(bad)
                 self._set(batch, "in_progress")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pyserve.batches.asgi_call import post_json
-from pyserve.batches.lines import Line, answered_record, check_lines, error_record
+from pyserve.batches.lines import Line, Rejected, answered_record, check_lines, error_record
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings
@@ -32,7 +32,7 @@ def _length(line: Line) -> int:
     return len(json.dumps(line.body.get("messages") or line.body.get("prompt") or ""))
 
 
-def read_input(input_path: Path, settings: ServerSettings) -> tuple[list[Line], list[tuple[int, dict]]]:
+def read_input(input_path: Path, settings: ServerSettings) -> tuple[list[Line], list[Rejected]]:
     """The input file's lines to run, and the error records of the others (before any model
     loads); ValueError when the file cannot be a batch input (not UTF-8, no lines)."""
     served = {settings.served_model_name, *settings.lora_modules}
@@ -40,14 +40,14 @@ def read_input(input_path: Path, settings: ServerSettings) -> tuple[list[Line], 
                        default_model=settings.served_model_name)
 
 
-async def run_batch(engine: AsyncEngine, settings: ServerSettings, lines: tuple[list[Line], list[tuple[int, dict]]],
+async def run_batch(engine: AsyncEngine, settings: ServerSettings, lines: tuple[list[Line], list[Rejected]],
                     output_path: Path) -> int:
     """Runs the `lines` read_input gave and writes one output record per input line, in input
     order. Returns the number of lines that got an error record."""
     good, bad = lines
     results: list[dict | None] = [None] * (len(good) + len(bad))
-    for n, record in bad:
-        results[n] = record
+    for r in bad:
+        results[r.number] = r.record
     app = build_app(engine, settings)
     limit = asyncio.Semaphore(MAX_CONCURRENT)
     progress = _Progress(len(good))

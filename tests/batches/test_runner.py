@@ -115,3 +115,13 @@ async def test_a_body_nested_deeper_than_a_line_can_be_sent_is_an_error_record_n
         "code": "invalid_request",
         "message": "body.metadata: nested more than 254 objects and arrays deep (the body counted), deeper than a "
                    "batch line is sent"})]
+
+
+async def test_errors_name_the_line_of_the_file_blank_lines_counted(tmp_path):
+    """A job with no line to run fails listing its lines' errors, by their line in the file."""
+    text = "\n".join(["", "{oops", "", "  ", line("u").replace(URL, "/v1/embeddings"), ""])
+    async with batch_api(tmp_path) as http:
+        batch, _, _ = await run_job(http, text)
+    assert batch["status"] == "failed"
+    assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [(2, "invalid_json"), (5, "invalid_url")]
+    assert batch["errors"]["data"][0]["message"].startswith("line 2 is not valid JSON")
