@@ -50,7 +50,7 @@ async def run_batch(engine: AsyncEngine, settings: ServerSettings, lines: tuple[
         results[r.number] = r.record
     app = build_app(engine, settings)
     limit = asyncio.Semaphore(MAX_CONCURRENT)
-    progress = _Progress(len(good))
+    progress = _Progress(len(good) + len(bad), done=len(bad))  # a request line with an error record is done
 
     async def run_one(line: Line) -> None:
         try:
@@ -79,8 +79,8 @@ class _Progress:
     """Whole progress lines on stderr (at most one a second, and the last one), so that they never
     split the JSON log lines that share stderr."""
 
-    def __init__(self, total: int, every_s: float = 1.0):
-        self.total, self.done, self.every_s = total, 0, every_s
+    def __init__(self, total: int, done: int = 0, every_s: float = 1.0):
+        self.total, self.done, self.every_s = total, done, every_s
         self.start = self.last = time.perf_counter()
 
     def advance(self) -> None:
