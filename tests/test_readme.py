@@ -1,6 +1,7 @@
 """The README's Python snippets run as a reader would paste them, each in a fresh interpreter in an
 empty folder, on the embedded model. A snippet that needs what a test cannot give it says so on its
-first line (`# needs: server ...`) and is skipped, naming it."""
+first line (`# needs: server ...`) and is skipped, naming it. Also what the README promises to
+say: how to install torch's CPU-only build."""
 
 from __future__ import annotations
 
@@ -49,3 +50,8 @@ def test_a_readme_snippet_runs(heading, code, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"the snippet under {heading!r} failed:\n{done.stderr[-3000:]}"
 
+
+
+def test_the_install_section_says_how_to_get_torchs_cpu_build():
+    install = README.read_text().split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu\npip install .\n" in install
