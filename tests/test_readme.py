@@ -1,7 +1,7 @@
 """The README's Python snippets run as a reader would paste them, each in a fresh interpreter in an
 empty folder, on the embedded model. A snippet that needs what a test cannot give it says so on its
 first line (`# needs: server ...`) and is skipped, naming it. Also what the README promises to
-say: how to install torch's CPU-only build."""
+name: the embedding model's served name, and the CPU-only torch install."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def test_a_readme_snippet_runs(heading, code, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"the snippet under {heading!r} failed:\n{done.stderr[-3000:]}"
 
+
+def test_the_readme_names_the_embedding_models_served_name():
+    from pyserve.embeddings.packaged import NAME
+
+    embeddings = README.read_text().split("**Embeddings.**", 1)[1].split("**Semantic cache**", 1)[0]
+    assert f"`{NAME}` for the default" in embeddings
 
 
 def test_the_install_section_says_how_to_get_torchs_cpu_build():
