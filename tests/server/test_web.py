@@ -161,6 +161,19 @@ def test_a_prompt_streams_tokens_and_gives_the_apis_answer(server, browser, tmp_
     assert console_errors(browser) == []
 
 
+def test_the_token_rate_is_the_answers_own_never_a_bursts(server, browser):
+    """Tokens per second from the first token to the last; chunks that came in one burst (the
+    trial's 47 tokens 0.7 ms apart read 65714.3 tok/s) give no rate."""
+    open_playground(browser, server)
+    figure = "return window.pyservePlayground.rateFigure(arguments[0], arguments[1], arguments[2])"
+    assert browser.execute_script(figure, 47, 1000.0, 1000.7) == "47 tokens at once (no rate)"
+    assert browser.execute_script(figure, 47, 1000.0, 1049.0) == "47 tokens at once (no rate)"
+    assert browser.execute_script(figure, 101, 1000.0, 2000.0) == "100.0 tok/s"
+    assert browser.execute_script(figure, 11, 0.0, 50.0) == "200.0 tok/s"
+    assert browser.execute_script(figure, 1, 5.0, 5.0) == "1 token"
+    assert browser.execute_script(figure, 3, None, None) == "3 tokens at once (no rate)"
+
+
 def test_stop_aborts_the_request_and_frees_it(server, browser):
     open_playground(browser, server)
     fill(browser, "temperature", "0.8")

@@ -229,13 +229,7 @@ async function send() {
   const after = await speculation($("model").value);
   const figures = [];
   if (first !== null) figures.push("TTFT " + (first - started).toFixed(0) + " ms");
-  // Tokens per second between the first and the last token; an answer sent in one burst (a
-  // forced tool call's grammar writes most of it) has no such rate.
-  if (usage && usage.completion_tokens > 1 && latest > first) {
-    figures.push(((usage.completion_tokens - 1) / ((latest - first) / 1000)).toFixed(1) + " tok/s");
-  } else if (usage) {
-    figures.push(usage.completion_tokens + " tokens at once");
-  }
+  if (usage) figures.push(rateFigure(usage.completion_tokens, first, latest));
   if (usage) figures.push((usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0) +
     " cached prompt tokens");
   if (before && after && after[0] > before[0]) {
@@ -244,6 +238,16 @@ async function send() {
   }
   if (outcome === "stopped") figures.push("stopped");
   answer.stats.textContent = figures.join(" · ");
+}
+
+// Tokens per second over the answer's own timing, from its first token to its last. An answer whose
+// first and last tokens arrived less than MIN_RATE_SPAN_MS apart came in a burst (buffered on the
+// way, or a forced tool call's grammar wrote it), which says nothing of the model's speed: no rate.
+const MIN_RATE_SPAN_MS = 50;
+function rateFigure(tokens, firstMs, lastMs) {
+  const span = firstMs === null ? 0 : lastMs - firstMs;
+  if (tokens > 1 && span >= MIN_RATE_SPAN_MS) return ((tokens - 1) / (span / 1000)).toFixed(1) + " tok/s";
+  return tokens + (tokens === 1 ? " token" : " tokens at once (no rate)");
 }
 
 // The message box says what the next message is: the result of the tools just called, or a user turn.
@@ -281,5 +285,5 @@ $("clear").addEventListener("click", () => {
   showPromptKind();
 });
 $("forget-key").addEventListener("click", () => { clearKey(); loadModels(); });
-window.pyservePlayground = {render, chat};  // for the browser tests
+window.pyservePlayground = {render, chat, rateFigure};  // for the browser tests
 loadModels();
