@@ -120,13 +120,12 @@ class EngineCore(Actor):
         prompt_done = None  # before the finished leave: a prompt may end with its only output token
         if prompt_rows is not None:
             prompt_done = self._gather_prompt_logprobs(prompt_rows, req_ids, result, update.req_ids)
-        if self.grammar:
-            self._advance_grammars(update)
+        failures = self._advance_grammars(update, finished) if self.grammar else None
         for rid in finished:
             self._drop(rid)
         logprobs = None if result.logprobs is None else result.logprobs[update.sampled_index]
         step = StepOutput(update.req_ids, update.token_ids, update.starts, finished, update.num_cached_tokens,
-                          logprobs, reply_to=self)
+                          logprobs, failures, reply_to=self)
         step.prompt_logprobs = prompt_done
         self.num_generation_tokens += len(step.token_ids)
         self._fork(update.fork_ready)
@@ -172,12 +171,20 @@ class EngineCore(Actor):
                 mask_rows.append(MaskRow(req.internal_id, first, drafts))
         return mask_rows
 
-    def _advance_grammars(self, update) -> None:
-        """Feeds each constrained request's matcher the tokens the step kept."""
+    def _advance_grammars(self, update, finished: dict[int, str]) -> dict[int, str] | None:
+        """Feeds each constrained request's matcher the tokens the step kept. A sequence whose
+        matcher could not follow them leaves the scheduler: returned with why, it fails."""
         tokens, starts = update.token_ids, update.starts
+        failures = {}
         for i, rid in enumerate(update.req_ids):
-            if rid in self.grammar and not self.grammar.advance(rid, tokens[starts[i] : starts[i + 1]]):
-                log.warning("grammar_refused_token", internal_id=rid)
+            why = self.grammar.advance(rid, tokens[starts[i] : starts[i + 1]]) if rid in self.grammar else None
+            if why is not None:
+                log.warning("grammar_failed", internal_id=rid, reason=why)
+                failures[rid] = why
+                if rid not in finished:
+                    self.scheduler.abort(rid)
+                self._drop(rid)
+        return failures or None
 
     def _draft_forced_tokens(self, req_ids: list[int], finished: dict[int, str]) -> None:
         """The tokens each constrained request's grammar forces next become its drafts, checked

@@ -36,6 +36,11 @@ class ClientTooSlow(RuntimeError):
     """A streaming consumer left more than its stream's `max_pending` deltas unread."""
 
 
+class ConstraintFailed(RuntimeError):
+    """A sample's output constraint could not be followed (the grammar engine failed or had no
+    token left to allow): its request fails instead of ending on text that does not match."""
+
+
 @dataclass(slots=True)
 class RequestStream:
     """A request's outputs as they arrive. `output` is cumulative; `deltas` feeds streaming
@@ -124,6 +129,11 @@ class OutputProcessor(Actor):
         first step nor its last) are detokenized together, in one batched call."""
         aborts: list[int] = []
         samples = self._samples
+        for rid, why in (msg.failures or {}).items():
+            sample = samples.get(rid)
+            if sample is not None:  # the request's other samples stop too
+                aborts += self.forget(sample.stream.output.request_id)
+                sample.stream.fail(ConstraintFailed(why))
         for rid, lp in (msg.prompt_logprobs or {}).items():  # before the first token is published
             sample = samples.get(rid)
             if sample is not None:

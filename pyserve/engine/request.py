@@ -166,6 +166,8 @@ class StepOutput:
     finish_reasons: dict[int, str]  # the sequences the scheduler finished this step
     num_cached_tokens: dict[int, int]  # for sequences getting their first tokens
     logprobs: Logprobs | None = None
+    # Sequences that failed this step (left the scheduler already), with why: their requests fail.
+    failures: dict[int, str] | None = None
     reply_to: Any = None  # the actor (EngineCore) that takes the Aborts this step calls for
     # Sequences whose first token came this step and that asked for prompt logprobs: one row
     # per prompt token after the first.

@@ -69,16 +69,20 @@ class GrammarMatchers:
     def drop(self, internal_id: int) -> None:
         self._matchers.pop(internal_id, None)
 
-    def advance(self, internal_id: int, token_ids: list[int]) -> bool:
-        """Feeds the tokens a step kept; False when the grammar refused one (the matcher then
-        allows only EOS, which ends the request). EOS after a complete output is the end, not a
-        token to feed (a stopped matcher refuses it)."""
+    def advance(self, internal_id: int, token_ids: list[int]) -> str | None:
+        """Feeds the tokens a step kept; says why when the matcher cannot follow them (the
+        grammar engine failed, or a token was not one the mask allowed: the mask had none left).
+        EOS after a complete output is the end, not a token to feed (a stopped matcher refuses it)."""
         m = self._matchers[internal_id]
         n = m.try_consume_tokens(token_ids)
         rest = token_ids[n:]
+        if m.is_error():
+            return _first_line(m.get_error())
         if not rest or (m.is_accepting() and all(t in self._eos for t in rest)):
-            return True
-        return m.consume_tokens(rest)
+            return None
+        if m.consume_tokens(rest) and not m.is_error():
+            return None
+        return _first_line(m.get_error()) if m.is_error() else f"the constraint allows no token here (got {rest[0]})"
 
     def valid_drafts(self, internal_id: int, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows; the matcher is left as it was.
@@ -134,6 +138,11 @@ class GrammarMatchers:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the state dump it appends."""
+    return error.strip().splitlines()[0] if error.strip() else "the grammar engine failed"
 
 
 def _only_the_drafts(bits: np.ndarray, drafts: list[int]) -> bool:

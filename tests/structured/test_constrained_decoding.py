@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from pyserve import LLM, SamplingParams, StructuredOutputsParams
+from pyserve.engine.output_processor import ConstraintFailed
 from pyserve.structured.params import GrammarError
 from pyserve.testing.json_schemas import SCHEMAS
 
@@ -107,6 +108,16 @@ def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_serves_on(
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
     out = llm.generate("x", _constrained(StructuredOutputsParams(regex="ab?c")), use_tqdm=False)
     assert out[0].outputs[0].text in ("ac", "abc")
+
+
+def test_a_constraint_the_matcher_cannot_follow_fails_its_request_alone(llm):
+    prompts = ["x", "y"]
+    params = [_constrained(StructuredOutputsParams(regex="a{1000000}")), _constrained(StructuredOutputsParams(regex="ab?c"))]
+    with pytest.raises(ConstraintFailed, match="too many expressions"):
+        llm.generate(prompts, params, use_tqdm=False)
+    out = llm.generate("y", params[1], use_tqdm=False)
+    assert out[0].outputs[0].text in ("ac", "abc")
+    assert len(llm.engine.grammar_matchers) == 0 and llm.engine.stats()["num_requests_running"] == 0
 
 
 def test_aborted_constrained_requests_free_their_matchers(llm):

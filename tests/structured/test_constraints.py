@@ -135,7 +135,19 @@ def test_masks_follow_the_matcher_through_drafts_and_leave_it_where_it_was(compi
     # Rolled back: the first row is computed again from the start.
     again = matchers.start_masks([MaskRow(7, 0, [])]).result()
     assert allowed(again.bits[0]) == allowed(masks.bits[0])
-    assert matchers.advance(7, text_ids) and matchers.advance(7, [EOS[1]])  # EOS after a complete output
+    assert matchers.advance(7, text_ids) is None and matchers.advance(7, [EOS[1]]) is None  # EOS after a complete output
+    matchers.close()
+
+
+def test_a_matcher_that_cannot_follow_says_why(compiler, tok):
+    matchers = GrammarMatchers(VOCAB, EOS)
+    matchers.add(1, compiler.compile(StructuredOutputsParams(regex="a{1000000}")))
+    matchers.add(2, compiler.compile(StructuredOutputsParams(choice=["yes"])))
+    a = tok.encode("a", add_special_tokens=False)
+    assert allowed(matchers.start_masks([MaskRow(1, 0, [])]).result().bits[0]) == set(a)  # a mask a step, as the engine
+    # llguidance's lexer gives up on the million-fold repeat as it takes the first "a".
+    assert "too many expressions" in matchers.advance(1, a)
+    assert "doesn't satisfy the grammar" in matchers.advance(2, tok.encode("no", add_special_tokens=False))
     matchers.close()
 
 
