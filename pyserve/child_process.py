@@ -24,8 +24,8 @@ def module_command(module: str) -> list[str]:
     if sys.version_info >= (3, 11):
         return [sys.executable, "-P", "-m", module]
     # 3.10 has no -P: `-c` puts "" (the working directory) first on sys.path; drop it, then run.
-    bootstrap = f"import runpy, sys; sys.path.remove(''); runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
-    return [sys.executable, "-c", bootstrap]
+    run = f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", f"import runpy, sys; sys.path.remove(''); {run}"]
 
 
 def split_secrets(argv: Iterable[str]) -> tuple[list[str], dict[str, str]]:
