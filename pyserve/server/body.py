@@ -31,7 +31,9 @@ def json_response(data: object, status: int = 200, headers: dict[str, str] | Non
 
 def validate(schema: type[BaseModel], data: dict[str, Any]):
     """`data` as `schema`; a field the schema does not serve is refused (see server.schemas),
-    unless it cannot change the output or holds the value that means "off"."""
+    unless it cannot change the output or holds the value that means "off". Types are strict, as
+    OpenAI's API has them: a string is never read as a number nor a boolean as an integer, an
+    integer field takes no 5.0; a number field takes an integer."""
     for key, value in data.items():
         if key in schema.model_fields or key in NO_EFFECT_FIELDS:
             continue
@@ -41,7 +43,7 @@ def validate(schema: type[BaseModel], data: dict[str, Any]):
         if not any(value == v and type(value) is type(v) or (value is None and v is None) for v in off):
             raise BadRequest(f"{key}: not supported by this server", param=key)
     try:
-        request = schema.model_validate(data)
+        request = schema.model_validate(data, strict=True)
     except ValidationError as e:
         param, message = _explained(e.errors())
         raise BadRequest(f"{param}: {message}" if param else message, param=param) from e

@@ -193,6 +193,44 @@ def test_errors_are_openai_shaped(server, body, status, param):
     assert err["param"] == param and err["message"] and err["type"]
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+EMBEDDING = {"model": PACKAGED_EMBEDDING_MODEL, "input": "x"}
+
+
+@pytest.mark.parametrize(("path", "body", "param", "expected"), [
+    ("/v1/chat/completions", CHAT | {"max_tokens": "5"}, "max_tokens", "integer"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": True}, "max_tokens", "integer"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": 5.0}, "max_tokens", "integer"),
+    ("/v1/chat/completions", CHAT | {"temperature": "0"}, "temperature", "number"),
+    ("/v1/chat/completions", CHAT | {"temperature": False}, "temperature", "number"),
+    ("/v1/chat/completions", CHAT | {"stream": "false"}, "stream", "boolean"),
+    ("/v1/chat/completions", CHAT | {"logprobs": 1}, "logprobs", "boolean"),
+    ("/v1/chat/completions", CHAT | {"n": "1"}, "n", "integer"),
+    ("/v1/chat/completions", CHAT | {"seed": "7"}, "seed", "integer"),
+    ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "boolean"),
+    ("/v1/completions", COMPLETION | {"max_tokens": "5"}, "max_tokens", "integer"),
+    ("/v1/completions", COMPLETION | {"logprobs": "1"}, "logprobs", "integer"),
+    ("/v1/completions", COMPLETION | {"echo": 1}, "echo", "boolean"),
+    ("/v1/completions", COMPLETION | {"prompt": [1, "2"]}, "prompt", "list[int]"),
+    ("/v1/embeddings", EMBEDDING | {"dimensions": "64"}, "dimensions", "integer"),
+    ("/v1/embeddings", EMBEDDING | {"input": [1, True]}, "input", "list[int]"),
+])
+def test_field_types_are_strict(server, path, body, param, expected):
+    """A value of another JSON type is a 400 naming its field, as OpenAI's API answers: no
+    string read as a number, no boolean as an integer, no 5.0 as 5 (an integer is a number)."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: ") and expected in err["message"]
+
+
+def test_integers_are_numbers(server):
+    r = post(server, "/v1/completions", COMPLETION | {"temperature": 0, "top_p": 1, "presence_penalty": 0})
+    assert r.status_code == 200, r.text
+
+
 def test_invalid_json_and_huge_body(server):
     r = post(server, "/v1/chat/completions", None, raw=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
