@@ -7,7 +7,8 @@ batch lines give up their KV blocks and seats to interactive requests, and while
 requests run (and for a second after) a step runs only a few batch lines (engine/background.py).
 At most `max_in_flight` lines are in the engine at once. Lines are sent grouped by how their
 prompt begins, so that lines sharing a prefix run together (one prefill, then prefix-cache hits),
-and by length within a group, so similar lengths batch together.
+and by length within a group, so similar lengths batch together. The input file is read, checked
+and ordered on a thread, so that the loop keeps serving through a large one.
 
 Status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; failed
 when the file cannot be a batch input; cancelling -> cancelled; expired past the completion
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import structlog
 
 from pyserve.batches.asgi_call import post_json
-from pyserve.batches.lines import Line, answered_record, check_lines, error_record
+from pyserve.batches.lines import Line, Rejected, answered_record, check_lines, error_record
 from pyserve.batches.store import BatchStore
 
 log = structlog.get_logger("pyserve.batches")
@@ -82,43 +83,60 @@ class BatchRunner:
     async def _carry_on(self, batch: dict) -> None:
         batch = self.store.batch(batch["id"])  # as it stands now (a cancel may have come meanwhile)
         if batch["status"] in ("validating", "in_progress"):
-            content = self.store.content(batch["input_file_id"])
-            try:
-                good, bad = check_lines(content, (batch["endpoint"],), self.model_served, self.max_lines)
-            except ValueError as e:  # only while validating: a job in progress passed these checks
-                self._set(batch, "failed", errors=_errors("invalid_file", str(e), "input_file_id"))
-                return
-            if batch["status"] == "validating" and not good:  # as OpenAI's: a file with no line to run fails
-                self._set(batch, "failed", errors={"object": "list", "data": [
-                    {**r.record["error"], "param": None, "line": r.line} for r in bad[:MAX_LISTED_ERRORS]]})
-                return
-            # Resumed after a restart, a line can fail a check it passed (its model no longer
-            # served): it gets its error record too, unless it was answered before.
-            for r in bad:
-                self.store.add_result(batch["id"], r.number, False, r.record)
-            if batch["status"] == "validating":
-                batch["request_counts"]["total"] = len(good) + len(bad)
-                self._set(batch, "in_progress")
-            await self._answer(batch, good)
-            if not self._should_stop(batch):  # every line answered
-                self._set(batch, "finalizing")
-            if batch["status"] == "finalizing" and time.time() >= batch["expires_at"]:
-                # As OpenAI's: each line the window closed on gets an error record.
-                answered = self.store.answered(batch["id"])
-                for line in good:
-                    if line.number not in answered:
-                        self.store.add_result(batch["id"], line.number, False, error_record(
-                            line.custom_id, "batch_expired", "the completion window ended before this line ran"))
+            # On a thread: reading and checking a large file takes seconds the loop serves through.
+            checked = await asyncio.to_thread(self._read_lines, batch)
+            batch = self.store.batch(batch["id"])  # a cancel may have come while they were read
+            if batch["status"] in ("validating", "in_progress"):
+                await self._run_lines(batch, *checked)
         if batch["status"] == "cancelling":
             self._finish(batch, "cancelled")
         elif batch["status"] == "finalizing":
             self._finish(batch, "expired" if time.time() >= batch["expires_at"] else "completed")
 
+    def _read_lines(self, batch: dict) -> tuple[list[Line], list[Rejected], str | None]:
+        """(the lines to run, in the order they are sent; the others; why the file cannot be a batch
+        input, or None). Touches no row of the store: it runs on a thread."""
+        try:
+            good, bad = check_lines(self.store.content(batch["input_file_id"]), (batch["endpoint"],),
+                                    self.model_served, self.max_lines)
+        except ValueError as e:
+            return [], [], str(e)
+        return sorted(good, key=_order), bad, None
+
+    async def _run_lines(self, batch: dict, good: list[Line], bad: list[Rejected], problem: str | None) -> None:
+        """After the check: the job fails (a file that is no input, no line to run), or its rejected
+        lines are recorded and the others run until it finalizes, is cancelled or expires."""
+        if problem is not None:  # only while validating: a job in progress passed these checks
+            self._set(batch, "failed", errors=_errors("invalid_file", problem, "input_file_id"))
+            return
+        if batch["status"] == "validating" and not good:  # as OpenAI's: a file with no line to run fails
+            self._set(batch, "failed", errors={"object": "list", "data": [
+                {**r.record["error"], "param": None, "line": r.line} for r in bad[:MAX_LISTED_ERRORS]]})
+            return
+        # Resumed after a restart, a line can fail a check it passed (its model no longer
+        # served): it gets its error record too, unless it was answered before.
+        for r in bad:
+            self.store.add_result(batch["id"], r.number, False, r.record)
+        if batch["status"] == "validating":
+            batch["request_counts"]["total"] = len(good) + len(bad)
+            self._set(batch, "in_progress")
+        await self._answer(batch, good)
+        if not self._should_stop(batch):  # every line answered
+            self._set(batch, "finalizing")
+        if batch["status"] == "finalizing" and time.time() >= batch["expires_at"]:
+            # As OpenAI's: each line the window closed on gets an error record.
+            answered = self.store.answered(batch["id"])
+            for line in good:
+                if line.number not in answered:
+                    self.store.add_result(batch["id"], line.number, False, error_record(
+                        line.custom_id, "batch_expired", "the completion window ended before this line ran"))
+
     async def _answer(self, batch: dict, good: list[Line]) -> None:
-        """Runs the job's unanswered lines of `good` until none is left, the job is cancelled or it
-        expires (then the lines in flight are abandoned: they run again if the job is ever resumed)."""
+        """Runs the job's unanswered lines of `good`, in its order, until none is left, the job is
+        cancelled or it expires (then the lines in flight are abandoned: they run again if the job is
+        ever resumed)."""
         done = self.store.answered(batch["id"])
-        todo = sorted((ln for ln in good if ln.number not in done), key=_order)
+        todo = [ln for ln in good if ln.number not in done]
         owner = self.store.owner(batch["id"])  # each line runs as the job's tenant (the semantic cache's scope)
         in_flight: set[asyncio.Task] = set()
         room = asyncio.Semaphore(self.max_in_flight)

@@ -63,12 +63,21 @@ class BatchStore:
     # Files.
 
     def add_file(self, owner: str, purpose: str, filename: str, content: bytes) -> FileRecord:
-        record = FileRecord(f"file-{uuid.uuid4().hex}", owner, purpose, filename, len(content), int(time.time()))
-        tmp = self.files_dir / (record.id + ".tmp")
+        return self.add_written_file(owner, purpose, filename, self.write_content(content), len(content))
+
+    def write_content(self, content: bytes) -> str:
+        """A new file id, its content on disk, whole or absent; no row yet (add_written_file). Touches
+        no row of the database: a large upload is written on a thread."""
+        file_id = f"file-{uuid.uuid4().hex}"
+        tmp = self.files_dir / (file_id + ".tmp")
         tmp.write_bytes(content)
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
-        tmp.rename(self.files_dir / record.id)  # whole or absent
+        tmp.rename(self.files_dir / file_id)
+        return file_id
+
+    def add_written_file(self, owner: str, purpose: str, filename: str, file_id: str, size: int) -> FileRecord:
+        record = FileRecord(file_id, owner, purpose, filename, size, int(time.time()))
         self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
                         (record.id, owner, purpose, filename, record.bytes, record.created_at))
         return record

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -14,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pyserve.batches.routes import create_batch, file_content, retrieve_batch, upload_file
+from pyserve.batches.lines import check_lines
+from pyserve.batches.routes import cancel_batch, create_batch, file_content, retrieve_batch, upload_file
 from pyserve.batches.runner import BatchRunner
 from pyserve.batches.service import BatchService
 from pyserve.batches.store import BatchStore
@@ -44,15 +48,16 @@ def line(custom_id: str, content: str = "hello", max_tokens: int = 3, **body) ->
 
 
 @contextlib.asynccontextmanager
-async def batch_api(data_dir):
+async def batch_api(data_dir, model_served=MODEL.__eq__):
     """A client of the files and batches routes, their runner started over `chat`."""
     app = Starlette(routes=[Route(URL, chat, methods=["POST"]), Route("/v1/files", upload_file, methods=["POST"]),
                             Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
                             Route("/v1/batches", create_batch, methods=["POST"]),
-                            Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])],
+                            Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"]),
+                            Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])],
                     exception_handlers=EXCEPTION_HANDLERS)
     store = BatchStore(data_dir)
-    runner = BatchRunner(store, app, {}, MODEL.__eq__, max_in_flight=4, max_lines=1_000_000)
+    runner = BatchRunner(store, app, {}, model_served, max_in_flight=4, max_lines=1_000_000)
     app.state.pyserve = SimpleNamespace(batches=BatchService(store, runner, max_file_bytes=64 << 20))
     runner.start()
     try:
@@ -63,12 +68,22 @@ async def batch_api(data_dir):
         store.close()
 
 
-async def run_job(http: httpx.AsyncClient, text: str) -> tuple[dict, list[dict], list[dict]]:
-    """(the finished batch object, its output records, its error records) of a job over `text`."""
-    upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", text.encode())})
+async def create_job(http: httpx.AsyncClient, text: str | io.BytesIO) -> dict:
+    """The batch object of a new job over `text` (a file object is sent in chunks)."""
+    upload = await http.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("in.jsonl", text.encode() if isinstance(text, str) else text)})
     created = await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": URL,
                                                    "completion_window": "24h"})
-    batch = created.json()
+    return created.json()
+
+
+async def run_job(http: httpx.AsyncClient, text: str | io.BytesIO) -> tuple[dict, list[dict], list[dict]]:
+    """(the finished batch object, its output records, its error records) of a job over `text`."""
+    return await finished(http, await create_job(http, text))
+
+
+async def finished(http: httpx.AsyncClient, batch: dict) -> tuple[dict, list[dict], list[dict]]:
+    """(`batch` once it has ended, its output records, its error records)."""
     while batch["status"] not in DONE:
         await asyncio.sleep(0.02)
         batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
@@ -125,3 +140,54 @@ async def test_errors_name_the_line_of_the_file_blank_lines_counted(tmp_path):
     assert batch["status"] == "failed"
     assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [(2, "invalid_json"), (5, "invalid_url")]
     assert batch["errors"]["data"][0]["message"].startswith("line 2 is not valid JSON")
+
+
+async def test_the_loop_keeps_serving_while_a_large_file_is_uploaded_and_validated(tmp_path):
+    """A 6 MB file of lines naming a model not served, uploaded in 64 KiB chunks as over HTTP: a job
+    that fails validation (no line to run). A timer wakes every 5 ms meanwhile; its longest wait,
+    the loop's longest stall, stays under half the time the check itself takes (on the loop, the
+    stall is all of it)."""
+    n = 40_000
+    content = "\n".join(line(f"c{i}", content="x" * 60, model="other") for i in range(n)).encode()
+    assert len(content) > 6_000_000
+    began = time.perf_counter()
+    good, bad = check_lines(content, (URL,), MODEL.__eq__, max_lines=n)
+    check_s = time.perf_counter() - began
+    assert (len(good), len(bad)) == (0, n)
+    stalls: list[float] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            stalls.append(now - last)
+            last = now
+
+    async with batch_api(tmp_path) as http:
+        ticker = asyncio.create_task(tick())
+        batch, _, _ = await run_job(http, io.BytesIO(content))
+        ticker.cancel()
+    assert batch["status"] == "failed" and len(batch["errors"]["data"]) == 100
+    assert {(e["code"], e["message"]) for e in batch["errors"]["data"]} == {
+        ("model_not_found", "body.model: 'other' is not served here")}
+    assert max(stalls) < check_s / 2, (max(stalls), check_s)
+
+
+async def test_a_job_cancelled_while_its_file_is_checked_ends_cancelled(tmp_path):
+    checking, release = threading.Event(), threading.Event()
+
+    def model_served(model: str) -> bool:  # the check, on its thread, waits for the cancel
+        checking.set()
+        release.wait(10)
+        return model == MODEL
+
+    async with batch_api(tmp_path, model_served) as http:
+        batch = await create_job(http, line("a"))
+        assert await asyncio.to_thread(checking.wait, 10)
+        cancelling = (await http.post(f"/v1/batches/{batch['id']}/cancel")).json()
+        release.set()
+        batch, out, errors = await finished(http, batch)
+    assert cancelling["status"] == "cancelling"
+    assert (batch["status"], batch["request_counts"], out, errors) == (
+        "cancelled", {"total": 0, "completed": 0, "failed": 0}, [], [])
