@@ -169,6 +169,7 @@ class AsyncEngine:
         await self.system.stop()
         self.worker.close()
         self.grammar_matchers.close()
+        self.grammar_compiler.close()
         if self._engine_thread is not None:
             self._engine_thread.close()
             self._engine_thread = None
@@ -238,16 +239,20 @@ class AsyncEngine:
         return stream
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
-        """The compiled constraint (cached), compiled off the event loop within
-        GRAMMAR_COMPILE_TIMEOUT; a GrammarError says why it cannot be. llguidance's own limits
-        bound the compile's work, so a timed-out compile ends soon after on its thread."""
-        grammar = self.grammar_compiler.cached(spec)
+        """The compiled constraint (cached), compiled on the compiler's threads within
+        GRAMMAR_COMPILE_TIMEOUT (the wait for a thread included; the vocabulary's one-off build
+        not); a GrammarError says why it cannot be. A timed-out compile still waiting gives its
+        place up; llguidance's own limits end a running one soon after."""
+        compiler = self.grammar_compiler
+        grammar = compiler.cached(spec)
         if grammar is not None:
             return grammar
+        await asyncio.to_thread(compiler.prepare)
+        compiling = compiler.submit(spec)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.grammar_compiler.compile, spec),
-                                          GRAMMAR_COMPILE_TIMEOUT)
+            return await asyncio.wait_for(asyncio.wrap_future(compiling), GRAMMAR_COMPILE_TIMEOUT)
         except TimeoutError as e:
+            compiling.cancel()
             raise GrammarError(f"the constraint did not compile within {GRAMMAR_COMPILE_TIMEOUT} s") from e
 
     async def load_lora(self, lora: LoRARequest) -> None:

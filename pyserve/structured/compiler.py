@@ -13,15 +13,18 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pyserve.structured.json_rules import JsonVocab
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept (a matcher of a large schema holds a few MB at most)
+COMPILE_THREADS = 2  # compiles run here, never on the event loop's shared pool
 # JSON as OpenAI writes it: no free whitespace (which a small model can fill forever), ", " and ": ".
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -35,17 +38,24 @@ def _limits() -> llguidance.LLParserLimits:
 
 @dataclass(slots=True, frozen=True)
 class Grammar:
-    """A compiled constraint: `matcher()` gives a fresh matcher at the start of the output."""
+    """A compiled constraint: `matcher()` gives a fresh matcher at the start of the output.
+    `json_vocab`: set where the output is JSON or holds some (a grammar's `%json`), whose rules
+    (json_rules.py) the masks then hold too; `text_around`: the JSON sits in text."""
 
     key: tuple[str, str]
     _pristine: llguidance.LLMatcher
+    json_vocab: JsonVocab | None = None
+    text_around: bool = False
 
     def matcher(self) -> llguidance.LLMatcher:
         return self._pristine.deep_copy()
 
 
 class GrammarCompiler:
-    """One per engine: the vocabulary (an llguidance tokenizer, built on first use) and the cache."""
+    """One per engine: the vocabulary (an llguidance tokenizer, built on first use), the cache,
+    and the threads compiles run on: a pool of their own, so that a flood of slow compiles
+    delays other compiles only, never the embeddings, cache lookups or adapter loads that run
+    on asyncio's default pool."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]):
         """`tokenizer_json`: gives the model's tokenizer.json text (called on first use)."""
@@ -53,8 +63,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._json_vocab: JsonVocab | None = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pyserve-compile")
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -68,6 +80,26 @@ class GrammarCompiler:
                 except Exception as e:
                     raise GrammarError(f"structured outputs are not available for this model's tokenizer: {e}") from e
             return self._tokenizer
+
+    @property
+    def json_vocab(self) -> JsonVocab:
+        tokenizer = self.tokenizer
+        with self._lock:
+            if self._json_vocab is None:
+                self._json_vocab = JsonVocab([tokenizer.decode_bytes([i]) for i in range(self.vocab_size)])
+            return self._json_vocab
+
+    def prepare(self) -> None:
+        """Builds what every compile needs once (a second or two on a 150k vocabulary)."""
+        _ = self.json_vocab  # builds the tokenizer too
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
+        """`compile(spec)` on the compile threads. A submitted compile not yet started can be
+        cancelled; a started one ends within llguidance's limits."""
+        return self._pool.submit(self.compile, spec)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def cached(self, spec: StructuredOutputsParams) -> Grammar | None:
         with self._lock:
@@ -92,7 +124,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
         if matcher.is_error():
             raise GrammarError(_what_is_wrong(matcher.get_error()))
-        grammar = Grammar(spec.key(), matcher)
+        text_around = spec.grammar is not None and "%json" in spec.grammar
+        has_json = spec.json is not None or spec.json_object or text_around
+        grammar = Grammar(spec.key(), matcher, self.json_vocab if has_json else None, text_around)
         with self._lock:
             self._cache[grammar.key] = grammar
             while len(self._cache) > CACHE_SIZE:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pyserve.structured.compiler import Grammar
+from pyserve.structured.json_rules import JsonTrack, JsonVocab
 
 if TYPE_CHECKING:
     import llguidance
@@ -53,6 +54,8 @@ class GrammarMatchers:
         self.words = (vocab_size + 31) // 32
         self._eos = frozenset(eos_token_ids)
         self._matchers: dict[int, llguidance.LLMatcher] = {}
+        self._json: dict[int, tuple[JsonTrack, JsonVocab]] = {}  # outputs that are or hold JSON
+        self._stuck: dict[int, str] = {}  # requests a mask left no token: why (advance fails them)
         self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)  # per step, for the bench
@@ -65,24 +68,31 @@ class GrammarMatchers:
 
     def add(self, internal_id: int, grammar: Grammar) -> None:
         self._matchers[internal_id] = grammar.matcher()
+        if grammar.json_vocab is not None:
+            self._json[internal_id] = (JsonTrack.start(grammar.text_around), grammar.json_vocab)
 
     def drop(self, internal_id: int) -> None:
         self._matchers.pop(internal_id, None)
+        self._json.pop(internal_id, None)
+        self._stuck.pop(internal_id, None)
 
     def advance(self, internal_id: int, token_ids: list[int]) -> str | None:
         """Feeds the tokens a step kept; says why when the matcher cannot follow them (the
         grammar engine failed, or a token was not one the mask allowed: the mask had none left).
         EOS after a complete output is the end, not a token to feed (a stopped matcher refuses it)."""
+        if internal_id in self._stuck:
+            return self._stuck[internal_id]
         m = self._matchers[internal_id]
         n = m.try_consume_tokens(token_ids)
         rest = token_ids[n:]
         if m.is_error():
             return _first_line(m.get_error())
-        if not rest or (m.is_accepting() and all(t in self._eos for t in rest)):
-            return None
-        if m.consume_tokens(rest) and not m.is_error():
-            return None
-        return _first_line(m.get_error()) if m.is_error() else f"the constraint allows no token here (got {rest[0]})"
+        if rest and not (m.is_accepting() and all(t in self._eos for t in rest)) and not m.consume_tokens(rest):
+            return _first_line(m.get_error()) if m.is_error() else f"the constraint allows no token here (got {rest[0]})"
+        if internal_id in self._json:
+            track, vocab = self._json[internal_id]
+            track.feed(b"".join(vocab.token_bytes[t] for t in token_ids if t not in self._eos))
+        return None
 
     def valid_drafts(self, internal_id: int, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows; the matcher is left as it was.
@@ -129,10 +139,29 @@ class GrammarMatchers:
             self._executor.unsafe_compute_mask_ptr(plain, ptr, size, len(bits))
         if with_drafts:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, size, len(bits))
+        for r, at in zip(rows, np.cumsum(sizes) - sizes):
+            if r.internal_id in self._json:
+                self._hold_json_rules(r, bits[at : at + 1 + len(r.drafts)])
         certain = frozenset(logits_rows[at] for _, at, drafts in with_drafts
                             if _only_the_drafts(bits[at : at + len(drafts)], drafts))
         self.mask_seconds.append(time.perf_counter() - start)
         return TokenMasks(logits_rows, bits, certain)
+
+    def _hold_json_rules(self, r: MaskRow, bits: np.ndarray) -> None:
+        """Takes out of each row of one request the tokens json_rules bans there (row j: after
+        its first j drafts). A row left with no token marks the request stuck."""
+        track, vocab = self._json[r.internal_id]
+        words = bits.view(np.uint32)
+        for j in range(len(bits)):
+            if j:
+                track = track.copy() if j == 1 else track
+                track.feed(vocab.token_bytes[r.drafts[j - 1]])
+            banned = track.banned(vocab)
+            if banned is not None:
+                np.bitwise_and.at(words[j], banned >> 5, ~(np.uint32(1) << (banned & 31).astype(np.uint32)))
+                if not words[j].any():
+                    self._stuck[r.internal_id] = ("no token keeps the output's JSON keys unique and its numbers "
+                                                  "within a double's digits here")
 
     def close(self) -> None:
         if self._thread is not None:

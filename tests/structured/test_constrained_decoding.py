@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
 
 from pyserve import LLM, SamplingParams, StructuredOutputsParams
 from pyserve.engine.output_processor import ConstraintFailed
+from pyserve.structured.compiler import COMPILE_THREADS
 from pyserve.structured.params import GrammarError
 from pyserve.testing.json_schemas import SCHEMAS
 
@@ -118,6 +121,41 @@ def test_a_constraint_the_matcher_cannot_follow_fails_its_request_alone(llm):
     out = llm.generate("y", params[1], use_tqdm=False)
     assert out[0].outputs[0].text in ("ac", "abc")
     assert len(llm.engine.grammar_matchers) == 0 and llm.engine.stats()["num_requests_running"] == 0
+
+
+def test_slow_compiles_keep_to_their_own_threads(llm, monkeypatch):
+    """Thirty compiles that would each take 5 s: all answer a timeout error after
+    GRAMMAR_COMPILE_TIMEOUT, while work on asyncio's default pool (embeddings, cache lookups,
+    LoRA loads) runs at once."""
+    engine, started, release = llm.engine, [], threading.Event()
+
+    def slow_compile(spec):
+        started.append(spec)
+        release.wait(5)
+        raise GrammarError("never")
+
+    monkeypatch.setattr(engine.grammar_compiler, "compile", slow_compile)
+
+    async def run():
+        compiles = [asyncio.ensure_future(engine.compile_grammar(StructuredOutputsParams(regex=f"a{{{i}}}")))
+                    for i in range(30)]
+        waits = []
+        for _ in range(10):
+            start = time.perf_counter()
+            await asyncio.to_thread(lambda: None)
+            waits.append(time.perf_counter() - start)
+            await asyncio.sleep(0.05)
+        return waits, await asyncio.gather(*compiles, return_exceptions=True)
+
+    start = time.perf_counter()
+    try:
+        waits, results = llm._loop.run_until_complete(run())
+    finally:
+        release.set()  # the two started compiles end: the next test's compiles find the threads free
+    assert max(waits) < 0.2, waits
+    assert all(isinstance(r, GrammarError) and "did not compile within" in str(r) for r in results)
+    assert time.perf_counter() - start < 2.5
+    assert len(started) == COMPILE_THREADS  # the other 28 gave their places up unstarted
 
 
 def test_aborted_constrained_requests_free_their_matchers(llm):
