@@ -49,6 +49,14 @@ def answered_record(custom_id, status: int, payload: dict) -> dict:
                          "body": payload}, "error": err}
 
 
+def tokens_used(payload: dict) -> tuple[int, int, int, int]:
+    """(input, cached, output, reasoning) tokens of an answer's `usage`; 0 for each it does not give."""
+    usage = payload.get("usage") or {}
+    return (usage.get("prompt_tokens") or 0, (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            usage.get("completion_tokens") or 0,
+            (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+
+
 def check_lines(content: bytes, endpoints: tuple[str, ...], model_served: Callable[[str], bool],
                 max_lines: int, default_model: str | None = None) -> tuple[list[Line], list[Rejected]]:
     """(the lines to run, the others with their error records). ValueError when the file as

@@ -33,9 +33,14 @@ def _service(request: Request):
 
 
 def _public_batch(service, batch: dict) -> dict:
+    """The stored batch with its request counts and usage (OpenAI's shape) as the answered lines stand."""
     completed, failed = service.store.counts(batch["id"])
+    input_tokens, cached, output_tokens, reasoning = service.store.usage(batch["id"])
     return {**batch, "request_counts": {"total": batch["request_counts"]["total"], "completed": completed,
-                                        "failed": failed}}
+                                        "failed": failed},
+            "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                      "total_tokens": input_tokens + output_tokens}}
 
 
 async def upload_file(request: Request) -> Response:
@@ -144,7 +149,8 @@ async def create_batch(request: Request) -> Response:
              "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
              "expires_at": now + seconds, "finalizing_at": None, "completed_at": None, "failed_at": None,
              "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+             "model": None}  # the model the lines name, once they are checked
     service.store.add_batch(owner, batch)
     service.runner.wake.set()
     return json_response(_public_batch(service, batch))

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import structlog
 
 from pyserve.batches.asgi_call import post_json
-from pyserve.batches.lines import Line, Rejected, answered_record, check_lines, error_record
+from pyserve.batches.lines import Line, Rejected, answered_record, check_lines, error_record, tokens_used
 from pyserve.batches.store import BatchStore
 
 log = structlog.get_logger("pyserve.batches")
@@ -119,6 +119,7 @@ class BatchRunner:
             self.store.add_result(batch["id"], r.number, False, r.record)
         if batch["status"] == "validating":
             batch["request_counts"]["total"] = len(good) + len(bad)
+            batch["model"] = ", ".join(sorted({line.body["model"] for line in good}))  # joined if several
             self._set(batch, "in_progress")
         await self._answer(batch, good)
         if not self._should_stop(batch):  # every line answered
@@ -190,7 +191,7 @@ class BatchRunner:
                                                                                 repr(e)))
             return
         record = answered_record(line.custom_id, status, payload)
-        self.store.add_result(batch["id"], line.number, status == 200, record)
+        self.store.add_result(batch["id"], line.number, status == 200, record, tokens_used(payload))
 
     def _finish(self, batch: dict, status: str) -> None:
         """Writes the output and error files from the stored rows, then the final status."""

@@ -1,9 +1,10 @@
 """The Batch API's durable state: files on disk under the data directory, their records and the
-jobs' in SQLite (the standard library's sqlite3), and one row per answered line.
+jobs' in SQLite (the standard library's sqlite3), one row per answered line, and per job the
+tokens of its completed lines.
 
-A line's result is one row, written once (`add_result` ignores a second write): a server killed
-at any point restarts with every line either answered (its row) or not (run again), never both
-or twice. The output and error files are written from those rows when a job ends.
+A line's result is one row, written once (`add_result` ignores a second write; a completed
+line's tokens are added to its job's in the same transaction): a server killed at any point
+restarts with every line either answered (its row) or not (run again), never both or twice. The output and error files are written from those rows when a job ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, record TEXT NOT NULL,
     PRIMARY KEY (batch_id, line));
+CREATE TABLE IF NOT EXISTS usage (
+    batch_id TEXT PRIMARY KEY, input_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL, reasoning_tokens INTEGER NOT NULL);
 """
 # Statuses from which a job still needs the runner, in the order OpenAI documents them.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -125,11 +129,27 @@ class BatchStore:
 
     # Lines.
 
-    def add_result(self, batch_id: str, line: int, ok: bool, record: dict) -> bool:
-        """Stores a line's result; False (and nothing written) if the line has one already."""
-        cur = self.db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
-                              (batch_id, line, int(ok), json.dumps(record)))
+    def add_result(self, batch_id: str, line: int, ok: bool, record: dict,
+                   tokens: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bool:
+        """Stores a line's result, and when `ok` adds its `tokens` (input, cached, output, reasoning)
+        to its job's usage; False (and nothing written) if the line has one already."""
+        self.db.execute("BEGIN")
+        with self.db:  # commits, or rolls back on an exception
+            cur = self.db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
+                                  (batch_id, line, int(ok), json.dumps(record)))
+            if cur.rowcount == 1 and ok:
+                self.db.execute("INSERT INTO usage VALUES (?, ?, ?, ?, ?) ON CONFLICT (batch_id) DO UPDATE SET "
+                                "input_tokens = input_tokens + excluded.input_tokens, "
+                                "cached_tokens = cached_tokens + excluded.cached_tokens, "
+                                "output_tokens = output_tokens + excluded.output_tokens, "
+                                "reasoning_tokens = reasoning_tokens + excluded.reasoning_tokens", (batch_id, *tokens))
         return cur.rowcount == 1
+
+    def usage(self, batch_id: str) -> tuple[int, int, int, int]:
+        """(input, cached, output, reasoning) tokens of the job's completed lines."""
+        row = self.db.execute("SELECT input_tokens, cached_tokens, output_tokens, reasoning_tokens FROM usage "
+                              "WHERE batch_id = ?", (batch_id,)).fetchone()
+        return tuple(row) if row else (0, 0, 0, 0)
 
     def answered(self, batch_id: str) -> set[int]:
         return {r[0] for r in self.db.execute("SELECT line FROM results WHERE batch_id = ?", (batch_id,))}

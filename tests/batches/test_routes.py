@@ -75,6 +75,10 @@ def test_a_batch_answers_every_line_once_and_reports_bad_lines(server):
     assert batch.status == "completed" and batch.completed_at and batch.in_progress_at and batch.finalizing_at
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (15, 12, 3)
     out = records(api, batch.output_file_id)
+    assert batch.model == MODEL
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (
+        sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out), 12 * 6,
+        sum(r["response"]["body"]["usage"]["total_tokens"] for r in out))
     assert sorted(r["custom_id"] for r in out) == sorted(f"r{i}" for i in range(12))
     assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["object"] == "chat.completion"
                and r["response"]["body"]["usage"]["completion_tokens"] == 6 and r["error"] is None for r in out)

@@ -191,3 +191,18 @@ async def test_a_job_cancelled_while_its_file_is_checked_ends_cancelled(tmp_path
     assert cancelling["status"] == "cancelling"
     assert (batch["status"], batch["request_counts"], out, errors) == (
         "cancelled", {"total": 0, "completed": 0, "failed": 0}, [], [])
+
+
+async def test_the_batch_names_its_model_and_sums_the_usage_of_its_completed_lines(tmp_path):
+    """OpenAI's shape: the model the lines name; input, cached, output and reasoning tokens summed
+    over the lines answered with a 200 (not the 500, nor the line that never ran)."""
+    text = "\n".join([line("a", content="hello", max_tokens=3), line("b", content="hi there", max_tokens=5),
+                      line("broken", max_tokens="x"), line("other", model="other")])
+    async with batch_api(tmp_path) as http:
+        batch, out, errors = await run_job(http, text)
+    assert [r["custom_id"] for r in out] == ["a", "b"]
+    assert [(r["custom_id"], r["response"] and r["response"]["status_code"]) for r in errors] == [
+        ("broken", 500), ("other", None)]
+    assert batch["model"] == MODEL
+    assert batch["usage"] == {"input_tokens": 13, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 8,
+                              "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 21}

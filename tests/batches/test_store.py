@@ -18,3 +18,14 @@ def test_a_line_is_answered_once_and_survives_a_reopen(tmp_path):
     assert [b["id"] for _, b in store.active_batches()] == ["b1"]
     store.delete_file(f.id)
     assert store.files("alice") == []
+
+
+def test_a_completed_lines_tokens_are_added_once_and_survive_a_reopen(tmp_path):
+    store = BatchStore(tmp_path)
+    assert store.usage("b1") == (0, 0, 0, 0)
+    assert store.add_result("b1", 0, True, {}, (10, 4, 3, 1))
+    assert not store.add_result("b1", 0, True, {}, (10, 4, 3, 1))  # the line's first answer stands
+    assert store.add_result("b1", 1, True, {}, (5, 0, 2, 0))
+    assert store.add_result("b1", 2, False, {}, (7, 7, 7, 7))  # failed lines count no tokens
+    store.close()
+    assert BatchStore(tmp_path).usage("b1") == (15, 4, 5, 1)
