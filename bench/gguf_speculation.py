@@ -43,7 +43,8 @@ def main() -> None:
     target, draft = str(fetch("qwen2.5-coder-1.5b-instruct")), str(fetch("qwen2.5-coder-0.5b-instruct"))
     plain, plain_tok_s, _ = run(target, args.tokens)
     spec, spec_tok_s, stats = run(target, args.tokens, speculative_config={"method": "draft_model", "model": draft,
-                                                                          "num_speculative_tokens": 4})
+                                                                          "num_speculative_tokens": 4,
+                                                                          "adaptive": True})
     accepted = stats["spec_decode_num_accepted_tokens"] / max(stats["spec_decode_num_draft_tokens"], 1)
     report = {**head, "tokens": args.tokens, "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
               "ratio": round(spec_tok_s / plain_tok_s, 3), "same_tokens": spec == plain,

@@ -31,8 +31,8 @@ from pyserve.default_model.training import corpus
 
 CONFIGS = {
     "plain": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-    "draft": {"method": "draft_model", "num_speculative_tokens": 8},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
+    "draft": {"method": "draft_model", "num_speculative_tokens": 8, "adaptive": True},
 }
 
 

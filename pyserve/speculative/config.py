@@ -21,7 +21,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None  # draft_model: the draft's Hugging Face directory
-    adaptive: bool = True  # choose the depth per step (0 = plain decoding) from measurements
+    # Choose the depth per step (0 = plain decoding) from measurements; by default only where
+    # the user left num_speculative_tokens out (a depth the user fixed is honoured).
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | str | None, default_draft: str | None = None) -> SpeculativeConfig | None:
@@ -44,6 +46,7 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
         defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        defaults["adaptive"] = "num_speculative_tokens" not in raw
         fields = {**defaults, **raw}
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = fields[key]

@@ -21,7 +21,7 @@ measures instead of assuming, separately for each batch-size bucket (powers of t
   requested drafts a proposer actually returns (n-gram lookup finds no match for some requests).
 
 A new bucket is explored first, cheapest first: some steps at depth 0, some at half depth, then
-some at full depth only where guesses accepted PROBE_ACCEPTANCE of the time would pay by what
+some at full depth only where guesses always kept would pay by what
 the first two measured (a large batch, whose first steps at full depth would cost more than its
 whole short run gains, stops exploring there). A new bucket larger than one where such guesses
 were found not to pay is not explored at all: it stays at depth 0 (a larger batch's step is
@@ -34,6 +34,11 @@ speculating would pay if guesses were good (PROBE_ACCEPTANCE; not at large batch
 for n-gram lookup, half the full depth for a draft model, whose probe has fixed costs (the draft
 catches up on the tokens since it last ran; the verification) that buy more trials so. A probe
 whose guesses were kept that often is followed by another at once.
+A verdict is never final: the first step of each shape (draft count) a bucket sees is a warm-up,
+not measured (a first run allocates, a draft model's first proposal at a depth is slow), and a
+bucket found priced out explores again after RECHECK_FIRST probe intervals, then after twice as
+many each time it is found so again (up to RECHECK_MOST): costs measured on a cold process must
+not switch speculation off for good.
 No torch here: the EngineCore calls it between steps.
 """
 
@@ -45,6 +50,7 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 2.0  # pseudo-counts: two early rejections
 PROBE_EVERY = 16  # steps at depth 0 before a probe
 PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
 SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
+RECHECK_FIRST, RECHECK_MOST = 8, 128  # probe intervals a priced-out bucket waits before exploring again
 
 
 class LinearFit:
@@ -91,6 +97,22 @@ class Bucket:
         # Even guesses kept PROBE_ACCEPTANCE of the time would not pay here: measured by this
         # bucket's exploration and probes, or inherited by a new bucket from a smaller one.
         self.priced_out = False
+        self.warm: set[int] = set()  # draft counts of steps seen (a shape's first step is not measured)
+        self.recheck_every, self.waited = RECHECK_FIRST, 0  # in probe intervals
+
+    def recheck_due(self) -> bool:
+        """Counts a probe interval of a priced-out bucket; True (and the next wait doubled) when
+        it should explore again."""
+        self.waited += 1
+        if self.waited < self.recheck_every:
+            return False
+        self.waited, self.recheck_every = 0, min(2 * self.recheck_every, RECHECK_MOST)
+        return True
+
+    def explore_again(self) -> None:
+        """Forgets the step and proposal costs measured with drafts; exploration resumes at half depth."""
+        self.spec, self.draft, self.slope = LinearFit(), LinearFit(), None
+        self.choices, self.priced_out = EXPLORE_STEPS, False
 
     def exploring(self, max_k: int) -> int | None:
         """The depth to try while the bucket is new, else None: 0 until a step without drafts was
@@ -105,6 +127,9 @@ class Bucket:
         return None
 
     def observe_step(self, drafts: int, seconds: float) -> None:
+        if drafts not in self.warm:
+            self.warm.add(drafts)
+            return
         if drafts:
             self.spec.add(float(drafts), seconds)
         else:
@@ -203,10 +228,13 @@ class DepthController:
             self.steps_off, self.probe = self.steps_off + 1, None
             return 0
         k = bucket.exploring(self.max_k)
-        if k == self.max_k and bucket.spec.count and \
-                not self._best_depth(batch_size, num_candidates, bucket, PROBE_ACCEPTANCE):
+        # Full depth is tried unless even perfect guesses would not pay by the half-depth steps'
+        # costs: those charge a verification's and a proposal's fixed costs to each guess, so
+        # they overprice a deeper guess (guesses kept PROBE_ACCEPTANCE of the time, charged so,
+        # priced a depth of 4 out where it ran 1.6x).
+        if k == self.max_k and bucket.spec.count and not self._best_depth(batch_size, num_candidates, bucket, 1.0):
             bucket.priced_out = True
-            k = None  # even good guesses would not pay here: exploring ends
+            k = None  # even perfect guesses would not pay here: exploring ends
         explored = k is None
         if explored:
             k = self._best_depth(batch_size, num_candidates, bucket, self.acceptance)
@@ -225,6 +253,9 @@ class DepthController:
                 if not bucket.priced_out:
                     self.probe = [0, 0]
                     return self.probe_depth
+                if bucket.recheck_due():
+                    bucket.explore_again()
+                    return max(1, self.max_k // 2)
         return k
 
     def _priced_out_below(self, batch_size: int) -> bool:

@@ -16,3 +16,11 @@ def test_config_errors_name_the_key(tmp_path):
             SpeculativeConfig.parse(raw)
     cfg = SpeculativeConfig.parse('{"method": "ngram"}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 1, 4)
+
+
+def test_a_depth_the_user_gives_is_fixed_unless_adaptive_is_asked_for():
+    assert SpeculativeConfig.parse({"method": "ngram"}).adaptive
+    fixed = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert (fixed.num_speculative_tokens, fixed.adaptive) == (4, False)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "adaptive": True}).adaptive
+    assert not SpeculativeConfig.parse({"method": "ngram", "adaptive": False}).adaptive

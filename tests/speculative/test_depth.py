@@ -3,7 +3,7 @@ and the acceptance rate; a fixed depth stays fixed."""
 
 from __future__ import annotations
 
-from pyserve.speculative.depth import PROBE_EVERY, DepthController
+from pyserve.speculative.depth import EXPLORE_STEPS, PROBE_EVERY, RECHECK_FIRST, DepthController
 
 
 def test_depth_follows_the_measured_costs():
@@ -60,11 +60,36 @@ def test_a_stretch_of_rejected_guesses_does_not_switch_a_draft_model_off_for_goo
     assert min(easy[40:]) >= 7
 
 
+def test_full_depth_is_tried_where_half_depths_costs_overprice_it():
+    # A depth of 4, every guess kept, runs 1.6x: charged the fixed costs of the half-depth steps
+    # to each guess, it would look dear; tried, it pays.
+    assert simulate(DepthController(4, has_draft_cost=True), 100, lambda step, k: k)[-80:].count(4) == 80
+
+
 def test_no_probes_where_even_good_guesses_would_not_pay():
-    # A draft token costs as much as the step itself (a large batch): off, and never probed.
-    depths = simulate(DepthController(8, has_draft_cost=True), 300, lambda step, k: k, verify=0.001,
+    # A draft token costs as much as the step itself (a large batch): off, never probed, and
+    # explored again only after RECHECK_FIRST probe intervals, then twice as rarely.
+    depths = simulate(DepthController(8, has_draft_cost=True), 1000, lambda step, k: k, verify=0.001,
                       per_draft=0.001)
-    assert depths[-250:].count(0) == 250
+    on = [i for i, k in enumerate(depths) if k]
+    assert len(on) <= 3 * EXPLORE_STEPS + 2 * EXPLORE_STEPS  # the first exploration, two shorter ones
+    assert min(on[3 * EXPLORE_STEPS:]) > RECHECK_FIRST * PROBE_EVERY
+
+
+def test_costs_measured_cold_do_not_switch_speculation_off_for_good():
+    # The draft model's first four proposals take 20x their time (a cold process): exploration
+    # finds speculating dear; explored again later, it pays, and speculation resumes.
+    ctl, calls = DepthController(4, has_draft_cost=True), [0]
+    observe = ctl.observe_proposal
+
+    def cold_first(batch, k, proposed, seconds):
+        calls[0] += 1
+        observe(batch, k, proposed, seconds * (20 if calls[0] <= 4 else 1))
+
+    ctl.observe_proposal = cold_first
+    depths = simulate(ctl, 400, lambda step, k: k)
+    assert depths[30:100].count(0) == 70  # off at first, on the cold measurements
+    assert depths[-200:].count(4) == 200
 
 
 def test_guesses_kept_now_and_then_do_not_keep_it_probing():
