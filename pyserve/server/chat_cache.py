@@ -150,15 +150,17 @@ class ChatCache:
         return self.store.invalidate(lambda e: e.tenant == tenant and (model is None or e.model == model))
 
 
-def hit_body(entry: Entry, model: str) -> dict:
-    """The stored answer as a new response: its own id, and its tool calls' ids fresh too (a
-    client that gets the same call twice in one conversation must tell the two apart)."""
+def hit_body(entry: Entry, model: str, fingerprint: str) -> dict:
+    """The stored answer as a new response of `model` (`fingerprint`: its system_fingerprint):
+    its own id, and its tool calls' ids fresh too (a client that gets the same call twice in one
+    conversation must tell the two apart)."""
     answer = orjson.loads(entry.response)
     choice = answer["choice"]
     for call in choice["message"].get("tool_calls") or []:
         call["id"] = f"call_{uuid.uuid4().hex[:24]}"
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": answer["usage"] | {"pyserve_cache": "hit"}}
+            "model": model, "system_fingerprint": fingerprint, "choices": [choice],
+            "usage": answer["usage"] | {"pyserve_cache": "hit"}}
 
 
 def _message_text(m) -> str:

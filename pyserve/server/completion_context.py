@@ -193,7 +193,7 @@ class CompletionContext:
         try:
             if self.kind == "chat":
                 for i in range(len(self.prompts) * self.req.n):
-                    yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                    yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
                                         "logprobs": None, "finish_reason": None}])
             try:
                 async for idx, d in self.events():
@@ -226,7 +226,8 @@ class CompletionContext:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
-                                "model": self.model_name, "choices": choices}
+                                "model": self.model_name, "system_fingerprint": self.model.fingerprint,
+                                "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return b"data: " + orjson.dumps(body) + b"\n\n"
@@ -253,22 +254,22 @@ class CompletionContext:
             for c in s.output.outputs:
                 idx = i * self.req.n + c.index
                 lp = None if c.logprobs is None else self._logprobs(c.token_ids, c.logprobs)
-                if self.kind == "chat" and self.tools is not None:
-                    calls = self._choice_calls(idx)
-                    message = calls.message(c.text)
-                    has_calls = "tool_calls" in message or "function_call" in message
-                    choices.append({"index": idx, "message": message, "logprobs": lp,
-                                    "finish_reason": calls.finish_reason(c.finish_reason, has_calls)})
-                elif self.kind == "chat":
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lp, "finish_reason": c.finish_reason})
+                if self.kind == "chat":
+                    message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                    if self.tools is not None:
+                        calls = self._choice_calls(idx)
+                        message = calls.message(c.text)
+                        finish = calls.finish_reason(finish, "tool_calls" in message or "function_call" in message)
+                    # OpenAI's message always has a refusal; this server never refuses
+                    choices.append({"index": idx, "message": message | {"refusal": None}, "logprobs": lp,
+                                    "finish_reason": finish})
                 elif self.echo is not None:
                     choices.append(self._echoed(i, s.output, c, idx))
                 else:
                     choices.append({"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
-                "choices": choices, "usage": self._usage()}
+                "system_fingerprint": self.model.fingerprint, "choices": choices, "usage": self._usage()}
 
     def _logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
         """The OpenAI logprobs of `token_ids`: chat's `content` (each token's bytes as it stands

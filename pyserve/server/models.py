@@ -6,12 +6,14 @@ of one; adapter names are unique across the server. The first model is the prima
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pyserve import __version__
 from pyserve.lora.request import LoRARequest
 from pyserve.server.errors import NotFound
 from pyserve.server.lora_registry import LoraRegistry
@@ -51,6 +53,13 @@ class ServedModel:
     name: str
     engine: AsyncEngine
     loras: LoraRegistry
+    # The responses' system_fingerprint: one per pyserve version, model directory and model
+    # length (OpenAI's changes with the backend configuration that answers).
+    fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        served = f"{__version__}\0{self.engine.model_path}\0{self.engine.max_model_len}"
+        self.fingerprint = "fp_pyserve_" + hashlib.sha256(served.encode()).hexdigest()[:12]
 
 
 class ModelTable:

@@ -49,7 +49,7 @@ async def chat_completions(request: Request) -> Response:
         if found is not None:
             state.metrics.cache_lookup.observe(found.seconds)
             if found.entry is not None:
-                return _cache_hit(state, req, found.entry)
+                return _cache_hit(state, req, model, found.entry)
     return await _chat_on(request, state, model, lora, req, cache_plan)
 
 
@@ -87,9 +87,9 @@ async def _chat_on(request: Request, state: ServerState, model: ServedModel, lor
                         cache_plan=cache_plan)
 
 
-def _cache_hit(state: ServerState, req: ChatCompletionRequest, entry) -> Response:
+def _cache_hit(state: ServerState, req: ChatCompletionRequest, model: ServedModel, entry) -> Response:
     """A stored answer, as one body or replayed as SSE."""
-    body, headers = hit_body(entry, req.model), {HEADER: "hit"}
+    body, headers = hit_body(entry, req.model, model.fingerprint), {HEADER: "hit"}
     if req.stream:
         return replayed(body, req.wants_usage(), state.settings.stream_timeout, headers)
     return json_response(body, headers=headers)

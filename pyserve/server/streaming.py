@@ -76,7 +76,7 @@ def finished_sse(body: dict, include_usage: bool) -> bytes:
     finish reason, for text one chunk; then the usage when asked; then [DONE]."""
     chat = body["object"] == "chat.completion"
     head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
+            "created": body["created"], "model": body["model"], "system_fingerprint": body["system_fingerprint"]}
     chunks = []
     for c in body["choices"]:
         if not chat:
@@ -84,7 +84,7 @@ def finished_sse(body: dict, include_usage: bool) -> bytes:
                             "finish_reason": c["finish_reason"]}])
             continue
         message, i = c["message"], c["index"]
-        deltas = [({"role": "assistant", "content": ""}, None, None)]
+        deltas = [({"role": "assistant", "content": "", "refusal": None}, None, None)]
         if message.get("content"):
             deltas.append(({"content": message["content"]}, c.get("logprobs"), None))
         deltas += [({"tool_calls": [{"index": k, **call}]}, None, None)

@@ -231,6 +231,26 @@ def test_integers_are_numbers(server):
     assert r.status_code == 200, r.text
 
 
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_responses_carry_refusal_and_system_fingerprint(server):
+    """As OpenAI sends them: a chat message's refusal (null: this server never refuses), and one
+    system_fingerprint per model on every chat and text completion object, streamed chunks too."""
+    chat = post(server, "/v1/chat/completions", CHAT).json()
+    assert chat["choices"][0]["message"]["refusal"] is None and "refusal" in chat["choices"][0]["message"]
+    fingerprint = chat["system_fingerprint"]
+    assert fingerprint.startswith("fp_pyserve_") and len(fingerprint) > len("fp_pyserve_")
+    chunks = _sse(post(server, "/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True}}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert chunks[-1]["usage"] and {c["system_fingerprint"] for c in chunks} == {fingerprint}
+    assert post(server, "/v1/completions", COMPLETION).json()["system_fingerprint"] == fingerprint
+    chunks = _sse(post(server, "/v1/completions", COMPLETION | {"stream": True}))
+    assert len(chunks) > 1 and {c["system_fingerprint"] for c in chunks} == {fingerprint}
+    assert post(server, "/v1/chat/completions", CHAT).json()["system_fingerprint"] == fingerprint  # stable
+
+
 def test_invalid_json_and_huge_body(server):
     r = post(server, "/v1/chat/completions", None, raw=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

@@ -49,6 +49,7 @@ async def test_a_miss_is_stored_and_the_same_question_or_a_rephrasing_hits(serve
         status, again = await chat(api, text)
         assert status == "hit" and again.usage.model_extra["pyserve_cache"] == "hit"
         assert again.choices[0].message.content == first.choices[0].message.content and again.id != first.id
+        assert again.system_fingerprint == first.system_fingerprint and first.system_fingerprint.startswith("fp_")
     for trick in ("How do I not sort a list in Python?", "How do I sort a list in Ruby?"):
         assert (await chat(api, trick))[0] == "miss"
     status, _ = await chat(api, "What is 12 times 4?")
@@ -107,6 +108,7 @@ async def test_a_streamed_hit_is_replayed_as_sse(served):
     assert text == first.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == first.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens
+    assert {c.system_fingerprint for c in chunks} == {first.system_fingerprint} != {None}
 
 
 async def test_entries_expire_and_opt_outs_and_sampled_requests_are_not_cached(served):
@@ -192,7 +194,7 @@ def test_a_hit_is_a_new_response_with_fresh_tool_call_ids():
                          "logprobs": None, "finish_reason": "tool_calls"},
               "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
     entry = Entry(1, "s", np.zeros(4, np.float32), guard_of("q"), orjson.dumps(stored), "t", "m", 0.0, 0.9)
-    first, second = hit_body(entry, "m"), hit_body(entry, "m")
+    first, second = hit_body(entry, "m", "fp_m"), hit_body(entry, "m", "fp_m")
     ids = [b["choices"][0]["message"]["tool_calls"][0]["id"] for b in (first, second)]
     assert len(set(ids)) == 2 and "call_stored" not in ids and first["id"] != second["id"]
     assert first["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
