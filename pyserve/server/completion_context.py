@@ -14,10 +14,10 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.engine.output_processor import ClientTooSlow, RequestStream, StreamDelta
+from pyserve.engine.output_processor import ClientTooSlow, ConstraintFailed, RequestStream, StreamDelta
 from pyserve.lora.request import LoRARequest
 from pyserve.server.body import json_response
-from pyserve.server.errors import Unavailable, error_body
+from pyserve.server.errors import APIError, BadRequest, Unavailable, error_body
 from pyserve.server.models import ServedModel
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState
@@ -121,6 +121,8 @@ class CompletionContext:
     def _raise_error(stream: RequestStream) -> None:
         if isinstance(stream.error, ClientTooSlow):
             raise stream.error
+        if isinstance(stream.error, ConstraintFailed):
+            raise BadRequest(f"the output's constraint could not be followed: {stream.error}", code="constraint_failed")
         if stream.error is not None:
             raise Unavailable(str(stream.error))
 
@@ -202,9 +204,9 @@ class CompletionContext:
                         if choice.get("delta") == {} and not choice["finish_reason"] and choice["logprobs"] is None:
                             continue  # text held back while it may still be a tool call's start
                         yield self._chunk([choice])
-            except Unavailable as e:
-                self.outcome = "engine_dead"
-                yield b"data: " + error_body(503, "service_unavailable", e.message) + b"\n\n"
+            except APIError as e:
+                self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
+                yield b"data: " + error_body(e.status, e.type, e.message, e.param, e.code) + b"\n\n"
                 return
             except ClientTooSlow:  # its requests are aborted already; the client is not reading
                 self.outcome = "slow_client"

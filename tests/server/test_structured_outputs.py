@@ -155,6 +155,22 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     assert time.perf_counter() - start < 1.0
 
 
+@pytest.mark.parametrize("body", [{"structured_outputs": {"regex": "a{1000000}"}},
+                                  {"structured_outputs": {"regex": "(a?){500}a{500}"}}])
+def test_a_constraint_the_matcher_cannot_follow_fails_the_request(server, client, body):
+    """llguidance's lexer gives up on these after the first token: never a 200 with "stop"."""
+    request = {"model": "tiny", "messages": _chat("x"), "max_tokens": 16, **body}
+    r = httpx.post(server + "/v1/chat/completions", json=request, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "constraint_failed" and "too many expressions" in r.json()["error"]["message"]
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**request, "stream": True}, timeout=30) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-1][6:])["error"]["code"] == "constraint_failed", events[-2:]
+    assert not any('"finish_reason":"stop"' in e for e in events)
+    ok = client.completions.create(model="tiny", prompt="def f():", max_tokens=4, temperature=0)  # serves on
+    assert len(ok.choices[0].text) > 0
+
+
 def test_hostile_constraints_do_not_stall_other_clients(server, client):
     hostile = [{"structured_outputs": {"regex": "(a*)*(b|c)*" * 50}},
                {"structured_outputs": {"json": {"oneOf": [{"oneOf": [{"type": "integer"}, {"type": "string"}] * 40}] * 40}}},
