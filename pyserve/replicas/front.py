@@ -320,13 +320,13 @@ async def stats(request: Request) -> Response:
 
 
 async def cache_figures(request: Request) -> Response:
-    """The replicas' semantic caches: each one's figures, and their counts summed."""
+    """The caller tenant's figures in the replicas' semantic caches: each one's, and their counts summed."""
     pool: ReplicaPool = request.app.state.pool
     figures = {url: a.json() for url, a in (await _gather(pool, "/v1/cache", request)).items()}
     if not figures:
         raise NotFound("no replica serves a semantic cache (start them with --semantic-cache and --api-key)")
     summed = {k: sum(f.get(k, 0) for f in figures.values())
-              for k in ("entries", "bytes", "hits", "misses", "stores", "evictions", "expirations")}
+              for k in ("entries", "bytes", "hits", "misses", "stores")}
     return json_response({**summed, "replicas": figures})
 
 
