@@ -38,7 +38,7 @@ from pyserve.server.app import version_info
 from pyserve.server.body import json_response
 from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, Unauthorized, Unavailable, error_body
 from pyserve.server.metrics import Counter, Gauge, Registry
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, cors
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, cors
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 
 log = structlog.get_logger("pyserve.router")
@@ -383,7 +383,7 @@ def build_router_app(settings: RouterSettings, on_refused: Callable[[NotAReplica
             finally:
                 await pool.stop()
 
-    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
+    middleware = [Middleware(InternalErrors), Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)]
     if settings.allowed_origins:
         middleware.insert(0, cors(settings.allowed_origins))
     if settings.api_key:

@@ -23,7 +23,7 @@ from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
 from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, error_body
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, LoadingGate, cors
+from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, LoadingGate, cors
 from pyserve.server.models import ModelSpec
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
@@ -129,8 +129,8 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
     public = {"/health", "/openapi.json", *PUBLIC_PATHS} | ({"/metrics", "/v1/stats"} if settings.public_metrics
                                                            else set())
     upload_limit = settings.batch_max_file_bytes + UPLOAD_ENVELOPE_BYTES
-    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
-                             path_limits={"/v1/files": upload_limit})]
+    middleware = [Middleware(InternalErrors), Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                                                         path_limits={"/v1/files": upload_limit})]
     if settings.allowed_origins:  # outermost: a preflight carries no API key
         middleware.insert(0, cors(settings.allowed_origins))
     internal_key = secrets.token_hex(16)  # what the batch runner's in-process requests present

@@ -1,5 +1,6 @@
 """Pure ASGI middleware: API-key auth, the request body size limit, the gate that answers 503
-while the model loads, and the CORS settings the server and the router share.
+while the model loads, the CORS settings the server and the router share, and the last word on
+an unexpected error.
 
 Auth decisions use the ASGI path (never a URL rebuilt from the Host header), deny by default, and
 compare keys in constant time. The `Bearer` scheme is matched case-insensitively (RFC 9110: auth
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 import hmac
 
+import structlog
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from pyserve.server.errors import error_body
+
+log = structlog.get_logger("pyserve.server")
 
 
 def cors(origins: list[str]) -> Middleware:
@@ -132,3 +136,31 @@ class LoadingGate:
         message = (f"the model is {status}; retry once /health answers 200" if status in ("loading", "downloading")
                    else "the model failed to load; the server is exiting")
         return await _send_error(send, 503, "service_unavailable", message, [(b"retry-after", b"1")])
+
+
+class InternalErrors:
+    """An error no handler answered becomes a 500 in OpenAI's shape, and the connection serves
+    on: Starlette's own last handler re-raises after answering, and the HTTP server then drops
+    the keep-alive connection, failing the client's next request on it. Outermost but for CORS;
+    a response already started can only be cut (re-raised)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:
+                raise
+            log.error("internal_error", path=scope["path"], error=repr(e))
+            await _send_error(send, 500, "internal_error", "internal server error")
