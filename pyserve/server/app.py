@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Callable, Mapping
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 import structlog
@@ -16,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+import pyserve
 from pyserve.batches.routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
                                     retrieve_batch, retrieve_file, upload_file)
 from pyserve.server.body import json_response
@@ -96,11 +96,7 @@ async def openapi(request: Request) -> Response:
 
 
 async def version_info(request: Request) -> Response:
-    try:
-        v = version("pyserve")
-    except PackageNotFoundError:
-        v = "unknown"
-    return json_response({"version": v})
+    return json_response({"version": pyserve.__version__})
 
 
 def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, ModelSpec], settings: ServerSettings,

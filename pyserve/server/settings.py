@@ -12,7 +12,7 @@ class ServerSettings:
     """The server's knobs, spelled once: `pyserve serve` derives its flags from them."""
 
     served_model_name: str
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY'", type=str)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (or set PYSERVE_API_KEY)", type=str)
     max_waiting: int | None = option(None, "429 when a request would make more than this many sequences wait",
                                      type=int)
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
