@@ -21,6 +21,6 @@ def load_encoder(setting: str) -> Encoder | None:
     if not (Path(setting) / "config.json").is_file():
         raise ValueError(f"embedding_model: {setting!r} is neither 'wordllama', 'none' nor a model directory "
                          f"with a config.json")
-    from pyserve.model.hf_encoder import HFEncoder
+    from pyserve.embeddings.hf_encoder import HFEncoder
 
     return HFEncoder(setting)
