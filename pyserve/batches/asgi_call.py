@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import orjson
 
-from pyserve.server.tenants import TENANT_SCOPE_KEY
+# Set in the ASGI scope by the server's own in-process requests (a batch line: its job's owner);
+# an HTTP client cannot set a scope key, only headers. The server's tenant_of reads it.
+TENANT_SCOPE_KEY = "pyserve.tenant"
 
 
 async def post_json(app: Callable, path: str, body: dict, headers: dict[str, str],

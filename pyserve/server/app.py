@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import pyserve
-from pyserve.batches.routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
+from pyserve.server.batch_routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
                                     retrieve_batch, retrieve_file, upload_file)
 from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate

@@ -6,11 +6,8 @@ import hashlib
 
 from starlette.requests import Request
 
+from pyserve.batches.asgi_call import TENANT_SCOPE_KEY
 from pyserve.server.middleware import bearer_key
-
-# Set in the ASGI scope by the server's own in-process requests (a batch line: its job's owner);
-# an HTTP client cannot set a scope key, only headers.
-TENANT_SCOPE_KEY = "pyserve.tenant"
 
 
 def tenant_of(request: Request) -> str:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from pyserve.batches.lines import check_lines
-from pyserve.batches.routes import cancel_batch, create_batch, file_content, retrieve_batch, upload_file
+from pyserve.server.batch_routes import cancel_batch, create_batch, file_content, retrieve_batch, upload_file
 from pyserve.batches.runner import BatchRunner
 from pyserve.batches.service import BatchService
 from pyserve.batches.store import BatchStore
