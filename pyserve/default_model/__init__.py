@@ -1,8 +1,8 @@
 """The embedded default model family: a small Python-code model trained by this project from the
 standard library's source, its draft model and two LoRA adapters, shipped inside the package.
 
-`LLM()` and `pyserve serve` with no model use `TARGET_DIR`; see README.md for the model card and
-`python -m pyserve.default_model.training` for how the weights were made.
+`LLM()` and `pyserve serve` with no model use `TARGET_DIR`; see docs/embedded-model.md for the
+model card and `python -m pyserve.default_model.training` for how the weights were made.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The embedded default model family: what ships, that pyserve serves it exactly, and that the
-model card's figures (README.md and card.json) are what the shipped weights give."""
+model card's figures (docs/embedded-model.md and card.json) are what the shipped weights give."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pyserve.server.model_specs import DRAFT_MODEL_NAME
 from pyserve.testing import assert_parity, hf_greedy, start_server, stop_server
 
 CARD = json.loads((FAMILY_DIR / "card.json").read_text())
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODEL_CARD = Path(__file__).resolve().parents[2] / "docs" / "embedded-model.md"
 CHAT = [{"role": "user", "content": CARD["samples"]["prompts"]["chat: a function"]}]
 
 
@@ -30,12 +30,12 @@ def num_params(model_dir: Path) -> int:
 
 
 def card_row(label: str) -> list[str]:
-    """The cells of the README model card's table row that starts with `label`."""
-    for line in README.read_text().splitlines():
+    """The cells of the model card's table row that starts with `label`."""
+    for line in MODEL_CARD.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells and cells[0] == label:
             return cells[1:]
-    raise AssertionError(f"README.md has no model-card row {label!r}")
+    raise AssertionError(f"docs/embedded-model.md has no model-card row {label!r}")
 
 
 def test_family_ships_complete_small_and_in_safetensors():
@@ -107,7 +107,7 @@ def test_card_held_out_figures_are_what_the_shipped_weights_give():
     for i, (name, model) in enumerate(models.items()):
         loss = mean_loss(model, batches)
         assert loss == pytest.approx(CARD[name]["held_out"]["loss"], abs=2e-3), name
-        assert float(shown[i]) == pytest.approx(loss, abs=2e-3), f"README card, {name}"
+        assert float(shown[i]) == pytest.approx(loss, abs=2e-3), f"model card, {name}"
     accept = draft_acceptance(models["target"], models["draft"], batches)
     assert accept["greedy"] == pytest.approx(CARD["draft_acceptance"]["greedy"], abs=2e-3)
     shown = card_row("draft acceptance, greedy / temperature 1")

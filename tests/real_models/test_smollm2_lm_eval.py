@@ -1,4 +1,4 @@
-"""The README's lm-evaluation-harness recipe end to end on SmolLM2-135M-Instruct served from its
+"""docs/eval.md's lm-evaluation-harness recipe end to end on SmolLM2-135M-Instruct served from its
 GGUF file: `local-completions` with the tokenizer read from the server (lm-eval's remote
 backend, /tokenizer_info and /tokenize: the GGUF has no tokenizer files to point it at) scores a
 multiple-choice task with pyserve's own prompt logprobs; `local-chat-completions` runs a

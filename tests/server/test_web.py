@@ -2,7 +2,7 @@
 driven by selenium against a live server of the embedded model with an API key, its two
 adapters and n-gram speculation. Skipped, saying why,
 where Chromium or its driver is missing (.ci/run installs both). With PYSERVE_SCREENSHOTS=DIR the
-screenshots are also written there (the README's come from such a run)."""
+screenshots are also written there (docs/web.md's come from such a run)."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ def write_card(out_dir: Path, card: dict, started: float, seconds_key: str = "to
     card[seconds_key] = round(time.perf_counter() - started, 1)
     for f in out_dir.rglob("*"):
         if f.name == "README.md":
-            f.unlink()  # PEFT's blank model-card template; the card is in the project README
+            f.unlink()  # PEFT's blank model-card template; the card is docs/embedded-model.md
         elif f.is_file():
             f.chmod(0o644)  # safetensors are written 0600; installed files must be world-readable
     card["bytes_on_disk"] = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())

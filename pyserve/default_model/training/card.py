@@ -1,4 +1,4 @@
-"""Renders the README's model card from card.json: `python -m pyserve.default_model.training.card`."""
+"""Renders the model card (docs/embedded-model.md) from card.json: `python -m pyserve.default_model.training.card`."""
 
 from __future__ import annotations
 
