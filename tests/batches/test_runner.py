@@ -145,8 +145,9 @@ async def test_errors_name_the_line_of_the_file_blank_lines_counted(tmp_path):
 async def test_the_loop_keeps_serving_while_a_large_file_is_uploaded_and_validated(tmp_path):
     """A 6 MB file of lines naming a model not served, uploaded in 64 KiB chunks as over HTTP: a job
     that fails validation (no line to run). A timer wakes every 5 ms meanwhile; its longest wait,
-    the loop's longest stall, stays under half the time the check itself takes (on the loop, the
-    stall is all of it)."""
+    the loop's longest stall, stays well under the time the check itself takes (on the loop, the
+    stall is all of it: 1.05x measured; off it ~0.15x). The check is timed before and after the
+    job and the longer taken, so that a busy machine slows both sides alike."""
     n = 40_000
     content = "\n".join(line(f"c{i}", content="x" * 60, model="other") for i in range(n)).encode()
     assert len(content) > 6_000_000
@@ -168,10 +169,13 @@ async def test_the_loop_keeps_serving_while_a_large_file_is_uploaded_and_validat
         ticker = asyncio.create_task(tick())
         batch, _, _ = await run_job(http, io.BytesIO(content))
         ticker.cancel()
+    began = time.perf_counter()
+    check_lines(content, (URL,), MODEL.__eq__, max_lines=n)
+    check_s = max(check_s, time.perf_counter() - began)
     assert batch["status"] == "failed" and len(batch["errors"]["data"]) == 100
     assert {(e["code"], e["message"]) for e in batch["errors"]["data"]} == {
         ("model_not_found", "body.model: 'other' is not served here")}
-    assert max(stalls) < check_s / 2, (max(stalls), check_s)
+    assert max(stalls) < 0.6 * check_s, (max(stalls), check_s)
 
 
 async def test_a_job_cancelled_while_its_file_is_checked_ends_cancelled(tmp_path):
