@@ -10,7 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "pyserve.engine.llm",
-    "SamplingParams": "pyserve.engine.sampling_params",
+    "SamplingParams": "pyserve.step.sampling_params",
     "RequestOutput": "pyserve.engine.outputs",
     "CompletionOutput": "pyserve.engine.outputs",
     "LoRARequest": "pyserve.lora.request",

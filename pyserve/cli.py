@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace) -> None:
 
     configure_logging()
     if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:  # a torchrun rank but the first
-        from pyserve.parallel.follower import follow_torchrun
+        from pyserve.worker.follower import follow_torchrun
 
         return follow_torchrun(_engine_config(args))
     if args.data_parallel_size < 1:

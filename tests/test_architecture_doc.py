@@ -55,3 +55,47 @@ def test_the_clients_and_the_decision_layer_import_no_engine_module():
     for package in ("embeddings", "semantic_cache", "routing", "eval", "replicas"):
         engine = sorted(m for m in _imports(package) if m == "pyserve" or m.startswith("pyserve.engine"))
         assert not engine, f"pyserve/{package} imports {engine}"
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """pyserve's packages (and top-level modules), each with the others it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "pyserve").iterdir():
+        name = path.stem if path.suffix == ".py" else path.name
+        if path.name.startswith(("_", ".")) or not (path.is_dir() or path.suffix == ".py"):
+            continue
+        package = path.name if path.is_dir() else path.stem
+        modules = _imports(package) if path.is_dir() else _file_imports(path)
+        graph[name] = {m.split(".")[1] for m in modules if m.count(".") >= 1 and m.split(".")[1] != name}
+    return {name: {d for d in deps if d in graph} for name, deps in graph.items()}
+
+
+def _file_imports(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m.startswith("pyserve.")}
+
+
+def test_packages_import_one_way():
+    """No cycle among pyserve's packages: each stands on the ones below it."""
+    graph = _package_graph()
+    assert {"engine", "model", "worker", "step", "server"} <= set(graph)
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])

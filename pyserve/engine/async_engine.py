@@ -18,15 +18,15 @@ from pyserve.engine.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
-from pyserve.engine.request import Abort, Add, EngineRequest
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.request import Abort, Add, EngineRequest
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.watchdog import Watchdog
 from pyserve.lora.request import LoRARequest
 from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import ModelConfig
 from pyserve.model.hub import fetch_model
-from pyserve.model.worker import ModelWorker
+from pyserve.worker.model_worker import ModelWorker
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
 from pyserve.speculative.speculator import Speculator
@@ -34,7 +34,6 @@ from pyserve.structured.compiler import Grammar, GrammarCompiler
 from pyserve.structured.matchers import GrammarMatchers
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
-DEFAULT_MAX_MODEL_LEN = 8192
 GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
 
@@ -73,7 +72,7 @@ class AsyncEngine:
         self.model_path = fetch_model(config.model, config.revision, config.gguf_file)  # downloads a hub id
         self.model_config = load_config(self.model_path)
         cfg = self.model_config
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = cfg.served_length(config.max_model_len)
         cfg.check_context(self.max_model_len)
         self.tokenizer = load_tokenizer(self.model_path)
         self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(self.model_path))

@@ -19,7 +19,7 @@ import structlog
 from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.prompt_logprobs import PromptLogprobs
-from pyserve.engine.request import (Abort, Add, EngineRequest, Logprobs, PromptRows, RequestRefused, StepOutput,
+from pyserve.step.request import (Abort, Add, EngineRequest, Logprobs, PromptRows, RequestRefused, StepOutput,
                                     StepRows)
 from pyserve.actors.loop_thread import resolve
 from pyserve.engine.background import BackgroundLimit

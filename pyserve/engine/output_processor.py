@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pyserve.actors import Actor, EngineDeadError
 from pyserve.engine.detokenizer import IncrementalDetokenizer
 from pyserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pyserve.engine.request import Abort, EngineRequest, SampleDelta, StepOutput
+from pyserve.step.request import Abort, EngineRequest, SampleDelta, StepOutput
 from pyserve.model.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyserve.engine.request import Logprobs
+from pyserve.step.request import Logprobs
 
 
 class PromptLogprobs:

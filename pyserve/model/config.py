@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_MAX_MODEL_LEN = 8192  # the served context when none is asked for, if the model's is longer
 
 
 class UnsupportedModelError(ValueError):
@@ -114,6 +115,11 @@ class ModelConfig:
             sliding_window=window,
             raw=raw,
         )
+
+    def served_length(self, max_model_len: int | None) -> int:
+        """The context served: `max_model_len` when given, else the model's own, at most
+        DEFAULT_MAX_MODEL_LEN."""
+        return max_model_len or min(self.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
     def check_context(self, max_model_len: int) -> None:
         """Refuses a served context the model cannot attend over exactly."""

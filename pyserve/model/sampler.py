@@ -26,7 +26,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.model.noise import NoiseKey, keyed_exponential
 
 _NEG_INF = float("-inf")

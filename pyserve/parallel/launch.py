@@ -61,7 +61,7 @@ class Followers:
     def start(cls, size: int, spec: RankSpec, device: torch.device,
               timeout: float) -> tuple[Followers, TensorParallelGroup]:
         init = f"tcp://127.0.0.1:{_free_port()}"
-        procs = [subprocess.Popen([*module_command("pyserve.parallel.follower"), "--rank", str(rank),
+        procs = [subprocess.Popen([*module_command("pyserve.worker.follower"), "--rank", str(rank),
                                    "--size", str(size), "--init-method", init, "--device", device.type,
                                    "--spec", json.dumps(dataclasses.asdict(spec))])
                  for rank in range(1, size)]

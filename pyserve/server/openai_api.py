@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from pyserve.actors import EngineDeadError
 from pyserve.embeddings.encoder import embed_texts
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.routing.router import routed_text

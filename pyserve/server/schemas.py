@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pyserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from pyserve.step.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pyserve.server.errors import BadRequest
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects

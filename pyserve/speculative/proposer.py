@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pyserve.engine.request import EngineRequest
+from pyserve.step.request import EngineRequest
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from pyserve.engine.request import EngineRequest
+from pyserve.step.request import EngineRequest
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
 from pyserve.speculative.proposer import ProposalBatch, Proposer

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pyserve.engine.request import EngineRequest, StepResult, StepRows
+from pyserve.step.request import EngineRequest, StepResult, StepRows
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.proposer import ModelProposer

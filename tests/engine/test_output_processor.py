@@ -11,7 +11,7 @@ import random
 from pyserve import LLM, SamplingParams
 from pyserve.engine.output_processor import ClientTooSlow, OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
-from pyserve.engine.request import EngineRequest, StepOutput
+from pyserve.step.request import EngineRequest, StepOutput
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.testing import build_tokenizer
 

@@ -40,7 +40,7 @@ def check(output, prompt: list[int], reference: torch.Tensor, k: int) -> None:
 
 @pytest.mark.parametrize("chunk, scored_rows", [(2048, 256), (16, 256), (2048, 7)])
 def test_prompt_logprobs_match_transformers(llama_dir, chunk, scored_rows, monkeypatch):
-    from pyserve.model import worker
+    from pyserve.worker import model_worker as worker
 
     monkeypatch.setattr(worker, "PROMPT_LOGPROB_ROWS", scored_rows)  # 7: a chunk's rows scored in parts
     prompt = prompts(300, seed=4, lengths=(40,))[0]

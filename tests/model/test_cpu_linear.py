@@ -13,7 +13,7 @@ from torch import nn
 from pyserve import _core
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS, MIN_PACKED_ELEMENTS, CpuLinear, can_use, use_cpu_linears
-from pyserve.model.worker import ModelWorker
+from pyserve.worker.model_worker import ModelWorker
 from pyserve.testing import build_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.engine.sampling_params import SamplingParams as SP
+from pyserve.step.sampling_params import SamplingParams as SP
 from pyserve.model.noise import NoiseKey
 from pyserve.model.sampler import Sampler, SamplingRows, apply_penalties
 

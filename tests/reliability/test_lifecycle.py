@@ -15,7 +15,7 @@ import pytest
 
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.engine.config import EngineConfig
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 
 CYCLES = 1000

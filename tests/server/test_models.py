@@ -11,7 +11,7 @@ from pyserve.cli import _served_models, build_parser
 from pyserve.default_model import DEFAULT_MODEL_NAME, DRAFT_DIR, TARGET_DIR
 from pyserve.embeddings.packaged import NAME as PACKAGED_EMBEDDING_MODEL, WEIGHTS, package_file as packaged_file
 from pyserve.engine.llm import LLM
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import auto_num_blocks
 from pyserve.server.model_specs import DRAFT_MODEL_NAME, ModelEntry, ModelsConfigError, engine_configs, load_models_file

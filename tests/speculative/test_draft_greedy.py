@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pyserve import _core
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.model.attention import make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.sampler import Sampler

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pyserve.engine.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.structured.compiler import Grammar
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyserve.engine.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
+from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, TorchBackend, make_backend
@@ -33,7 +33,7 @@ from pyserve.model.whole_model import WholeModel
 from pyserve.parallel.group import torchrun_rank
 from pyserve.parallel.launch import Followers, RankSpec
 from pyserve.parallel.layers import check_divisible, local_config, shard_model
-from pyserve.parallel.lockstep import Lockstep
+from pyserve.worker.lockstep import Lockstep
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier

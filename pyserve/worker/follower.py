@@ -1,4 +1,4 @@
-"""A follower rank of a tensor-parallel group: `python -m pyserve.parallel.follower`, started by
+"""A follower rank of a tensor-parallel group: `python -m pyserve.worker.follower`, started by
 rank 0 (parallel.launch) or by torchrun through `pyserve serve` on ranks other than 0. It joins
 the group, builds its shard of the model and its KV cache (as many blocks as rank 0 says), then
 replays rank 0's calls until told to stop."""
@@ -18,11 +18,11 @@ from pyserve.model.attention import make_backend
 from pyserve.model.checkpoint import load_config
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
-from pyserve.model.worker import DTYPES, finish_model
+from pyserve.worker.model_worker import DTYPES, finish_model
 from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 from pyserve.parallel.launch import RankSpec
 from pyserve.parallel.layers import local_config, shard_model
-from pyserve.parallel.lockstep import Lockstep
+from pyserve.worker.lockstep import Lockstep
 
 # A follower waits on rank 0 for as long as the server is idle; rank 0's own timeout bounds every
 # collective of a step, and rank 0 kills the group when it gives up.
@@ -65,8 +65,7 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
 def follow_torchrun(config) -> None:
     """A rank other than 0 of `pyserve serve` under torchrun: the shard `config` (an EngineConfig)
     asks for, resolved as rank 0 resolves it."""
-    from pyserve.engine.async_engine import DEFAULT_MAX_MODEL_LEN
-    from pyserve.model.worker import resolve_device, resolve_dtype
+    from pyserve.worker.model_worker import resolve_device, resolve_dtype
 
     rank, size = torchrun_rank()
     cfg = load_config(config.model)
@@ -75,7 +74,7 @@ def follow_torchrun(config) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     dtype = resolve_dtype(config.dtype, cfg, device)
     spec = RankSpec(config.model, next(k for k, v in DTYPES.items() if v == dtype), config.block_size,
-                    config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN), config.seed,
+                    cfg.served_length(config.max_model_len), config.seed,
                     config.quantization, config.quantization_group_size,
                     config.attention_backend or ("triton" if device.type == "cuda" else "torch"),
                     config.max_loras if config.enable_lora else 0, config.max_lora_rank)
@@ -83,7 +82,7 @@ def follow_torchrun(config) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m pyserve.parallel.follower")
+    ap = argparse.ArgumentParser(prog="python -m pyserve.worker.follower")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--init-method", required=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyserve.engine.request import Logprobs, StepOutput
+from pyserve.step.request import Logprobs, StepOutput
 
 
 def test_step_output_deltas_carry_their_logprob_rows():
