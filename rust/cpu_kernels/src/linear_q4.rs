@@ -27,7 +27,7 @@ use std::ops::Range;
 
 use crate::linear::{check_rows, for_output_ranges, run_checked, LinearError, RowWeights, SharedOutputs, CHUNK_ROWS};
 use crate::parallel::{ForkJoin, OnCallingThread};
-use crate::vector::sum;
+use crate::vector::{round_ties_even_small, sum};
 
 /// Inputs of a block of quantized activations: sixteen bytes of packed weights.
 pub(crate) const BLOCK: usize = 32;
@@ -124,7 +124,8 @@ impl QuantizedBlocks {
 
 #[inline(always)]
 fn quantize(v: f32, scale: f32) -> i16 {
-    (v / scale).round_ties_even().clamp(-X_MAX, X_MAX) as i16
+    // |v / scale| <= X_MAX < 2^22 (scale is the block's largest |v| / X_MAX)
+    round_ties_even_small(v / scale).clamp(-X_MAX, X_MAX) as i16
 }
 
 impl Q4Weights<'_> {

@@ -18,6 +18,7 @@ use std::ops::Range;
 use crate::linear::{check_rows, for_output_ranges, LinearError, RowWeights, SharedOutputs};
 use crate::linear_q8::Q8Weights;
 use crate::parallel::{ForkJoin, OnCallingThread};
+use crate::vector::round_ties_even_small;
 
 /// One w8a8 linear layer's parameters: int8's weights (its activations are quantized per call).
 pub struct W8A8Weights<'a> {
@@ -81,7 +82,8 @@ impl QuantizedRows {
         for (row, out) in x.chunks_exact(fan_in).zip(values.chunks_exact_mut(stride)) {
             let scale = row.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE) / 127.0;
             for (q, v) in out.iter_mut().zip(row) {
-                *q = ((v / scale).round_ties_even().clamp(-127.0, 127.0) as i32 + SHIFT) as u8;
+                // |v / scale| <= 127 (scale is the row's largest |v| / 127)
+                *q = (round_ties_even_small(v / scale).clamp(-127.0, 127.0) as i32 + SHIFT) as u8;
             }
             scales.push(scale);
         }

@@ -97,6 +97,15 @@ const F32_EXP_SHIFT: u32 = f32::MANTISSA_DIGITS - 1;
 /// e^x for x <= 0 (a softmax's shifted scores), relative error under 3e-7. Branch-free, so a loop
 /// over it vectorizes, where libm's expf is a call per element. Below `EXP_MIN` it returns
 /// e^EXP_MIN, negligible next to the row's largest weight, 1.
+/// `x.round_ties_even()` for |x| < 2^22, without the call to libm's `rintf` it compiles to when
+/// SSE4.1 is not a target feature (the activation quantizers round ~100k values a token): adding
+/// and subtracting 1.5 * 2^23 leaves x's integer part in the mantissa, rounded to nearest even.
+#[inline(always)]
+pub fn round_ties_even_small(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
+    (x + SHIFT) - SHIFT
+}
+
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     let x = x.clamp(EXP_MIN, 0.0);
@@ -164,5 +173,15 @@ mod tests {
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!(super::exp(0.0), 1.0);
         assert!(super::exp(-1000.0) < 1e-37);
+    }
+
+    #[test]
+    fn round_ties_even_small_is_round_ties_even_below_2_to_the_22() {
+        let halves = (-70_000..=70_000).map(|i| i as f32 * 0.5);
+        let spread = (0..200_000).map(|i| (i as f32 * 0.6180339).sin() * 4_000_000.0);
+        for x in halves.chain(spread).chain([0.49999997, -0.49999997, 32767.5, -32767.5, 4_194_303.5]) {
+            // equal as values (-0.5 gives +0.0, not -0.0: the same integer once converted)
+            assert_eq!(super::round_ties_even_small(x), x.round_ties_even(), "x = {x}");
+        }
     }
 }
