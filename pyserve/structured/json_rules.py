@@ -74,8 +74,9 @@ class JsonTrack:
         return cls(text_around, in_text=text_around)
 
     def copy(self) -> JsonTrack:
-        return JsonTrack(self.text_around, self.in_text, [None if k is None else set(k) for k in self.stack], self.expect_key,
-                         self.in_string, self.is_key, self.escaped, bytearray(self.key), self.number, self.digits)
+        stack = [None if keys is None else set(keys) for keys in self.stack]
+        return JsonTrack(self.text_around, self.in_text, stack, self.expect_key, self.in_string, self.is_key,
+                         self.escaped, bytearray(self.key), self.number, self.digits)
 
     def feed(self, data: bytes) -> None:
         for c in data:
