@@ -28,7 +28,7 @@ import torch
 import harness
 from pyserve import SamplingParams
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.testing import build_tokenizer  # the tests' tiny tokenizer
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,

@@ -19,7 +19,7 @@ HTTP_PARSER = "h11"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from pyserve.engine.config import EngineConfig
+    from pyserve.config import EngineConfig
     from pyserve.options import add_flags
 
     p.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded model)")
@@ -29,7 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     """The EngineConfig the flags ask for (a bad value is a ValueError naming it; no torch yet)."""
-    from pyserve.engine.config import EngineConfig
+    from pyserve.config import EngineConfig
     from pyserve.options import from_args
 
     lora_on_demand = bool(getattr(args, "lora_modules", None) or getattr(args, "lora_root", None))
@@ -74,7 +74,7 @@ def lora_module(item: str) -> tuple[str, str]:
 def _served_models(args: argparse.Namespace) -> dict:
     """name -> ModelSpec for every model the flags ask for (see server.model_specs); a bad entry
     ends the command before anything loads."""
-    from pyserve.engine.config import EngineConfig
+    from pyserve.config import EngineConfig
     from pyserve.options import from_args
     from pyserve.server.model_specs import (ModelEntry, ModelsConfigError, default_pair, engine_configs,
                                             load_models_file, model_flag)

@@ -14,7 +14,7 @@ from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
 from pyserve.actors.loop_thread import LoopThread, resolve
 from pyserve.engine.background import BackgroundLimit
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
 from pyserve.engine.outputs import CompletionOutput, RequestOutput

@@ -21,7 +21,7 @@ import numpy as np
 
 from pyserve.default_model import resolve_model
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.engine.outputs import RequestOutput
 from pyserve.step.sampling_params import SamplingParams
 from pyserve.engine.vllm_args import engine_keywords

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pyserve.default_model import DEFAULT_MODEL_NAME, DRAFT_DIR, TARGET_DIR
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 
 DRAFT_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-draft"
 ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules"}

@@ -20,7 +20,7 @@ async def serving_models(models: dict[str, dict], **settings):
     import httpx
 
     from pyserve.engine.async_engine import AsyncEngine
-    from pyserve.engine.config import EngineConfig
+    from pyserve.config import EngineConfig
     from pyserve.server.app import build_app
     from pyserve.server.models import ModelSpec
     from pyserve.server.settings import ServerSettings

@@ -15,7 +15,7 @@ import pytest
 import pyserve
 from pyserve import SamplingParams
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 
 PACKAGE = Path(pyserve.__file__).parent
 

@@ -7,7 +7,7 @@ import pytest
 
 from pyserve import LLM, SamplingParams
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.engine.step_budget import StepBudget
 
 

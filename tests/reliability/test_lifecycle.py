@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 

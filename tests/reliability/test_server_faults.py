@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings
 

@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from pyserve.engine.async_engine import AsyncEngine
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.engine.watchdog import Watchdog
 from pyserve.server.app import build_app
 from pyserve.server.settings import ServerSettings

@@ -167,7 +167,7 @@ def test_batch_greedy_results_equal_the_http_server(batch_run, model_dirs, tmp_p
 @pytest.mark.asyncio
 async def test_batch_engine_death_writes_503_records_for_every_request(llama_dir, tmp_path):
     from pyserve.engine.async_engine import AsyncEngine
-    from pyserve.engine.config import EngineConfig
+    from pyserve.config import EngineConfig
     from pyserve.server.batch import read_input, run_batch
     from pyserve.server.settings import ServerSettings
 

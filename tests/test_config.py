@@ -11,7 +11,7 @@ import pytest
 from pyserve import LLM, _core
 from pyserve.cli import build_parser
 from pyserve.model.config import DEFAULT_MAX_MODEL_LEN
-from pyserve.engine.config import EngineConfig
+from pyserve.config import EngineConfig
 from pyserve.server.settings import ServerSettings
 
 

@@ -1,4 +1,7 @@
-"""Engine configuration: the knobs of `LLM(...)` and `pyserve serve`, validated on construction."""
+"""Engine configuration: the knobs of `LLM(...)` and `pyserve serve`, validated on construction.
+
+A floor of its own, below both the engine and the model worker, which are built from it: it
+imports nothing of pyserve but `options`."""
 
 from __future__ import annotations
 
