@@ -42,7 +42,7 @@ from pyserve.eval.configs import CascadeConfig, EvalConfig, EvalPlan
 from pyserve.eval.harness import run_plan
 from pyserve.eval.items import load_eval_set
 from pyserve.eval.runner import Client, run_items
-from pyserve.routing.train import routed_figures, train_router
+from pyserve.model_choice.train import routed_figures, train_classifier
 from pyserve.server.decision import confidence
 from pyserve.server.loopback import start_server, stop_server
 from pyserve.server.model_specs import DRAFT_MODEL_NAME
@@ -124,8 +124,8 @@ def main() -> None:
     encoder = PackagedEncoder()
     routers = {}
     for share in SHARES:
-        _, figures = train_router(encoder, prompts, {i: small[i] for i in ids}, {i: large[i] for i in ids},
-                                  DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME, share)
+        _, figures = train_classifier(encoder, prompts, {i: small[i] for i in ids}, {i: large[i] for i in ids},
+                                      DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME, share)
         routers[str(share)] = figures
     conf = data["confidence"]
     thresholds = sorted({float(np.quantile([conf[i] for i in ids], q)) for q in (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)})

@@ -345,8 +345,8 @@ def route_train(args: argparse.Namespace) -> None:
 
     from pyserve.embeddings.load import load_encoder
     from pyserve.eval.items import EvalSetError, load_eval_set
-    from pyserve.routing.router import routed_text
-    from pyserve.routing.train import eval_scores, train_router
+    from pyserve.model_choice.classifier import routed_text
+    from pyserve.model_choice.train import eval_scores, train_classifier
 
     try:
         items = load_eval_set(args.data)
@@ -357,12 +357,12 @@ def route_train(args: argparse.Namespace) -> None:
         prompts = {i.id: i.prompt if i.prompt is not None else
                    routed_text([(str(m.get("role", "")), str(m.get("content", ""))) for m in i.messages])
                    for i in items}
-        router, figures = train_router(encoder, prompts, small, large, args.small_model or args.small,
-                                       args.large_model or args.large, args.large_share)
+        classifier, figures = train_classifier(encoder, prompts, small, large, args.small_model or args.small,
+                                               args.large_model or args.large, args.large_share)
     except (EvalSetError, ValueError, OSError, KeyError) as e:
         sys.exit(f"pyserve route-train: {e}")
-    router.trained_on |= {"eval": str(args.eval), "small": args.small, "large": args.large}
-    router.save(args.out)
+    classifier.trained_on |= {"eval": str(args.eval), "small": args.small, "large": args.large}
+    classifier.save(args.out)
     print(json.dumps({"router": args.out, "cross_validated": figures}, indent=1))
 
 

@@ -50,9 +50,9 @@ def _imports(package: str) -> set[str]:
 
 
 def test_the_clients_and_the_decision_layer_import_no_engine_module():
-    """The page's rules: embeddings, the semantic cache and routing import no engine module;
+    """The page's rules: embeddings, the semantic cache and model choice import no engine module;
     `pyserve eval` and the replica front are HTTP clients, never the engine in process."""
-    for package in ("embeddings", "semantic_cache", "routing", "eval", "replicas"):
+    for package in ("embeddings", "semantic_cache", "model_choice", "eval", "replicas"):
         engine = sorted(m for m in _imports(package) if m == "pyserve" or m.startswith("pyserve.engine"))
         assert not engine, f"pyserve/{package} imports {engine}"
 

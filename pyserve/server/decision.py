@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
-from pyserve.routing.router import Router
+from pyserve.model_choice.classifier import RouteClassifier
 from pyserve.server.body import json_response
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.streaming import replayed
@@ -48,8 +48,8 @@ def load_route(item: str) -> RouteSpec:
     name, sep, path = item.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"route: {item!r}: use NAME=ROUTER.json")
-    router = Router.load(path)
-    return RouteSpec(name, router.small, router.large, router=router)
+    classifier = RouteClassifier.load(path)
+    return RouteSpec(name, classifier.small, classifier.large, classifier=classifier)
 
 
 def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str | None) -> None:
@@ -65,8 +65,8 @@ def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str 
         if r.name in seen:
             raise ValueError(f"route {r.name!r} is given twice")
         seen.add(r.name)
-        if r.router is not None and r.router.encoder != encoder_name:
-            raise ValueError(f"route {r.name!r}: its router was trained on embeddings of {r.router.encoder!r}; "
+        if r.classifier is not None and r.classifier.encoder != encoder_name:
+            raise ValueError(f"route {r.name!r}: its router was trained on embeddings of {r.classifier.encoder!r}; "
                              f"this server's embedding model is {encoder_name!r}")
 
 
@@ -99,11 +99,11 @@ async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callabl
                         run: Callable[[ServedModel, object], Awaitable[Response]], metrics,
                         stream_timeout: float) -> Response:
     """Serves `req` (a validated chat or completion request naming `route`) by the route's rule.
-    `text()`: the request's text for the router; `embed(text)`: its vector; `run(model, req)`:
+    `text()`: the request's text for the route's classifier; `embed(text)`: its vector; `run(model, req)`:
     the endpoint's own serving of a request on one model."""
     small, large = models.get(route.small), models.get(route.large)
-    if route.router is not None:
-        chosen = route.router.choose(await embed(text()))
+    if route.classifier is not None:
+        chosen = route.classifier.choose(await embed(text()))
         metrics.route_requests.inc(route=route.name, model=chosen)
         return _named(await run(models.get(chosen), req.model_copy(update={"model": chosen})), chosen)
     asked_logprobs = _asked_logprobs(req)

@@ -20,7 +20,7 @@ from pyserve.server.lora_registry import LoraRegistry
 
 if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
-    from pyserve.routing.router import Router
+    from pyserve.model_choice.classifier import RouteClassifier
 
 
 @dataclass(slots=True)
@@ -40,12 +40,12 @@ class RouteSpec:
     name: str
     small: str
     large: str
-    router: Router | None = None  # a route: the classifier decides
+    classifier: RouteClassifier | None = None  # a route: the classifier decides
     min_logprob: float | None = None  # a cascade: the small model's confidence decides
 
     @property
     def kind(self) -> str:
-        return "route" if self.router is not None else "cascade"
+        return "route" if self.classifier is not None else "cascade"
 
 
 @dataclass(slots=True)

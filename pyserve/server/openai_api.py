@@ -18,7 +18,7 @@ from pyserve.embeddings.encoder import embed_texts
 from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.routing.router import routed_text
+from pyserve.model_choice.classifier import routed_text
 from pyserve.server.body import check_token_ids, json_body, json_response, validate
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.completion_context import CompletionContext

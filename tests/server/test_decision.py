@@ -1,21 +1,16 @@
 """Routes and cascades through the openai client: a router's choice by the request's embedding, a
 cascade kept or escalated by the small model's token logprobs (streamed too), the answering
 model named in `model` and a header, the answers those of the models asked directly; routes in
-/v1/models, bad routes refused; a router trained from eval scores and saved by route-train."""
+/v1/models, bad routes refused. The classifier's training: tests/model_choice/test_train.py."""
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import openai
 import pytest
 
-from pyserve.cli import main
 from pyserve.embeddings.encoder import embed_texts
 from pyserve.embeddings.packaged import NAME as ENCODER, PackagedEncoder
-from pyserve.routing.router import Router
-from pyserve.routing.train import train_router
+from pyserve.model_choice.classifier import RouteClassifier
 from pyserve.server.decision import confidence
 from pyserve.testing import parse_metrics
 from pyserve.testing.in_process import serving_models
@@ -29,7 +24,7 @@ def router_file(tmp_path_factory) -> str:
     """A router that sends text like SORTING to the large model and the rest to the small."""
     direction = embed_texts(PackagedEncoder(), [SORTING])[0]
     path = tmp_path_factory.mktemp("router") / "router.json"
-    Router("small", "large", ENCODER, [float(w) * 40 for w in direction], -30.0, 0.5, 0.5).save(path)
+    RouteClassifier("small", "large", ENCODER, [float(w) * 40 for w in direction], -30.0, 0.5, 0.5).save(path)
     return str(path)
 
 
@@ -129,37 +124,3 @@ async def test_bad_routes_are_refused_naming_them(model_dirs, settings, message)
     with pytest.raises(ValueError, match=message):
         async with serving_models(_models(model_dirs), **settings):
             pass
-
-
-def test_a_router_trained_from_scores_routes_the_items_the_large_model_wins(tmp_path):
-    """The large model wins exactly the sorting questions: the cross-validated router sends them
-    there and recovers the large model's quality with half the calls; route-train writes it."""
-    topics = ["sort a list", "sort numbers", "sort strings by length", "sort a dictionary by value"]
-    others = ["bake bread", "plant tomatoes", "paint a fence", "tune a guitar"]
-    prompts, small, large = {}, {}, {}
-    for i in range(40):
-        sorting = i % 2 == 0
-        text = f"How do I {(topics if sorting else others)[i // 2 % 4]}? ({i})"
-        prompts[f"i{i}"] = text
-        small[f"i{i}"] = {"id": f"i{i}", "score": 0.0 if sorting else 1.0, "output_tokens": 10}
-        large[f"i{i}"] = {"id": f"i{i}", "score": 1.0, "output_tokens": 10}
-    router, figures = train_router(PackagedEncoder(), prompts, small, large, "s", "l", large_share=0.5)
-    assert figures["quality_routed"] == figures["quality_large"] == 1.0 and figures["recovered"] == 1.0
-    assert 0.4 <= figures["large_calls"] == figures["large_tokens_share"] <= 0.6  # per-fold quantiles
-    vec = embed_texts(PackagedEncoder(), ["How do I sort a list?", "How do I bake bread?"])
-    assert [router.choose(v) for v in vec] == ["l", "s"]
-    items = tmp_path / "items.jsonl"
-    items.write_text("".join(json.dumps({"id": k, "prompt": v, "scorer": "exact", "reference": "x"}) + "\n"
-                             for k, v in prompts.items()))
-    eval_json = tmp_path / "eval.json"
-    eval_json.write_text(json.dumps({"configs": [{"name": "small", "results": list(small.values())},
-                                                 {"name": "large", "results": list(large.values())}]}))
-    out = tmp_path / "router.json"
-    main(["route-train", "--eval", str(eval_json), "--data", str(items), "--small", "small", "--large", "large",
-          "--small-model", "s", "--large-model", "l", "--large-share", "0.5", "--out", str(out)])
-    saved = Router.load(out)
-    tied = {k: dict(v, score=1.0) for k, v in small.items()}  # the small model is never beaten
-    never, figures = train_router(PackagedEncoder(), prompts, tied, large, "s", "l", large_share=0.5)
-    assert figures["large_calls"] == 0 and {never.choose(v) for v in vec} == {"s"}
-    assert (saved.small, saved.large, saved.encoder) == ("s", "l", ENCODER)
-    assert np.allclose(saved.weights, router.weights) and saved.trained_on["recovered"] == 1.0

@@ -1,8 +1,9 @@
-"""A trained router: logistic regression over the embedding of a request's text, predicting
-that the large model is needed (it scored better than the small one on such an item); above the
-threshold, the large model answers. The threshold was set for a chosen share of large-model
-calls on the training items (a router trained where one model always won or tied has no
-weights and a threshold outside [0, 1]: it always picks that model). Stored as JSON."""
+"""A route's trained classifier (the "router" file of `pyserve route-train` and `--route`):
+logistic regression over the embedding of a request's text, predicting that the large model is
+needed (it scored better than the small one on such an item); above the threshold, the large
+model answers. The threshold was set for a chosen share of large-model calls on the training
+items (a classifier trained where one model always won or tied has no weights and a threshold
+outside [0, 1]: it always picks that model). Stored as JSON."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import numpy as np
 
 
 def routed_text(messages: list[tuple[str, str]]) -> str:
-    """What a router embeds of chat messages, (role, text) pairs: their texts but the system
-    prompt's, one per line (a completion's prompt is embedded as it is)."""
+    """What a route's classifier embeds of chat messages, (role, text) pairs: their texts but the
+    system prompt's, one per line (a completion's prompt is embedded as it is)."""
     return "\n".join(text for role, text in messages if role not in ("system", "developer"))
 
 
 @dataclass(slots=True)
-class Router:
+class RouteClassifier:
     small: str  # the served model names it chooses between
     large: str
     encoder: str  # the embedding model its weights are for
@@ -41,7 +42,7 @@ class Router:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
 
     @classmethod
-    def load(cls, path: str | Path) -> Router:
+    def load(cls, path: str | Path) -> RouteClassifier:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
         try:
             return cls(**raw)

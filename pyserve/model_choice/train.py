@@ -1,11 +1,11 @@
-"""`pyserve route-train`: a router from an eval where both models were scored (`pyserve eval`
-writes each configuration's per-item scores to eval.json).
+"""`pyserve route-train`: a route's classifier from an eval where both models were scored
+(`pyserve eval` writes each configuration's per-item scores to eval.json).
 
 The label of an item is 1 when the large model's score beats the small one's. The classifier is
 scikit-learn's logistic regression (L2, balanced classes) over the item prompts' embeddings; the
 threshold is the quantile of its predictions that sends `large_share` of the items to the large
-model. The figures printed are cross-validated (k folds: each item routed by a router that did
-not see it): the routed quality against each model's, the share of large-model calls and of
+model. The figures printed are cross-validated (k folds: each item routed by a classifier that
+did not see it): the routed quality against each model's, the share of large-model calls and of
 large-model tokens, and the recovered quality, (routed - small) / (large - small).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pyserve.embeddings.encoder import Encoder, embed_texts
-from pyserve.routing.router import Router
+from pyserve.model_choice.classifier import RouteClassifier
 
 FOLDS = 5
 
@@ -53,8 +53,9 @@ def _threshold(model, p: np.ndarray, y: np.ndarray, large_share: float) -> float
     return float(np.quantile(p, 1 - large_share))
 
 
-def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dict], large: dict[str, dict],
-                 small_name: str, large_name: str, large_share: float, seed: int = 0) -> tuple[Router, dict]:
+def train_classifier(encoder: Encoder, prompts: dict[str, str], small: dict[str, dict], large: dict[str, dict],
+                     small_name: str, large_name: str, large_share: float,
+                     seed: int = 0) -> tuple[RouteClassifier, dict]:
     if not 0 < large_share < 1:
         raise ValueError(f"large_share must be in (0, 1), got {large_share}")
     ids = sorted(set(small) & set(large) & set(prompts))
@@ -64,7 +65,7 @@ def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dic
     s = np.array([float(small[i]["score"]) for i in ids])
     g = np.array([float(large[i]["score"]) for i in ids])
     y = (g > s).astype(int)
-    # cross-validated predictions: each item by a router trained without it
+    # cross-validated predictions: each item by a classifier trained without it
     order = np.random.default_rng(seed).permutation(len(ids))
     held_p = np.zeros(len(ids))
     for fold in range(FOLDS):
@@ -79,9 +80,10 @@ def train_router(encoder: Encoder, prompts: dict[str, str], small: dict[str, dic
     weights = np.zeros(encoder.dim) if model is None else model.coef_[0]
     bias = 0.0 if model is None else float(model.intercept_[0])  # no weights: p = 0.5
     figures = routed_figures(s, g, to_large, [large[i].get("output_tokens", 0) for i in ids])
-    router = Router(small_name, large_name, encoder.name, [float(w) for w in weights], bias, float(threshold),
-                    large_share, {"items": len(ids), "large_better": int(y.sum()), **figures})
-    return router, figures
+    trained_on = {"items": len(ids), "large_better": int(y.sum()), **figures}
+    classifier = RouteClassifier(small_name, large_name, encoder.name, [float(w) for w in weights], bias,
+                                 float(threshold), large_share, trained_on)
+    return classifier, figures
 
 
 def routed_figures(small: np.ndarray, large: np.ndarray, to_large: np.ndarray, large_tokens: list[int]) -> dict:
