@@ -218,7 +218,7 @@ def _run_router(settings, args: argparse.Namespace) -> None:
 
 def batch(args: argparse.Namespace) -> None:
     from pyserve.logs import configure_logging
-    from pyserve.server.batch import read_input, run_batch
+    from pyserve.server.offline_batch import read_input, run_batch
     from pyserve.server.settings import ServerSettings
 
     configure_logging()

@@ -168,7 +168,7 @@ def test_batch_greedy_results_equal_the_http_server(batch_run, model_dirs, tmp_p
 async def test_batch_engine_death_writes_503_records_for_every_request(llama_dir, tmp_path):
     from pyserve.engine.async_engine import AsyncEngine
     from pyserve.config import EngineConfig
-    from pyserve.server.batch import read_input, run_batch
+    from pyserve.server.offline_batch import read_input, run_batch
     from pyserve.server.settings import ServerSettings
 
     engine = AsyncEngine(EngineConfig(model=str(llama_dir), block_size=4, num_kv_blocks=512))
@@ -213,7 +213,7 @@ def test_batch_serves_its_lora_modules_and_refuses_a_file_that_is_no_input(tmp_p
 def test_batch_reads_a_line_with_unicode_separators_as_one_request(tmp_path):
     """`pyserve batch` reads lines as the Batch API does: U+2028, U+2029 and U+0085 written raw
     (json.dumps(ensure_ascii=False), JSON.stringify) stay inside their line."""
-    from pyserve.server.batch import read_input
+    from pyserve.server.offline_batch import read_input
     from pyserve.server.settings import ServerSettings
 
     src = tmp_path / "in.jsonl"

@@ -1,4 +1,5 @@
-"""`pyserve batch`: an OpenAI Batch input file (one JSON request per line) run offline.
+"""`pyserve batch`: an OpenAI Batch input file (one JSON request per line) run offline, once, by
+the command (the Batch API's jobs, which the server runs in the background: pyserve/batches).
 
 Lines are checked as the server's Batch API checks them (batches.lines: a unique string
 custom_id, POST, a chat or completions url, a body naming the served model (the default) or
