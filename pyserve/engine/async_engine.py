@@ -77,33 +77,9 @@ class AsyncEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(self.model_path))
         spec = self.spec_config
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = (spec.model, self._check_draft(spec.model))
-        self.worker = ModelWorker(
-            self.model_path,
-            cfg,
-            device=config.device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            max_model_len=self.max_model_len,
-            seed=config.seed,
-            gpu_memory_fraction=config.gpu_memory_fraction,
-            kv_cache_share=config.kv_cache_share,
-            attention_backend=config.attention_backend,
-            draft_model=draft,
-            max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank,
-            max_num_seqs=config.max_num_seqs,
-            speculative=spec is not None,
-            quantization=config.quantization,
-            quantization_group_size=config.quantization_group_size,
-            gguf_dequantize=config.gguf_dequantize,
-            tensor_parallel_size=config.tensor_parallel_size,
-            distributed_timeout=config.distributed_timeout,
-            enforce_eager=config.enforce_eager,
-        )
+        draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
+        self.worker = ModelWorker.from_config(config, cfg, model_dir=self.model_path, max_model_len=self.max_model_len,
+                                              speculative=spec, draft_config=draft_config)
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
             block_size=config.block_size,

@@ -13,12 +13,14 @@ import time
 
 import torch
 
+from pyserve.config import EngineConfig
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import make_backend
 from pyserve.model.checkpoint import load_config
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
-from pyserve.worker.model_worker import DTYPES, finish_model
+from pyserve.worker.model_worker import (DTYPES, attention_backend, finish_model, rank_spec, resolve_device,
+                                         resolve_dtype)
 from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 from pyserve.parallel.launch import RankSpec
 from pyserve.parallel.layers import local_config, shard_model
@@ -62,22 +64,17 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
         group.close()
 
 
-def follow_torchrun(config) -> None:
-    """A rank other than 0 of `pyserve serve` under torchrun: the shard `config` (an EngineConfig)
-    asks for, resolved as rank 0 resolves it."""
-    from pyserve.worker.model_worker import resolve_device, resolve_dtype
-
+def follow_torchrun(config: EngineConfig) -> None:
+    """A rank other than 0 of `pyserve serve` under torchrun: the shard `config` asks for,
+    resolved as rank 0 resolves it (ModelWorker.from_config)."""
     rank, size = torchrun_rank()
     cfg = load_config(config.model)
     device = resolve_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     dtype = resolve_dtype(config.dtype, cfg, device)
-    spec = RankSpec(config.model, next(k for k, v in DTYPES.items() if v == dtype), config.block_size,
-                    cfg.served_length(config.max_model_len), config.seed,
-                    config.quantization, config.quantization_group_size,
-                    config.attention_backend or ("triton" if device.type == "cuda" else "torch"),
-                    config.max_loras if config.enable_lora else 0, config.max_lora_rank)
+    spec = rank_spec(config, config.model, cfg.served_length(config.max_model_len), dtype,
+                     attention_backend(config, device))
     run(rank, size, "env://", device, spec)
 
 

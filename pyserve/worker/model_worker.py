@@ -1,5 +1,7 @@
 """ModelWorker: owns the device, the weights, the KV tensors and the sampler, and runs one step:
 inputs -> forward -> sample (drafts go to speculative.verify, adapters' slots to lora.slots).
+`ModelWorker.from_config` builds it from the EngineConfig in named steps; the tensor-parallel
+followers (follower.py) build their shards from the RankSpec rank 0 resolves the same way.
 
 `execute` is synchronous; it runs inline on the EngineCore's loop, which the server gives a
 thread of its own (torch and the Rust kernels release the GIL), so the server's loop keeps
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pyserve.config import EngineConfig
 from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
@@ -35,6 +38,7 @@ from pyserve.parallel.launch import Followers, RankSpec
 from pyserve.parallel.layers import check_divisible, local_config, shard_model
 from pyserve.worker.lockstep import Lockstep
 from pyserve.speculative.draft_model import DraftModelProposer
+from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
 
@@ -76,6 +80,23 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return DTYPES[dtype]
 
 
+def attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """The backend `config` names, else Triton on CUDA and torch's (with the CPU kernels) elsewhere."""
+    return config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+
+
+def lora_slots(config: EngineConfig) -> int:
+    """Adapters resident per step: `max_loras` where LoRA is enabled, else none."""
+    return config.max_loras if config.enable_lora else 0
+
+
+def rank_spec(config: EngineConfig, model_dir: str, max_model_len: int, dtype: torch.dtype, backend: str) -> RankSpec:
+    """What a follower rank builds its shard from: `config` as rank 0 resolved it."""
+    return RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == dtype),
+                    config.block_size, max_model_len, config.seed, config.quantization,
+                    config.quantization_group_size, backend, lora_slots(config), config.max_lora_rank)
+
+
 def finish_model(model, device: torch.device, dtype: torch.dtype, *, fuse: bool, quantization: str | None,
                  group_size: int) -> None:
     """A loaded model made ready to serve, in place: q/k/v and gate/up fused (`fuse`: no LoRA
@@ -91,110 +112,157 @@ def finish_model(model, device: torch.device, dtype: torch.dtype, *, fuse: bool,
 
 
 class ModelWorker:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        cfg: ModelConfig,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_model_len: int,
-        seed: int = 0,
-        gpu_memory_fraction: float = 0.85,
-        kv_cache_share: float = 1.0,
-        attention_backend: str | None = None,
-        draft_model: tuple[str, ModelConfig] | None = None,
-        max_loras: int = 0,
-        max_lora_rank: int = 64,
-        max_num_seqs: int = 256,
-        speculative: bool = False,
-        quantization: str | None = None,
-        quantization_group_size: int = 64,
-        gguf_dequantize: bool = False,
-        tensor_parallel_size: int = 1,
-        distributed_timeout: float = 60.0,
-        enforce_eager: bool = False,
-    ):
-        check_method(quantization, quantization_group_size)
-        self.device = resolve_device(device)
-        check_device(quantization, self.device)
-        self.dtype = resolve_dtype(dtype, cfg, self.device)
-        self.config = cfg
-        backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.followers = self.group = None
-        with contextlib.ExitStack() as undo:  # a worker that fails to build leaves no rank behind
-            if tensor_parallel_size > 1:
-                check_parallel(cfg, tensor_parallel_size, self.device, quantization)
-                spec = RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == self.dtype), block_size,
-                                max_model_len, seed, quantization, quantization_group_size, backend, max_loras,
-                                max_lora_rank)
-                if torchrun_rank() is not None:
-                    self.followers, self.group = Followers.join_torchrun(tensor_parallel_size, self.device,
-                                                                         distributed_timeout)
-                else:
-                    self.followers, self.group = Followers.start(tensor_parallel_size, spec, self.device,
-                                                                 distributed_timeout)
-                undo.callback(self._discard_group)
-            torch.manual_seed(seed)
-            self.model = load_model(model_dir, cfg, self.dtype, self.device, max_model_len, gguf_dequantize)
-            if quantization is not None and self.model.checkpoint_quantization is not None:
-                raise ValueError(f"quantization: the checkpoint is already quantized "
-                                 f"({self.model.checkpoint_quantization}); leave quantization unset")
-            self.quantization = quantization or self.model.checkpoint_quantization  # None: full precision
-            kv_cfg = cfg
-            if self.group is not None:
-                shard_model(self.model, self.group, quantization, quantization_group_size)
-                kv_cfg = local_config(cfg, tensor_parallel_size)
-            if num_kv_blocks is None:
-                num_kv_blocks = auto_num_blocks(kv_cfg, block_size, self.dtype, self.device,
-                                                gpu_memory_fraction, kv_cache_share)
-            self.num_kv_blocks = num_kv_blocks
-            if self.group is not None:  # every rank holds as many blocks (of its own heads)
-                self.group.broadcast(torch.tensor([num_kv_blocks], dtype=torch.int64, device=self.device))
-            self.kv_caches = allocate_kv_cache(kv_cfg, num_kv_blocks, block_size, self.dtype, self.device)
-            self.backend = make_backend(backend)
-            # Decode steps on fixed, padded buffers (graph-capturable) on the Triton path; the CPU
-            # path's kernels take the step's own arrays.
-            self.step_buffers = StepBuffers(self.device, max_num_seqs) if backend == "triton" else None
-            self.decode_graphs = None  # set below where decode steps replay CUDA graphs
-            self.sampler = Sampler(cfg.vocab_size, self.device, seed=seed)
-            shard = (self.group.rank, self.group.size) if self.group is not None else (0, 1)
-            self.lora = LoraSlots(self.model, max_loras, max_lora_rank, backend == "triton", shard) if max_loras \
-                else None
-            finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=quantization,
-                         group_size=quantization_group_size)
-            if self.group is not None:
-                self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend, self.lora,
-                                               max_lora_rank)
-            # Steps of a few rows run the whole model in one call where every op has a CPU kernel.
-            self.whole_model = WholeModel.of(self.model, self.kv_caches) \
-                if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel else None
-            if backend == "triton" and self.device.type == "cuda":  # compile every kernel variant now
-                self.backend.warm_up(*self.kv_caches[0], kv_cfg.num_heads)
-                if self.lora is not None:
-                    self.lora.warm_up()
-            # Decode steps replay CUDA graphs, except on rank 0 of a tensor-parallel group (each step
-            # is announced to the other ranks) and in an engine serving LoRA (its steps run op by op).
-            if (self.step_buffers is not None and self.device.type == "cuda" and not enforce_eager
-                    and self.group is None and self.lora is None):
-                self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
-                                                  -(-max_model_len // block_size))
-            self.max_lora_rank = max_lora_rank
-            self.proposer: ModelProposer | None = None
-            if draft_model is not None:
-                self.proposer = DraftModelProposer(
-                    draft_model[0], draft_model[1], dtype=self.dtype, device=self.device, num_blocks=num_kv_blocks,
-                    block_size=block_size, max_model_len=max_model_len, backend=self.backend, sampler=self.sampler,
-                    quantization=quantization, quantization_group_size=quantization_group_size,
-                    graphs_for_batch=max_num_seqs if self.decode_graphs is not None else None,
-                )
-            self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
-            self.weight_bytes = weight_bytes(self.model)  # the target's, as served (quantized or not)
-            if speculative and self.device.type == "cuda":  # the rejection kernel's compile, now
-                self.verifier.warm_up()
+    """The model's weights, KV cache, sampler and verifier on one device (rank 0 of a
+    tensor-parallel group); built by `from_config`."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model_config: ModelConfig, *, model_dir: str, max_model_len: int,
+                    speculative: SpeculativeConfig | None, draft_config: ModelConfig | None) -> ModelWorker:
+        """The worker `config` asks for, serving the model at `model_dir` (`config.model` as the
+        engine found it: a hub id is downloaded first) up to `max_model_len` tokens; with
+        `speculative`, its verifier, and for a draft model the draft's `draft_config` (checked by
+        the engine against the target's tokenizer). The build steps run in this order, each on
+        what the ones before it set; a worker that fails to build leaves no rank behind."""
+        worker = cls(config, model_config, max_model_len)
+        with contextlib.ExitStack() as undo:
+            worker._join_group(model_dir, undo)
+            worker._load_weights(model_dir)
+            worker._shard()
+            worker._allocate_kv_cache()
+            worker._build_step_parts()
+            worker._attach_lora()
+            worker._finish_model()
+            worker._start_lockstep()
+            worker._warm_up()
+            worker._capture_decode_graphs()
+            worker._build_speculation(speculative, draft_config)
             undo.pop_all()  # built: the group stays
+        return worker
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        """What `config` asks for, resolved and checked before anything is built: the device,
+        the dtype, the attention backend, the quantization method. Use `from_config`."""
+        check_method(config.quantization, config.quantization_group_size)
+        self.device = resolve_device(config.device)
+        check_device(config.quantization, self.device)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.config = model_config
+        self.engine_config = config
+        self.max_model_len = max_model_len
+        self.backend_name = attention_backend(config, self.device)
+        self.max_lora_rank = config.max_lora_rank
+        self.followers = self.group = None
+        self.kv_config = model_config  # the KV cache's heads: the rank's share on a group (_shard)
+        self.lora: LoraSlots | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # where decode steps replay CUDA graphs
+        self.proposer: ModelProposer | None = None
+
+    def _join_group(self, model_dir: str, undo: contextlib.ExitStack) -> None:
+        """With tensor_parallel_size > 1: this process becomes rank 0 of a group whose other ranks
+        (started here, or joined under torchrun) build their shards from the same RankSpec."""
+        size = self.engine_config.tensor_parallel_size
+        if size == 1:
+            return
+        check_parallel(self.config, size, self.device, self.engine_config.quantization)
+        timeout = self.engine_config.distributed_timeout
+        if torchrun_rank() is not None:
+            self.followers, self.group = Followers.join_torchrun(size, self.device, timeout)
+        else:
+            spec = rank_spec(self.engine_config, model_dir, self.max_model_len, self.dtype, self.backend_name)
+            self.followers, self.group = Followers.start(size, spec, self.device, timeout)
+        undo.callback(self._discard_group)
+
+    def _load_weights(self, model_dir: str) -> None:
+        """The checkpoint on the device (the generator seeded first, as on every rank); a
+        checkpoint quantized already is not quantized again."""
+        torch.manual_seed(self.engine_config.seed)
+        self.model = load_model(model_dir, self.config, self.dtype, self.device, self.max_model_len,
+                                self.engine_config.gguf_dequantize)
+        if self.engine_config.quantization is not None and self.model.checkpoint_quantization is not None:
+            raise ValueError(f"quantization: the checkpoint is already quantized "
+                             f"({self.model.checkpoint_quantization}); leave quantization unset")
+        self.quantization = self.engine_config.quantization or self.model.checkpoint_quantization  # None: full precision
+
+    def _shard(self) -> None:
+        """On a group: rank 0's slice of the model, split in place while its projections are
+        still plain (unfused, unquantized)."""
+        if self.group is not None:
+            shard_model(self.model, self.group, self.engine_config.quantization, self.engine_config.quantization_group_size)
+            self.kv_config = local_config(self.config, self.group.size)
+
+    def _allocate_kv_cache(self) -> None:
+        """`num_kv_blocks` blocks, or as many as the memory left now allows (NOTE: measured with
+        the weights as loaded, before _finish_model quantizes them); every rank of a group holds
+        as many blocks, of its own heads."""
+        num_blocks = self.engine_config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = auto_num_blocks(self.kv_config, self.engine_config.block_size, self.dtype, self.device,
+                                         self.engine_config.gpu_memory_fraction, self.engine_config.kv_cache_share)
+        self.num_kv_blocks = num_blocks
+        if self.group is not None:
+            self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64, device=self.device))
+        self.kv_caches = allocate_kv_cache(self.kv_config, num_blocks, self.engine_config.block_size, self.dtype,
+                                           self.device)
+
+    def _build_step_parts(self) -> None:
+        """The attention backend, the sampler and, on the Triton path, the fixed padded buffers
+        of decode steps (graph-capturable; the CPU path's kernels take the step's own arrays)."""
+        self.backend = make_backend(self.backend_name)
+        triton = self.backend_name == "triton"
+        self.step_buffers = StepBuffers(self.device, self.engine_config.max_num_seqs) if triton else None
+        self.sampler = Sampler(self.config.vocab_size, self.device, seed=self.engine_config.seed)
+
+    def _attach_lora(self) -> None:
+        """LoRA slots wrap the base projections: before _finish_model, which then leaves them
+        unfused and quantizes the wrapped base layers."""
+        slots = lora_slots(self.engine_config)
+        if slots:
+            shard = (self.group.rank, self.group.size) if self.group is not None else (0, 1)
+            self.lora = LoraSlots(self.model, slots, self.max_lora_rank, self.backend_name == "triton", shard)
+
+    def _finish_model(self) -> None:
+        finish_model(self.model, self.device, self.dtype, fuse=self.lora is None,
+                     quantization=self.engine_config.quantization, group_size=self.engine_config.quantization_group_size)
+
+    def _start_lockstep(self) -> None:
+        """On a group: the model's forwards and logits, as finished, announce themselves to the other ranks."""
+        if self.group is not None:
+            self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend, self.lora,
+                                           self.max_lora_rank)
+
+    def _warm_up(self) -> None:
+        """Steps of a few rows run the whole model in one call where every op has a CPU kernel;
+        on CUDA's Triton path every kernel variant is compiled now, not in the first steps."""
+        self.whole_model = WholeModel.of(self.model, self.kv_caches) \
+            if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel else None
+        if self.backend_name == "triton" and self.device.type == "cuda":
+            self.backend.warm_up(*self.kv_caches[0], self.kv_config.num_heads)
+            if self.lora is not None:
+                self.lora.warm_up()
+
+    def _capture_decode_graphs(self) -> None:
+        """Decode steps replay CUDA graphs, except on rank 0 of a tensor-parallel group (each step
+        is announced to the other ranks) and in an engine serving LoRA (its steps run op by op)."""
+        if (self.step_buffers is not None and self.device.type == "cuda" and not self.engine_config.enforce_eager
+                and self.group is None and self.lora is None):
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
+                                              -(-self.max_model_len // self.engine_config.block_size))
+
+    def _build_speculation(self, speculative: SpeculativeConfig | None, draft_config: ModelConfig | None) -> None:
+        """The draft model (its KV blocks addressed as the target's), the verifier, and the
+        target's served weight bytes (quantized or not)."""
+        if draft_config is not None:
+            self.proposer = DraftModelProposer(
+                speculative.model, draft_config, dtype=self.dtype, device=self.device, num_blocks=self.num_kv_blocks,
+                block_size=self.engine_config.block_size, max_model_len=self.max_model_len, backend=self.backend,
+                sampler=self.sampler, quantization=self.engine_config.quantization,
+                quantization_group_size=self.engine_config.quantization_group_size,
+                graphs_for_batch=self.engine_config.max_num_seqs if self.decode_graphs is not None else None,
+            )
+        self.verifier = Verifier(self.sampler, self.device, self.proposer, noise_seed)
+        self.weight_bytes = weight_bytes(self.model)
+        if speculative is not None and self.device.type == "cuda":  # the rejection kernel's compile, now
+            self.verifier.warm_up()
 
     def on_failure(self, listener) -> None:
         """`listener(error)` is called (from another thread) if a tensor-parallel rank dies."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyserve import _core
+from pyserve.config import EngineConfig
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS, MIN_PACKED_ELEMENTS, CpuLinear, can_use, use_cpu_linears
 from pyserve.worker.model_worker import ModelWorker
@@ -81,8 +82,10 @@ def test_a_loaded_model_packs_only_its_large_projections(tmp_path, max_loras):
     model_dir = build_model(tmp_path, "llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                             num_attention_heads=8, num_key_value_heads=4)
     cfg = ModelConfig.from_dir(model_dir)
-    worker = ModelWorker(model_dir, cfg, device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64,
-                         max_loras=max_loras)
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64,
+                          enable_lora=max_loras > 0, max_loras=max_loras)
+    worker = ModelWorker.from_config(config, cfg, model_dir=str(model_dir), max_model_len=64, speculative=None,
+                                     draft_config=None)
     layers = {n: m for n, m in worker.model.named_modules() if isinstance(m, CpuLinear)}
     packed = sorted(n for n, m in layers.items() if m.packed is not None)
     layer = "model.layers.0"
