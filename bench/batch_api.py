@@ -32,7 +32,7 @@ import openai
 
 from pyserve import LLM, SamplingParams
 from pyserve.engine.background import INTERACTIVE_HOLD
-from pyserve.server.loopback import start_server, stop_server
+from pyserve.server.child_server import start_server, stop_server
 
 MODEL = "pyserve-default"
 WORDS = "amber basalt cobalt dune ember fjord garnet heron iris jade kestrel lumen marble nectar onyx".split()

@@ -44,7 +44,7 @@ from pyserve.eval.items import load_eval_set
 from pyserve.eval.runner import Client, run_items
 from pyserve.model_choice.train import routed_figures, train_classifier
 from pyserve.server.decision import confidence
-from pyserve.server.loopback import start_server, stop_server
+from pyserve.server.child_server import start_server, stop_server
 from pyserve.server.model_specs import DRAFT_MODEL_NAME
 
 DATA = Path(__file__).resolve().parents[1] / "pyserve" / "eval" / "data" / "embedded.jsonl"

@@ -30,7 +30,7 @@ from pathlib import Path
 import harness
 import httpx
 
-from pyserve.server.loopback import start_router, start_server, stop_server
+from pyserve.server.child_server import start_router, start_server, stop_server
 from pyserve.testing import parse_metrics
 
 MODEL = "pyserve-default"

@@ -111,7 +111,7 @@ class LocalServer:
         self.cfg, self.workdir = cfg, workdir
 
     def __enter__(self) -> str:
-        from pyserve.server.loopback import start_server
+        from pyserve.server.child_server import start_server
 
         model = None if self.cfg.model is None else Path(self.cfg.model)
         named = [] if self.cfg.decides else ["--served-model-name", "eval"]  # a route is named eval
@@ -119,7 +119,7 @@ class LocalServer:
         return base
 
     def __exit__(self, *exc) -> None:
-        from pyserve.server.loopback import stop_server
+        from pyserve.server.child_server import stop_server
 
         stop_server(self.proc)
 

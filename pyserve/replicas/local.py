@@ -19,7 +19,7 @@ import urllib.request
 import structlog
 
 from pyserve.child_process import module_command, split_secrets
-from pyserve.server.loopback import free_port
+from pyserve.server.child_server import free_port
 
 log = structlog.get_logger("pyserve.router")
 

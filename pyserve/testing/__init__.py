@@ -6,7 +6,8 @@ installed wheel (`from pyserve.testing import build_model`), so neither puts the
                copies of model directories with edited configs
   parity       greedy references by full recomputation with transformers, and the token-exact
                comparison with them that tolerates only near-ties
-  loopback     `pyserve serve` started on a free loopback port, stopped, and its /metrics parsed
+  metrics      a server's /metrics, scraped and parsed
+  (start_server, stop_server: `pyserve serve` on a free loopback port, from pyserve.server.child_server)
   in_process   the app and its engine in the test's event loop, behind httpx's ASGI transport
   quantized_checkpoints  tiny pre-quantized checkpoints (compressed-tensors, GPTQ, AWQ) and
                their full-precision references
@@ -17,7 +18,8 @@ Importing it is cheap: torch, transformers, peft, tokenizers and httpx load insi
 that need them. Nothing in `pyserve` imports it.
 """
 
-from pyserve.testing.loopback import parse_metrics, scrape_metrics, start_server, stop_server
+from pyserve.server.child_server import start_server, stop_server
+from pyserve.testing.metrics import parse_metrics, scrape_metrics
 from pyserve.testing.parity import MAX_TOKENS, NEAR_TIE, assert_parity, hf_greedy, prompts
 from pyserve.testing.tiny_models import (
     ARCH_CONFIGS,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pyserve import LLM, SamplingParams
-from pyserve.server.loopback import free_port
+from pyserve.server.child_server import free_port
 
 
 def test_torchrun_ranks_serve_one_ranks_tokens(model_dirs):

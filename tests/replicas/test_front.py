@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pyserve.replicas.front import REPLICA_HEADER
-from pyserve.server.loopback import free_port, start_router
+from pyserve.server.child_server import free_port, start_router
 from pyserve.testing import parse_metrics, start_server, stop_server
 
 MODEL = "tiny"

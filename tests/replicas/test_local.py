@@ -12,7 +12,7 @@ import httpx
 
 from pyserve.replicas.front import REPLICA_HEADER
 from pyserve.replicas.local import LocalReplicas, replica_argv
-from pyserve.server.loopback import free_port
+from pyserve.server.child_server import free_port
 from pyserve.testing import start_server, stop_server
 
 

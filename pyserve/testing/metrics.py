@@ -1,11 +1,7 @@
-"""`pyserve serve` as a real process on loopback, for tests and benchmarks (pyserve.server.loopback
-starts and stops it), and its Prometheus /metrics parsed."""
+"""A server's Prometheus /metrics, read and parsed, for tests and benchmarks (the server itself is
+started on loopback by pyserve.server.child_server, or in process by pyserve.testing.in_process)."""
 
 from __future__ import annotations
-
-from pyserve.server.loopback import start_server, stop_server
-
-__all__ = ["parse_metrics", "scrape_metrics", "start_server", "stop_server"]
 
 
 def parse_metrics(text: str, model: str | None = None) -> dict[str, float]:
