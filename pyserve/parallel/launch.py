@@ -36,9 +36,10 @@ class RankSpec:
     seed: int
     quantization: str | None
     quantization_group_size: int
+    gguf_dequantize: bool
     attention_backend: str
-    max_loras: int = 0
-    max_lora_rank: int = 64
+    max_loras: int
+    max_lora_rank: int
 
 
 def _free_port() -> int:

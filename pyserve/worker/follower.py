@@ -44,7 +44,7 @@ def run(rank: int, size: int, init_method: str, device: torch.device, spec: Rank
     cfg = load_config(spec.model_dir)
     dtype = DTYPES[spec.dtype]
     torch.manual_seed(spec.seed)
-    model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len)
+    model = load_model(spec.model_dir, cfg, dtype, device, spec.max_model_len, spec.gguf_dequantize)
     shard_model(model, group, spec.quantization, spec.quantization_group_size)
     triton = spec.attention_backend == "triton"
     lora = LoraSlots(model, spec.max_loras, spec.max_lora_rank, triton, (rank, size)) if spec.max_loras else None

@@ -94,7 +94,8 @@ def rank_spec(config: EngineConfig, model_dir: str, max_model_len: int, dtype: t
     """What a follower rank builds its shard from: `config` as rank 0 resolved it."""
     return RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == dtype),
                     config.block_size, max_model_len, config.seed, config.quantization,
-                    config.quantization_group_size, backend, lora_slots(config), config.max_lora_rank)
+                    config.quantization_group_size, config.gguf_dequantize, backend, lora_slots(config),
+                    config.max_lora_rank)
 
 
 def finish_model(model, device: torch.device, dtype: torch.dtype, *, fuse: bool, quantization: str | None,

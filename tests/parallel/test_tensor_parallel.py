@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pyserve import LLM, LoRARequest, SamplingParams
-from pyserve.testing import MAX_TOKENS, assert_parity, hf_greedy, make_adapter, prompts
+from pyserve.testing import MAX_TOKENS, assert_parity, build_model, hf_greedy, make_adapter, prompts
+from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -49,6 +50,18 @@ def test_ranks_import_the_installed_package_from_any_directory(model_dirs, tmp_p
     tokens = {}
     for size in (1, 2):
         with LLM(str(model_dirs["llama"]), tensor_parallel_size=size, block_size=4, num_kv_blocks=64) as llm:
+            tokens[size] = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert tokens[2] == tokens[1]
+
+
+def test_a_gguf_widened_at_load_splits_over_two_ranks(tmp_path):
+    """--gguf-dequantize reaches every rank: each widens the file's 8-bit blocks before its shard is
+    cut (a follower that loaded them as they are could not split them and failed the group)."""
+    gguf = gguf_from_hf(build_model(tmp_path / "llama", "llama", **LLAMA_ROPE), tmp_path / "m.gguf", projections="Q8_0")
+    ps = prompts(300, seed=9, lengths=(7, 20))
+    tokens = {}
+    for size in (1, 2):
+        with LLM(str(gguf), tensor_parallel_size=size, gguf_dequantize=True, block_size=4, num_kv_blocks=64) as llm:
             tokens[size] = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert tokens[2] == tokens[1]
 
