@@ -48,7 +48,7 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.loader import load_model
 cfg = ModelConfig.from_dir(sys.argv[1])
 start = time.perf_counter()
-model = load_model(sys.argv[1], cfg, torch.float32, torch.device("cpu"), 2048)
+model = load_model(sys.argv[1], cfg, torch.float32, torch.device("cpu"), 2048, gguf_dequantize=False)
 mapped = time.perf_counter()
 params = list(model.parameters())
 total = sum(float(p.sum()) for p in params)

@@ -3,8 +3,10 @@ keywords, the CLI's flags and the Rust binding's defaults."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from pyserve.cli import build_parser
 from pyserve.model.config import DEFAULT_MAX_MODEL_LEN
 from pyserve.config import EngineConfig
 from pyserve.server.settings import ServerSettings
+from pyserve.worker.model_worker import ModelWorker
+
+PYSERVE = Path(__file__).resolve().parents[1] / "pyserve"
 
 
 def _defaults(cls) -> dict:
@@ -71,3 +76,40 @@ def test_a_device_that_is_no_device_is_refused_before_anything_loads(device):
         EngineConfig(model="m", device=device)
     for good in ("auto", "cpu", "cuda", "cuda:1"):
         assert EngineConfig(model="m", device=good).device == good
+
+
+# The packages EngineConfig's values are built into: the engine, the worker and what they construct.
+BUILT_FROM_CONFIG = ("engine", "worker", "model", "lora", "parallel", "speculative")
+
+
+def _defaults_named(path: Path, names: set[str]) -> list[str]:
+    """`file:line name` for each function parameter, and each field of a class body, that is
+    named like one of `names` and has a default."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            with_default = positional[len(positional) - len(a.defaults):]
+            with_default += [arg for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+            found += [f"{path.relative_to(PYSERVE.parent)}:{node.lineno} {arg.arg}" for arg in with_default
+                      if arg.arg in names]
+        elif isinstance(node, ast.ClassDef):
+            found += [f"{path.relative_to(PYSERVE.parent)}:{s.lineno} {s.target.id}" for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.value is not None
+                      and s.target.id in names]
+    return found
+
+
+def test_no_engine_default_is_spelled_twice():
+    """EngineConfig's values reach what is built from it as arguments: in the packages built from
+    it, no parameter or field named like a field of EngineConfig has a default of its own (a caller
+    that forgot to pass the config's value would get it silently), and ModelWorker.from_config
+    takes every argument."""
+    names = set(_defaults(EngineConfig))
+    restated = [hit for package in BUILT_FROM_CONFIG for path in sorted((PYSERVE / package).rglob("*.py"))
+                for hit in _defaults_named(path, names)]
+    assert not restated, f"EngineConfig's defaults spelled again: {restated}"
+    for build in (ModelWorker.from_config, ModelWorker):
+        defaulted = [p.name for p in inspect.signature(build).parameters.values() if p.default is not p.empty]
+        assert not defaulted, f"{build.__qualname__} gives defaults to {defaulted}"

@@ -25,7 +25,7 @@ def is_hub_id(model: str) -> bool:
     return not Path(model).exists() and HUB_ID.fullmatch(model) is not None
 
 
-def fetch_model(model: str, revision: str | None = None, gguf_file: str | None = None) -> str:
+def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
     """The local path of `model`: itself when it exists (`gguf_file` then names a file in it), else
     the download of the hub id (a GGUF file's path where one is named)."""
     path = Path(model)

@@ -79,7 +79,7 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-    gguf_dequantize: bool = False,
+    gguf_dequantize: bool,
 ) -> CausalLM:
     """Builds the model on `device` with every parameter taken from the checkpoint, strictly: a
     missing or unexpected tensor, or a shape mismatch, is an error naming it. The linear layers of a

@@ -148,7 +148,7 @@ class SampleResult:
 class Sampler:
     """Samples one token per logits row; owns the shared generator of the rows without a seed."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)

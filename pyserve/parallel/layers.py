@@ -120,8 +120,7 @@ def _row(layer: nn.Module, parts: int, rank: int, name: str, group: TensorParall
     return RowParallel(_linear(layer.weight[:, cols].contiguous(), bias), group)
 
 
-def shard_model(model: CausalLM, group: TensorParallelGroup, quantization: str | None = None,
-                group_size: int = 64) -> None:
+def shard_model(model: CausalLM, group: TensorParallelGroup, quantization: str | None, group_size: int) -> None:
     """Splits a loaded (unfused, unquantized) model in place for `group.rank` of `group.size`;
     with `quantization` (done at load after this) the row-parallel layers are split so that the
     ranks' sums are one rank's (see _row)."""

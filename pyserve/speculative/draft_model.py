@@ -43,14 +43,16 @@ CATCH_UP_ROWS = 4 * FEW_ROWS
 
 class DraftModelProposer:
     def __init__(self, model_dir: str, cfg: ModelConfig, *, dtype, device, num_blocks: int, block_size: int,
-                 quantization: str | None = None, quantization_group_size: int = 64,
+                 quantization: str | None, quantization_group_size: int,
                  max_model_len: int, backend, sampler: Sampler, graphs_for_batch: int | None = None):
-        """`graphs_for_batch`: the draft's one-token steps of up to this many requests replay CUDA
-        graphs (model.decode_graphs); None: they run op by op."""
+        """`quantization` the target's (quantized at load as it is); `graphs_for_batch`: the draft's
+        one-token steps of up to this many requests replay CUDA graphs (model.decode_graphs); None:
+        they run op by op."""
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, cfg, dtype, device, max_model_len)
+        # NOTE: a GGUF draft serves its file's blocks as they are (gguf_dequantize widens the target).
+        self.model = load_model(model_dir, cfg, dtype, device, max_model_len, gguf_dequantize=False)
         self.model.fuse_projections()  # the draft serves no LoRA
         if quantization is not None:
             quantize_linears(self.model, quantization, quantization_group_size)

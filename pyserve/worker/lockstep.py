@@ -25,7 +25,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 class Lockstep:
     def __init__(self, group: TensorParallelGroup, model: CausalLM, kv_caches, backend: AttentionBackend,
-                 lora: LoraSlots | None = None, max_lora_rank: int = 0):
+                 lora: LoraSlots | None, max_lora_rank: int):
         self.group, self.model, self.kv_caches, self.backend = group, model, kv_caches, backend
         self.lora, self.max_lora_rank = lora, max_lora_rank
         # Rank 0: the adapter of each request of the next forward (set by the worker after

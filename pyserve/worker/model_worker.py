@@ -161,49 +161,50 @@ class ModelWorker:
     def _join_group(self, model_dir: str, undo: contextlib.ExitStack) -> None:
         """With tensor_parallel_size > 1: this process becomes rank 0 of a group whose other ranks
         (started here, or joined under torchrun) build their shards from the same RankSpec."""
-        size = self.engine_config.tensor_parallel_size
+        config, size = self.engine_config, self.engine_config.tensor_parallel_size
         if size == 1:
             return
-        check_parallel(self.config, size, self.device, self.engine_config.quantization)
-        timeout = self.engine_config.distributed_timeout
+        check_parallel(self.config, size, self.device, config.quantization)
         if torchrun_rank() is not None:
-            self.followers, self.group = Followers.join_torchrun(size, self.device, timeout)
+            self.followers, self.group = Followers.join_torchrun(size, self.device, config.distributed_timeout)
         else:
-            spec = rank_spec(self.engine_config, model_dir, self.max_model_len, self.dtype, self.backend_name)
-            self.followers, self.group = Followers.start(size, spec, self.device, timeout)
+            spec = rank_spec(config, model_dir, self.max_model_len, self.dtype, self.backend_name)
+            self.followers, self.group = Followers.start(size, spec, self.device, config.distributed_timeout)
         undo.callback(self._discard_group)
 
     def _load_weights(self, model_dir: str) -> None:
         """The checkpoint on the device (the generator seeded first, as on every rank); a
         checkpoint quantized already is not quantized again."""
-        torch.manual_seed(self.engine_config.seed)
+        config = self.engine_config
+        torch.manual_seed(config.seed)
         self.model = load_model(model_dir, self.config, self.dtype, self.device, self.max_model_len,
-                                self.engine_config.gguf_dequantize)
-        if self.engine_config.quantization is not None and self.model.checkpoint_quantization is not None:
+                                config.gguf_dequantize)
+        if config.quantization is not None and self.model.checkpoint_quantization is not None:
             raise ValueError(f"quantization: the checkpoint is already quantized "
                              f"({self.model.checkpoint_quantization}); leave quantization unset")
-        self.quantization = self.engine_config.quantization or self.model.checkpoint_quantization  # None: full precision
+        self.quantization = config.quantization or self.model.checkpoint_quantization  # None: full precision
 
     def _shard(self) -> None:
         """On a group: rank 0's slice of the model, split in place while its projections are
         still plain (unfused, unquantized)."""
         if self.group is not None:
-            shard_model(self.model, self.group, self.engine_config.quantization, self.engine_config.quantization_group_size)
+            config = self.engine_config
+            shard_model(self.model, self.group, config.quantization, config.quantization_group_size)
             self.kv_config = local_config(self.config, self.group.size)
 
     def _allocate_kv_cache(self) -> None:
         """`num_kv_blocks` blocks, or as many as the memory left now allows (NOTE: measured with
         the weights as loaded, before _finish_model quantizes them); every rank of a group holds
         as many blocks, of its own heads."""
-        num_blocks = self.engine_config.num_kv_blocks
+        config = self.engine_config
+        num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            num_blocks = auto_num_blocks(self.kv_config, self.engine_config.block_size, self.dtype, self.device,
-                                         self.engine_config.gpu_memory_fraction, self.engine_config.kv_cache_share)
+            num_blocks = auto_num_blocks(self.kv_config, config.block_size, self.dtype, self.device,
+                                         config.gpu_memory_fraction, config.kv_cache_share)
         self.num_kv_blocks = num_blocks
         if self.group is not None:
             self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64, device=self.device))
-        self.kv_caches = allocate_kv_cache(self.kv_config, num_blocks, self.engine_config.block_size, self.dtype,
-                                           self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_config, num_blocks, config.block_size, self.dtype, self.device)
 
     def _build_step_parts(self) -> None:
         """The attention backend, the sampler and, on the Triton path, the fixed padded buffers
@@ -222,11 +223,13 @@ class ModelWorker:
             self.lora = LoraSlots(self.model, slots, self.max_lora_rank, self.backend_name == "triton", shard)
 
     def _finish_model(self) -> None:
-        finish_model(self.model, self.device, self.dtype, fuse=self.lora is None,
-                     quantization=self.engine_config.quantization, group_size=self.engine_config.quantization_group_size)
+        config = self.engine_config
+        finish_model(self.model, self.device, self.dtype, fuse=self.lora is None, quantization=config.quantization,
+                     group_size=config.quantization_group_size)
 
     def _start_lockstep(self) -> None:
-        """On a group: the model's forwards and logits, as finished, announce themselves to the other ranks."""
+        """On a group: the finished model's forwards and logits announce themselves to the other
+        ranks, which replay them on their shards."""
         if self.group is not None:
             self.model.lockstep = Lockstep(self.group, self.model, self.kv_caches, self.backend, self.lora,
                                            self.max_lora_rank)

@@ -148,7 +148,8 @@ def test_the_verifiers_warm_up_launches_the_variant_steps_use(with_draft_model):
     from pyserve.speculative.verify import Verifier
 
     vocab = 37
-    verifier = Verifier(Sampler(vocab, DEVICE), torch.device(DEVICE), object() if with_draft_model else None, None)
+    verifier = Verifier(Sampler(vocab, DEVICE, seed=0), torch.device(DEVICE), object() if with_draft_model else None,
+                        None)
     with recording() as warm:
         verifier.warm_up()
     case = random_case([3, 1, 4], vocab=vocab, seed=2, with_q=with_draft_model, coupled=(1,))

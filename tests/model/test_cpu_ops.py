@@ -64,7 +64,7 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
     cfg = ModelConfig.from_dir(model_dir)
 
     def load(kernels: bool, layer_kernel: bool = False):
-        model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64)
+        model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
         model.fuse_projections()
         if kernels:
             use_cpu_linears(model)

@@ -170,7 +170,8 @@ def test_the_drafts_one_token_steps_replay_graphs_with_the_eager_drafts(llama_di
 
     def proposer():
         p = DraftModelProposer(str(llama_dir), cfg, dtype=torch.float32, device=cpu, num_blocks=64, block_size=4,
-                               max_model_len=64, backend=make_backend("triton"), sampler=Sampler(cfg.vocab_size, cpu))
+                               quantization=None, quantization_group_size=64, max_model_len=64,
+                               backend=make_backend("triton"), sampler=Sampler(cfg.vocab_size, cpu, seed=0))
         p.whole_model = None  # every guess through the model's forward
         return p
 

@@ -64,7 +64,7 @@ def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, k
     int8 path, each row re-rounded to one scale (within half its step of the file's weights)."""
     gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf", projections=kind)
     cfg = load_config(gguf)
-    native = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64)
+    native = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
     wide = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
     assert native.checkpoint_quantization == f"gguf-{kind}" and wide.checkpoint_quantization is None
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
@@ -152,7 +152,7 @@ def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tm
     blocks = _blocks(kind, 512, 256)  # ffn_up: 256 inputs -> 512 outputs
     gguf = _with_tensor(gguf_from_hf(hf_dir, tmp_path / "f32.gguf"), tmp_path / f"{kind}.gguf",
                         "blk.0.ffn_up.weight", kind, blocks)
-    native = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64)
+    native = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
     wide = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
     served, file_weight = native.model.layers[0].mlp.up_proj, _dequantized(blocks, kind)
     assert native.checkpoint_quantization == f"gguf-{kind}" and wide.checkpoint_quantization is None
@@ -182,7 +182,7 @@ def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
                         _permute(hf_blocks["q"], cfg.num_heads))
     gguf = _with_tensor(gguf, tmp_path / "qk.gguf", "blk.1.attn_k.weight", "Q6_K",
                         _permute(hf_blocks["k"], cfg.num_kv_heads))
-    model = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64)
+    model = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
     attn = model.model.layers[1].self_attn
     assert model.checkpoint_quantization == "gguf-Q4_K+Q6_K"
     assert isinstance(attn.q_proj, Int4Linear) and isinstance(attn.k_proj, Int8Linear)

@@ -18,7 +18,7 @@ from pyserve.testing.tiny_gguf import gguf_from_hf
 
 FETCH = ("import json, sys, time; from pyserve.model.hub import fetch_model\n"
          "start = time.perf_counter()\n"
-         "try:\n    print(json.dumps({'path': fetch_model(sys.argv[1])}))\n"
+         "try:\n    print(json.dumps({'path': fetch_model(sys.argv[1], None, None)}))\n"
          "except ValueError as e:\n    print(json.dumps({'error': str(e), 'seconds': time.perf_counter() - start}))\n")
 
 

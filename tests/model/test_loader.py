@@ -28,7 +28,7 @@ POOL = dict(block_size=4, num_kv_blocks=64)
 
 def load(model_dir: Path):
     cfg = ModelConfig.from_dir(model_dir)
-    return load_model(model_dir, cfg, torch.float32, torch.device("cpu"), max_positions=64)
+    return load_model(model_dir, cfg, torch.float32, torch.device("cpu"), max_positions=64, gguf_dequantize=False)
 
 
 def greedy_tokens(model_dir: Path, **kwargs) -> list[list[int]]:
@@ -190,7 +190,7 @@ def test_loading_imports_neither_dynamo_nor_sympy(model_dirs, tmp_path):
     code = ("import sys, torch\nfrom pyserve.model.config import ModelConfig\n"
             "from pyserve.model.loader import load_model\n"
             f"path = {str(model_dirs['llama'])!r}\n"
-            "load_model(path, ModelConfig.from_dir(path), torch.float32, torch.device('cpu'), 64)\n"
+            "load_model(path, ModelConfig.from_dir(path), torch.float32, torch.device('cpu'), 64, False)\n"
             "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
     # from outside the repository: the installed package, with its native module
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -29,12 +29,12 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 def test_greedy_rows_pick_argmax_alone_and_mixed_with_sampled_rows():
     logits = randn(6, 100, seed=1) * 3
-    out = Sampler(100, "cpu").sample(logits, rows_for([SP(temperature=0.0)] * 6))
+    out = Sampler(100, "cpu", seed=0).sample(logits, rows_for([SP(temperature=0.0)] * 6))
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.sampled_ranks is None
 
     params = [SP(temperature=0.0) if i % 2 == 0 else SP(temperature=1.5, top_k=7, min_p=0.01) for i in range(6)]
-    mixed = Sampler(100, "cpu").sample(logits, rows_for(params)).token_ids
+    mixed = Sampler(100, "cpu", seed=0).sample(logits, rows_for(params)).token_ids
     assert torch.equal(mixed[::2], logits.argmax(-1)[::2])
 
 
@@ -65,7 +65,7 @@ def test_seeded_row_is_reproducible_alone_elsewhere_and_in_mixed_batches():
 def test_top_k_1_equals_greedy():
     logits = randn(8, 50, seed=2)
     for params in (SP(temperature=1.3, top_k=1), SP(temperature=1.3, top_k=1, top_p=0.9)):
-        out = Sampler(50, "cpu").sample(logits, rows_for([params] * 8))
+        out = Sampler(50, "cpu", seed=0).sample(logits, rows_for([params] * 8))
         assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
@@ -106,7 +106,7 @@ def test_top_k_top_p_min_p_emit_only_allowed_tokens_with_renormalized_frequencie
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # probs [0.5, 0.5, 0, 0] exactly: one token already has mass 0.5, so top_p=0.5 keeps just one
     logits = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")]).expand(500, 4)
-    tokens = Sampler(4, "cpu").sample(logits, rows_for([SP(top_p=0.5)] * 500)).token_ids
+    tokens = Sampler(4, "cpu", seed=0).sample(logits, rows_for([SP(top_p=0.5)] * 500)).token_ids
     assert len(set(tokens.tolist())) == 1 and int(tokens[0]) in (0, 1)
 
 
@@ -120,7 +120,7 @@ def test_temperature_sampling_matches_softmax_for_shared_and_seeded_rows():
 
     n = 4000  # every row with its own key: the keyed draws, a distinct (seed, position) each
     rows = rows_for([SP(temperature=t, seed=i) for i in range(n)], [NoiseKey(i // 2, i % 2) for i in range(n)])
-    tokens = Sampler(v, "cpu").sample(logits.expand(n, v), rows).token_ids
+    tokens = Sampler(v, "cpu", seed=0).sample(logits.expand(n, v), rows).token_ids
     assert (torch.bincount(tokens, minlength=v) / n - expected).abs().max() < 0.03
 
 
@@ -162,7 +162,7 @@ def test_penalties_change_logits_exactly():
 def test_penalties_drive_greedy_picks(params, prompt, output, logits, pick):
     params.temperature = 0.0
     rows = rows_for([params], prompts=[prompt], outputs=[output])
-    assert int(Sampler(2, "cpu").sample(torch.tensor([logits]), rows).token_ids[0]) == pick
+    assert int(Sampler(2, "cpu", seed=0).sample(torch.tensor([logits]), rows).token_ids[0]) == pick
 
 
 def test_banned_tokens_are_never_sampled_and_only_in_their_row():
@@ -171,7 +171,7 @@ def test_banned_tokens_are_never_sampled_and_only_in_their_row():
     logits[3], logits[7], logits[11] = 10.0, 9.0, 8.0
     params = [SP(temperature=0.0)] + [SP(temperature=2.0)] * n + [SP()]
     banned = [[3, 7]] * (n + 1) + [[]]
-    tokens = Sampler(v, "cpu").sample(logits.expand(n + 2, v), rows_for(params, banned=banned)).token_ids
+    tokens = Sampler(v, "cpu", seed=0).sample(logits.expand(n + 2, v), rows_for(params, banned=banned)).token_ids
     assert int(tokens[0]) == 11
     assert not ({3, 7} & set(tokens[1 : n + 1].tolist()))
     assert int(tokens[-1]) == 3  # unbanned row: 3 has prob > 0.7
@@ -188,7 +188,7 @@ def test_logprobs_top_ids_and_ranks_are_of_the_raw_logits():
         SP(logprobs=2, top_p=0.5),
     ]
     rows = rows_for(params, outputs=[[1, 2], [], [], [], []], banned=[[], [], [int(logits[2].argmax())], [], []])
-    out = Sampler(v, "cpu").sample(logits, rows)
+    out = Sampler(v, "cpu", seed=0).sample(logits, rows)
     raw = torch.log_softmax(logits, -1)
     top = raw.topk(5, -1)
     assert out.logprobs.shape == (5, 5) and out.logprobs.dtype == torch.float32
@@ -199,7 +199,7 @@ def test_logprobs_top_ids_and_ranks_are_of_the_raw_logits():
     assert torch.equal(out.sampled_ranks, ranks)
     assert int(out.sampled_ranks[2]) == 2  # greedy with its argmax banned
 
-    only_sampled = Sampler(v, "cpu").sample(logits, rows_for([SP(logprobs=0)] * 5))
+    only_sampled = Sampler(v, "cpu", seed=0).sample(logits, rows_for([SP(logprobs=0)] * 5))
     assert only_sampled.logprobs.shape == (5, 0) and only_sampled.sampled_logprobs.shape == (5,)
 
 
@@ -207,15 +207,16 @@ def test_fast_paths_match_the_general_path():
     v = 64
     logits = randn(4, v, seed=7)
     # all greedy (no draws, no penalty tensors) vs the same rows beside a penalized sampled row
-    fast = Sampler(v, "cpu").sample(logits, rows_for([SP(temperature=0.0)] * 4)).token_ids
+    fast = Sampler(v, "cpu", seed=0).sample(logits, rows_for([SP(temperature=0.0)] * 4)).token_ids
     params = [SP(temperature=0.0)] * 4 + [SP(frequency_penalty=1.0, repetition_penalty=1.5, top_p=0.5)]
-    slow = Sampler(v, "cpu").sample(torch.cat([logits, logits[:1]]), rows_for(params, outputs=[[]] * 4 + [[1, 1]]))
+    slow = Sampler(v, "cpu", seed=0).sample(torch.cat([logits, logits[:1]]),
+                                            rows_for(params, outputs=[[]] * 4 + [[1, 1]]))
     assert torch.equal(slow.token_ids[:4], fast)
 
     # a seeded row: no penalties / top-k via topk  vs  penalty tensors present / top-k via the sort
     row = SP(temperature=0.8, top_k=5, seed=3)
     for other in (SP(presence_penalty=1.0), SP(top_p=0.5), SP(min_p=0.1, repetition_penalty=2.0)):
-        s_alone, s_pair = Sampler(v, "cpu"), Sampler(v, "cpu", seed=9)
+        s_alone, s_pair = Sampler(v, "cpu", seed=0), Sampler(v, "cpu", seed=9)
         for step in range(4):
             x = randn(2, v, seed=step)
             key = NoiseKey(3, step)
@@ -229,7 +230,7 @@ def test_sample_leaves_the_callers_logits_untouched():
     before = logits.clone()
     params = [SP(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1, repetition_penalty=1.5, presence_penalty=1.0)] * 3
     rows = rows_for(params, prompts=[[1, 2]] * 3, outputs=[[3]] * 3, banned=[[0]] * 3)
-    Sampler(30, "cpu").sample(logits, rows)
+    Sampler(30, "cpu", seed=0).sample(logits, rows)
     assert torch.equal(logits, before)
 
 
@@ -249,4 +250,4 @@ def test_build_skips_state_no_row_needs():
 
 def test_rejects_logits_of_the_wrong_width():
     with pytest.raises(ValueError, match=r"\[N, 10\]"):
-        Sampler(10, "cpu").sample(torch.zeros(2, 11), rows_for([SP()] * 2))
+        Sampler(10, "cpu", seed=0).sample(torch.zeros(2, 11), rows_for([SP()] * 2))

@@ -26,7 +26,8 @@ BLOCK = 4
 def proposer(model_dir, kernel: bool) -> DraftModelProposer:
     cfg = ModelConfig.from_dir(model_dir)
     p = DraftModelProposer(str(model_dir), cfg, dtype=torch.float32, device=torch.device("cpu"), num_blocks=64,
-                           block_size=BLOCK, max_model_len=256, backend=make_backend("torch"),
+                           block_size=BLOCK, quantization=None, quantization_group_size=64, max_model_len=256,
+                           backend=make_backend("torch"),
                            sampler=Sampler(cfg.vocab_size, torch.device("cpu"), seed=0))
     assert p.whole_model is not None
     if not kernel:
