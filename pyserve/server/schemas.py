@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic. Bounds are enforced here,
-before any work is queued. Every top-level field is either served, accepted because it cannot
-change the output (NO_EFFECT_FIELDS), or refused with a 400 naming it (REFUSED_FIELDS, and any
-field this server does not know); nested objects forbid keys they do not name, but for a few
-that change nothing; `check()` refuses combinations OpenAI's API refuses. A client never believes
-a field took effect when it did not."""
+before any work is queued; a sampling field's are the ones SamplingParams checks (its BOUNDS).
+Every top-level field is either served, accepted because it cannot change the output
+(NO_EFFECT_FIELDS), or refused with a 400 naming it (REFUSED_FIELDS, and any field this server
+does not know); nested objects forbid keys they do not name, but for a few that change nothing;
+`check()` refuses combinations OpenAI's API refuses. A client never believes a field took effect
+when it did not."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pyserve.step.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pyserve.server.errors import BadRequest
+from pyserve.step.sampling_params import BOUNDS, LOGIT_BIAS, MAX_LOGIT_BIAS, TOKEN_ID, Bounds
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects
 
-MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 256
-MAX_TOKENS_LIMIT = 1 << 20
 MAX_CHAT_TEMPLATE = 64 * 1024
 MAX_TOOLS = 128  # OpenAI's limit
 
@@ -41,6 +40,15 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "structural_tag": (None,),
 }
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def bounded(field: str | Bounds, low: int | None = None) -> Any:
+    """pydantic's bounds of a sampling field, as SamplingParams checks it (its BOUNDS, by name);
+    `low` where a field of the API takes less than the engine (a completion's max_tokens 0)."""
+    b = BOUNDS[field] if isinstance(field, str) else field
+    if low is not None:
+        return Field(ge=low, le=b.high)
+    return Field(gt=b.low, le=b.high) if b.low_open else Field(ge=b.low, le=b.high)
 
 
 class StreamOptions(BaseModel):
@@ -95,23 +103,23 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    max_tokens: Annotated[int, bounded("max_tokens")] | None = None
+    temperature: Annotated[float, bounded("temperature")] | None = None
+    top_p: Annotated[float, bounded("top_p")] | None = None
+    top_k: Annotated[int, bounded("top_k")] | None = None
+    min_p: Annotated[float, bounded("min_p")] | None = None
+    seed: Annotated[int, bounded("seed")] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    n: Annotated[int, bounded("n")] = 1
+    presence_penalty: Annotated[float, bounded("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] = 0.0
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] = 1.0
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
+    min_tokens: Annotated[int, bounded("min_tokens")] = 0
+    stop_token_ids: Annotated[list[Annotated[int, bounded(TOKEN_ID)]], Field(max_length=MAX_STOP)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, bounded(LOGIT_BIAS)]], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0  # the scheduler's i32
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     stream: bool = False
@@ -287,9 +295,9 @@ def _json_or_text(text: str) -> Any:
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    max_completion_tokens: Annotated[int, bounded("max_tokens")] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, bounded("logprobs")] | None = None
     add_generation_prompt: bool = True
     chat_template: Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE)] | None = None
     tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # [] refused, as OpenAI
@@ -321,13 +329,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[int, bounded("n")] | None = None
 
     prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=64)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     # 0 only with echo: the prompt's logprobs, nothing generated (lm-evaluation-harness' scoring)
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, bounded("max_tokens", low=0)] | None = None
+    logprobs: Annotated[int, bounded("logprobs")] | None = None
     echo: bool = False  # the prompt before the completion, in the text and (with logprobs) the logprobs
 
     @field_validator("best_of")

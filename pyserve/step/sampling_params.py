@@ -7,9 +7,56 @@ from dataclasses import dataclass, field
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
-MAX_N = 128
+MAX_N = 128  # OpenAI's limit
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures this small are treated as greedy (as vLLM does)
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The values a numeric field takes: `kind` (int, or float which takes ints too) in
+    [low, high], or (low, high] when low_open."""
+
+    kind: type
+    low: int | float
+    high: int | float
+    low_open: bool = False
+
+    def check(self, name: str, value: object) -> None:
+        """ValueError naming the field `name` where `value` is not such a value."""
+        if self.kind is int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if value > self.high or value < self.low or (self.low_open and value == self.low):
+            bound = f"{'(' if self.low_open else '['}{self.low}, {self.high}]"
+            raise ValueError(f"{name} must be in {bound}, got {value}")
+
+
+# Each sampling field's range, spelled once: SamplingParams checks its fields against it, and the
+# HTTP schema's bounds are built from it (pyserve/server/schemas.py). OpenAI's API's ranges where
+# it states one (temperature, top_p, n, the penalties, logprobs, logit_bias); otherwise pyserve's
+# (counts and token ids within the scheduler's i32, repetition_penalty at most 10).
+BOUNDS: dict[str, Bounds] = {
+    "n": Bounds(int, 1, MAX_N),
+    "temperature": Bounds(float, 0.0, 2.0),
+    "top_p": Bounds(float, 0.0, 1.0, low_open=True),
+    "top_k": Bounds(int, -1, INT32_MAX),  # 0 and -1: off
+    "min_p": Bounds(float, 0.0, 1.0),
+    "seed": Bounds(int, -(2**63), 2**63 - 1),
+    "max_tokens": Bounds(int, 1, INT32_MAX),
+    "min_tokens": Bounds(int, 0, INT32_MAX),
+    "logprobs": Bounds(int, 0, MAX_LOGPROBS),  # top alternatives per token
+    "prompt_logprobs": Bounds(int, 0, MAX_LOGPROBS),
+    "presence_penalty": Bounds(float, -2.0, 2.0),
+    "frequency_penalty": Bounds(float, -2.0, 2.0),
+    "repetition_penalty": Bounds(float, 0.0, 10.0, low_open=True),  # 1: off
+}
+NONE_MEANS_OFF = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # fields of BOUNDS that may be None
+TOKEN_ID = Bounds(int, 0, INT32_MAX)  # each of stop_token_ids, each key of logit_bias
+LOGIT_BIAS = Bounds(float, -100.0, 100.0)  # each token's bias
 
 
 @dataclass(slots=True)
@@ -50,33 +97,19 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _int_in("n", self.n, 1, MAX_N)
-        _float_in("temperature", self.temperature, 0.0, 100.0)
+        for name, bounds in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None or name not in NONE_MEANS_OFF:
+                bounds.check(name, value)
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0
-        _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int_in("top_k", self.top_k, -1, 2**31 - 1)
-        _float_in("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None:
-            _int_in("seed", self.seed, -(2**63), 2**63 - 1)
-        if self.max_tokens is not None:
-            _int_in("max_tokens", self.max_tokens, 1, 2**31 - 1)
-        _int_in("min_tokens", self.min_tokens, 0, 2**31 - 1)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None:
-            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_in("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
         for i, t in enumerate(self.stop_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids[{i}] must be a non-negative int, got {t!r}")
+            TOKEN_ID.check(f"stop_token_ids[{i}]", t)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a bool")
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
@@ -86,8 +119,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids")
             for t, b in self.logit_bias.items():
-                _int_in("logit_bias token id", t, 0, 2**31 - 1)
-                _float_in(f"logit_bias[{t}]", b, -100.0, 100.0)
+                TOKEN_ID.check("logit_bias token id", t)
+                LOGIT_BIAS.check(f"logit_bias[{t}]", b)
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if not isinstance(self.detokenize, bool):
             raise ValueError("detokenize must be a bool")
@@ -117,17 +150,3 @@ class SamplingParams:
         return (self.temperature == 0.0 and self.logprobs is None and not self.presence_penalty
                 and not self.frequency_penalty and self.repetition_penalty == 1.0 and self.logit_bias is None)
 
-
-def _int_in(name: str, value: object, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
-def _float_in(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value > high or value < low or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be in {bound}, got {value}")

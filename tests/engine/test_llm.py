@@ -245,7 +245,7 @@ def test_detokenize_false_gives_the_same_tokens_without_text(llm, ref):
 
 
 def test_sampled_token_outside_the_top_k_gets_its_own_entry_and_rank(llm, hf_model):
-    out = run(llm, temperature=5.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=1)
+    out = run(llm, temperature=2.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=1)
     c = out.outputs[0]
     want = hf_logprobs(hf_model, out.prompt_token_ids, c.token_ids)
     outside = 0
@@ -258,7 +258,7 @@ def test_sampled_token_outside_the_top_k_gets_its_own_entry_and_rank(llm, hf_mod
         assert entry[top1].rank == 1
         assert len(entry) == (1 if token == top1 else 2)
         outside += token != top1
-    assert outside > 0  # temperature 5 on 300 tokens: the test exercised the case
+    assert outside > 0  # temperature 2 (the highest) on 300 tokens: the test exercised the case
 
 
 # --- n > 1 and seeds -----------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from pyserve import SamplingParams
 
 @pytest.mark.parametrize("field, kwargs", [
     ("n", dict(n=0)),
+    ("n", dict(n=129)),
     ("temperature", dict(temperature=-1)),
+    ("temperature", dict(temperature=2.5)),  # OpenAI's range, as the HTTP schema's
     ("temperature", dict(temperature=float("nan"))),
     ("top_p", dict(top_p=0)),
     ("top_p", dict(top_p=1.5)),
@@ -27,6 +29,7 @@ from pyserve import SamplingParams
     ("stop", dict(stop=[""])),
     ("stop", dict(stop=["ok", 3])),
     ("stop_token_ids", dict(stop_token_ids=[-1])),
+    ("stop_token_ids", dict(stop_token_ids=[2**31])),
     ("seed", dict(seed=1.5)),
     ("ignore_eos", dict(ignore_eos="yes")),
     ("detokenize", dict(detokenize=1)),
