@@ -1,8 +1,9 @@
 """The semantic cache as /v1/chat/completions uses it (pyserve.semantic_cache holds the parts).
 
-A request is looked up when it is deterministic (temperature 0, or a seed;
-`--semantic-cache-sampled` lifts that), asks for one choice, and its `Cache-Control` allows it
-(`no-cache`: not read, still stored; `no-store`: neither). Its exact scope is the tenant
+A request is looked up when it is deterministic (greedy by the engine's definition,
+step.sampling_params.is_greedy: temperature 0 or nearly; or seeded; `--semantic-cache-sampled`
+lifts that), asks for one choice, and its `Cache-Control` allows it (`no-cache`: not read, still
+stored; `no-store`: neither). Its exact scope is the tenant
 (server.tenants: the bearer key and the `X-Tenant` header; a batch line's, its job's owner), the
 model or adapter, every field of the body but the messages, streaming and priority, and the
 conversation's shape with every message that is not the user's word for word (system prompts,
@@ -34,6 +35,7 @@ from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.store import Entry, Lookup, SemanticStore
 from pyserve.server.schemas import ChatCompletionRequest
 from pyserve.server.tenants import tenant_of
+from pyserve.step.sampling_params import is_greedy
 
 HEADER = "x-pyserve-cache"
 # Left out of the exact scope: the messages (scoped apart), and what cannot change the answer
@@ -99,7 +101,7 @@ class ChatCache:
         return counts
 
     def eligible(self, req: ChatCompletionRequest) -> bool:
-        deterministic = req.temperature == 0 or req.seed is not None
+        deterministic = (req.temperature is not None and is_greedy(req.temperature)) or req.seed is not None
         return req.n == 1 and (deterministic or self.sampled)
 
     async def plan(self, request: Request, req: ChatCompletionRequest, model: str) -> CachePlan | None:

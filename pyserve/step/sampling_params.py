@@ -13,6 +13,13 @@ GREEDY_BELOW = 1e-5  # temperatures this small are treated as greedy (as vLLM do
 INT32_MAX = 2**31 - 1
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether a request at `temperature` is greedy (its token the argmax of its logits): the one
+    definition, which SamplingParams (it takes such a temperature as 0) and the semantic cache
+    (it takes such a request as deterministic) both use."""
+    return temperature < GREEDY_BELOW
+
+
 @dataclass(frozen=True, slots=True)
 class Bounds:
     """The values a numeric field takes: `kind` (int, or float which takes ints too) in
@@ -63,7 +70,7 @@ LOGIT_BIAS = Bounds(float, -100.0, 100.0)  # each token's bias
 class SamplingParams:
     """How to sample one request. Out-of-range values raise ValueError naming the field.
 
-    temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable those.
+    temperature 0 is greedy, and so is any below GREEDY_BELOW (see is_greedy); top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable those.
     Penalties follow OpenAI (presence, frequency in [-2, 2]) and HF (repetition > 0, 1 = off).
     """
 
@@ -101,8 +108,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or name not in NONE_MEANS_OFF:
                 bounds.check(name, value)
-        if self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0
+        if is_greedy(self.temperature):
+            self.temperature = 0.0  # the sampler's rows: 0 = greedy
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for i, s in enumerate(self.stop):
@@ -140,13 +147,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits or asks for more than the token (no
         penalties, no logit bias, no logprobs): such a row's token is the argmax of its logits,
         once `min_tokens` no longer bans any token."""
-        return (self.temperature == 0.0 and self.logprobs is None and not self.presence_penalty
+        return (self.greedy and self.logprobs is None and not self.presence_penalty
                 and not self.frequency_penalty and self.repetition_penalty == 1.0 and self.logit_bias is None)
 

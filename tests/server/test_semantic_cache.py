@@ -125,6 +125,14 @@ async def test_entries_expire_and_opt_outs_and_sampled_requests_are_not_cached(s
     assert (await chat(api, "How do I open a socket?", seed=3))[0] == "miss"  # seeded: cached, its own scope
 
 
+async def test_a_temperature_the_engine_takes_as_greedy_is_cached_as_deterministic(served):
+    """Below GREEDY_BELOW the engine samples the argmax, as at temperature 0: the cache stores and
+    answers such a request too (it took only exactly 0 as greedy)."""
+    api = client(served, "t")
+    assert (await chat(api, "How do I read a file line by line?", temperature=1e-6))[0] == "miss"
+    assert (await chat(api, "How do I read a file line by line?", temperature=1e-6))[0] == "hit"
+
+
 async def test_invalidation_needs_the_key_and_drops_only_the_callers_tenant(served):
     a, b = client(served, "a"), client(served, "b")
     await chat(a, "How do I merge two dictionaries in Python?")

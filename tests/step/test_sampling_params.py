@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pyserve import SamplingParams
+from pyserve.step.sampling_params import GREEDY_BELOW, is_greedy
 
 
 @pytest.mark.parametrize("field, kwargs", [
@@ -46,3 +47,12 @@ def test_sampling_params_accepts_the_edges_and_normalizes():
     assert p.stop == ["x"] and p.greedy
     assert SamplingParams(temperature=1e-7).temperature == 0.0
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+
+
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (GREEDY_BELOW / 2, True),
+                                                 (GREEDY_BELOW, False), (0.5, False)])
+def test_greedy_has_one_definition(temperature, greedy):
+    """is_greedy is what SamplingParams samples by (a greedy temperature becomes 0, the sampler's
+    greedy rows); the semantic cache asks it too (tests/server/test_semantic_cache.py)."""
+    p = SamplingParams(temperature=temperature)
+    assert is_greedy(temperature) == p.greedy == (p.temperature == 0.0) == greedy
