@@ -20,7 +20,7 @@ from pyserve import _core
 from pyserve.actors import Actor
 from pyserve.engine.prompt_logprobs import PromptLogprobs
 from pyserve.step.request import (Abort, Add, EngineRequest, Logprobs, PromptRows, RequestRefused, StepOutput,
-                                    StepRows)
+                                  StepRows)
 from pyserve.actors.loop_thread import resolve
 from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.step_budget import StepBudget

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 import pyserve
 from pyserve.server.batch_routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
-                                    retrieve_batch, retrieve_file, upload_file)
+                                         retrieve_batch, retrieve_file, upload_file)
 from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
