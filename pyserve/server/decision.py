@@ -75,8 +75,8 @@ def confidence(body: dict) -> float:
     its tokens up to the first one that ends a line after some text, or all of them; -inf
     without logprobs. The first line is what a completion is asked for and where a chat answer
     commits to its content; past it a model may write on to max_tokens, and those tokens'
-    logprobs drowned the answer's (bench/README.md, the decision layer: over the whole answer,
-    the small model's confidence told nothing of where the large one did better). A completion
+    logprobs drowned the answer's (measured with bench/decision.py: over the whole answer, the
+    small model's confidence told nothing of where the large one did better). A completion
     that echoes its prompt carries the prompt's tokens first, so there the first line read is
     the prompt's: a loglikelihood request is kept or escalated by how likely its opening is."""
     lp = body["choices"][0].get("logprobs") or {}

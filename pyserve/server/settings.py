@@ -1,4 +1,4 @@
-"""The server's settings (beside the engine's: pyserve.engine.config)."""
+"""The server's settings (beside the engine's: pyserve.config)."""
 
 from __future__ import annotations
 

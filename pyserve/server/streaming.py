@@ -27,7 +27,7 @@ class TimedStreamingResponse(StreamingResponse):
     A single timer per response looks at the send in progress every WATCH_PERIOD x
     send_timeout, so a stuck send is cut between 1 and 1 + WATCH_PERIOD times send_timeout after
     it began; a timeout around every send (a timer armed and cancelled per chunk) cost a stream
-    at batch 1 a few percent of its tokens per second here (bench/README.md).
+    at batch 1 a few percent of its tokens per second here (measured when this went in; see git log).
     """
 
     def __init__(self, content: AsyncGenerator[bytes, None], send_timeout: float, on_timeout: Callable[[], None],
