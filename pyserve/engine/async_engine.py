@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import itertools
 from dataclasses import dataclass
@@ -254,9 +255,11 @@ class AsyncEngine:
         """Returns once the engine has no unfinished sequence (the offline LLM, whose requests are
         all done). NOTE: a stop string aborts its sequence by a message, so the EngineCore may
         still hold the sequence, and its KV blocks, after the output is complete."""
-        while self.scheduler.has_unfinished_requests():
+        core = self.engine_core
+        while core.published.busy:
             self.system.check_alive()
-            await asyncio.sleep(0.001)
+            with contextlib.suppress(TimeoutError):  # an actor that dies sets nothing: look again
+                await asyncio.wait_for(core.idle.wait(), 0.1)
 
     async def abort(self, request_id: str) -> None:
         for internal_id in self.output_processor.forget(request_id):
@@ -292,7 +295,7 @@ class AsyncEngine:
 
     def num_waiting(self) -> int:
         """Sequences queued but not running."""
-        return self.scheduler.num_waiting
+        return self.engine_core.published.num_waiting
 
     @property
     def num_kv_blocks(self) -> int:

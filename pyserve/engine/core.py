@@ -10,7 +10,9 @@ scheduler does not know (sampling parameters, samples waiting to fork). It never
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
 
 import anyio
 import numpy as np
@@ -31,6 +33,16 @@ log = structlog.get_logger("pyserve.engine")
 
 NO_TOKENS = np.empty(0, dtype=np.int64)
 MAX_FORCED_TOKENS = 32  # forced tokens one step verifies for a request
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What the EngineCore shows other threads (the server's, the watchdog's) of the scheduler it
+    alone calls: replaced whole after every step and every drained inbox, never changed in place."""
+
+    busy: bool  # unfinished requests held
+    num_waiting: int
+    scheduler_stats: dict[str, float | int]
 
 
 class EngineCore(Actor):
@@ -55,21 +67,40 @@ class EngineCore(Actor):
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_progress = time.monotonic()  # when a step that ran requests last completed
+        self.published = self._publish()
+        # Set while it holds no unfinished request; an event of the loop the core runs on (the
+        # offline LLM's, whose wait_idle awaits it), replaced when work arrives.
+        self.idle = asyncio.Event()
 
     async def run(self) -> None:
         while True:
             idle = not self.scheduler.has_unfinished_requests()
             if idle:  # an empty step reports the requests that just ended: their state is freed now
                 await self.step()
+                self._publish_all()
             await self._drain_inbox(block=idle)
             if idle:  # work arrived: the no-progress clock starts now
                 self.last_progress = time.monotonic()
+            self._publish_all()
             await self.step()
+            self._publish_all()
+
+    def _publish(self) -> Published:
+        s = self.scheduler
+        return Published(s.has_unfinished_requests(), s.num_waiting, s.stats())
+
+    def _publish_all(self) -> None:
+        self.published = published = self._publish()
+        if published.busy:
+            if self.idle.is_set():
+                self.idle = asyncio.Event()
+        else:
+            self.idle.set()
 
     def seconds_without_progress(self, now: float) -> float:
         """How long the engine has held unfinished requests without completing a step that ran
-        any of them (0 when it holds none)."""
-        if not self.scheduler.has_unfinished_requests():
+        any of them (0 when it holds none). Reads what was published: safe from any thread."""
+        if not self.published.busy:
             return 0.0
         return now - self.last_progress
 
@@ -277,10 +308,10 @@ class EngineCore(Actor):
         )
 
     def stats(self) -> dict[str, float | int]:
-        """The scheduler's gauges and counters, the token counts and speculation's, by the names
-        /metrics publishes (`pyserve:<name>`)."""
+        """The scheduler's gauges and counters (as last published), the token counts and
+        speculation's, by the names /metrics publishes (`pyserve:<name>`)."""
         return {
-            **self.scheduler.stats(),
+            **self.published.scheduler_stats,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "grammar_forced_tokens": self.num_forced_tokens,

@@ -28,6 +28,18 @@ def test_the_server_uses_only_the_engines_public_face():
     assert offending == []
 
 
+def test_only_the_engine_core_and_its_step_parts_call_the_scheduler():
+    """The EngineCore owns the Scheduler: what other threads need of it (waiting and running
+    counts, its stats, whether it is idle) they read from `EngineCore.published`. The speculator
+    and the n-gram proposer call it only inside the core's step."""
+    calls = re.compile(r"\bscheduler\.(\w+)")
+    owners = {"engine/core.py", "speculative/speculator.py", "speculative/proposer.py"}
+    offending = [f"{p.relative_to(PACKAGE)}:{n}: {m.group(0)}" for p in sorted(PACKAGE.rglob("*.py"))
+                 if p.relative_to(PACKAGE).as_posix() not in owners
+                 for n, line in enumerate(p.read_text().splitlines(), 1) for m in calls.finditer(line)]
+    assert offending == []
+
+
 def test_no_engine_module_imports_torch():
     importing = re.compile(r"^\s*(import torch|from torch)\b", re.M)
     assert [f.name for f in sorted((PACKAGE / "engine").glob("*.py")) if importing.search(f.read_text())] == []
