@@ -104,7 +104,7 @@ class AsyncEngine:
         if spec is not None:
             proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
                         if spec.method == "ngram" else WorkerProposer(self.worker))
-            speculator = Speculator(spec, self.scheduler, proposer, self.grammar_matchers, config.grammar_forced_tokens)
+            speculator = Speculator(spec, proposer, self.grammar_matchers, config.grammar_forced_tokens)
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
         self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget,

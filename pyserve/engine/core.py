@@ -164,7 +164,10 @@ class EngineCore(Actor):
             await self.output_processor.send(step)
         if self.speculator is not None:  # after the tokens went out: proposing may run a draft model
             num_output = out.num_output_tokens + update.num_appended
-            await self.speculator.after_step(out, num_sampled, num_output, seconds, set(finished), self.requests)
+            drafts = await self.speculator.after_step(out, num_sampled, num_output, seconds, set(finished),
+                                                      self.requests, self.scheduler.token_ids)
+            for rid, tokens in drafts.items():
+                self.scheduler.set_spec_tokens(rid, tokens)
         if self.grammar and self.forced_tokens and (self.speculator is None or not self.speculator.last_depth):
             self._draft_forced_tokens(update.req_ids, finished)
 

@@ -4,6 +4,7 @@ choose the depth for the next step and ask the proposer for drafts. No tensors h
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,9 +25,8 @@ def can_speculate(req: EngineRequest, num_output: int) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler, proposer: Proposer, grammar: GrammarMatchers | None = None,
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, grammar: GrammarMatchers | None = None,
                  forced_tokens: bool = True):
-        self.scheduler = scheduler
         self.proposer = proposer
         self.grammar = grammar  # the EngineCore's matchers: drafts of constrained requests are cut to what they allow
         self.forced_tokens = forced_tokens  # and replaced by the grammar's forced tokens when those go further
@@ -38,9 +38,12 @@ class Speculator:
         self.last_depth = 0
 
     async def after_step(self, out, num_sampled: np.ndarray, num_output: np.ndarray, seconds: float,
-                         finished: set[int], requests: dict[int, EngineRequest]) -> None:
+                         finished: set[int], requests: dict[int, EngineRequest],
+                         token_ids: Callable[[int], list[int]]) -> dict[int, list[int]]:
         """Per scheduled request: `num_sampled` tokens sampled (0 without logits), `num_output`
-        output tokens after the step; `finished`: requests that ended this step."""
+        output tokens after the step; `finished`: requests that ended this step; `token_ids`: a
+        request's tokens (the EngineCore reads them from its scheduler). Returns the drafts to
+        verify next step, by request (the EngineCore hands them to the scheduler)."""
         if (out.num_scheduled_tokens == 1 + out.num_spec_tokens).all():  # decode-only steps feed the cost model
             self.depth.observe_step(out.num_reqs, int(out.num_spec_tokens.sum()), seconds)
         for s, n in zip(out.num_spec_tokens.tolist(), num_sampled.tolist()):
@@ -63,19 +66,19 @@ class Speculator:
         k = self.depth.choose(out.num_reqs, len(candidates))
         self.last_depth = k
         if not k or not candidates:
-            return
+            return {}
         start = time.perf_counter()
-        token_ids = None
-        if self.proposer.reads_tokens:
-            token_ids = [self.scheduler.token_ids(r.internal_id) for r in candidates]
-        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k, token_ids))
+        tokens_read = [token_ids(r.internal_id) for r in candidates] if self.proposer.reads_tokens else None
+        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k, tokens_read))
         seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
         self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
+        out_drafts = {}
         for req, tokens in zip(candidates, drafts):
             if self.grammar is not None and req.internal_id in self.grammar:
                 tokens = self._constrained(req.internal_id, list(tokens), k)
             if tokens:
-                self.scheduler.set_spec_tokens(req.internal_id, tokens)
+                out_drafts[req.internal_id] = tokens
+        return out_drafts
 
     def _constrained(self, internal_id: int, drafts: list[int], k: int) -> list[int]:
         """A constrained request's drafts: the proposer's as far as the grammar allows them, or
