@@ -34,11 +34,11 @@ from pyserve.replicas.pool import GET_TIMEOUT, NotAReplica, Replica, ReplicaPool
 from pyserve.replicas.request_text import routing_text
 from pyserve.replicas.stats_merge import merge_stats
 from pyserve.replicas.settings import RouterSettings
-from pyserve.server.app import version_info
-from pyserve.server.body import json_response
-from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, Unauthorized, Unavailable, error_body
-from pyserve.server.metrics import Counter, Gauge, Registry
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, cors
+from pyserve.http.version import version_info
+from pyserve.http.responses import json_response
+from pyserve.http.errors import EXCEPTION_HANDLERS, NotFound, Unauthorized, Unavailable, error_body
+from pyserve.http.metrics import Counter, Gauge, Registry
+from pyserve.http.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, cors
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 
 log = structlog.get_logger("pyserve.router")

@@ -15,24 +15,24 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-import pyserve
+from pyserve.http.errors import EXCEPTION_HANDLERS, NotFound, error_body
+from pyserve.http.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, LoadingGate, cors
+from pyserve.http.responses import json_response
+from pyserve.http.version import version_info
 from pyserve.server.batch_routes import (cancel_batch, create_batch, delete_file, file_content, list_batches, list_files,
                                          retrieve_batch, retrieve_file, upload_file)
-from pyserve.server.body import json_response
 from pyserve.server.cache_routes import cache_info, invalidate
 from pyserve.server.embeddings_api import embeddings
-from pyserve.server.errors import EXCEPTION_HANDLERS, NotFound, error_body
 from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
-from pyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, LoadingGate, cors
 from pyserve.server.models import ModelSpec
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
 from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
+from pyserve.server.state import ServerState
 from pyserve.server.stats_api import server_stats
 from pyserve.server.tokenize_api import detokenize, tokenize, tokenizer_info
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
-from pyserve.server.state import ServerState
 
 if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
@@ -93,10 +93,6 @@ async def openapi(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     return json_response(openapi_document(state.settings, state.models.names(),
                                           [state.encoder.name] if state.encoder is not None else []))
-
-
-async def version_info(request: Request) -> Response:
-    return json_response({"version": pyserve.__version__})
 
 
 def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, ModelSpec], settings: ServerSettings,

@@ -13,9 +13,9 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import json_body, json_response
+from pyserve.http.responses import json_body, json_response
 from pyserve.server.tenants import tenant_of
-from pyserve.server.errors import BadRequest, NotFound, PayloadTooLarge
+from pyserve.http.errors import BadRequest, NotFound, PayloadTooLarge
 from pyserve.server.state import ServerState
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

@@ -1,32 +1,14 @@
-"""Request bodies (JSON parsing and schema validation, with errors that name the field) and JSON
-response bodies."""
+"""Request bodies held to the server's schemas: validation with errors that name the field (the
+JSON parsing and responses are the shared HTTP layer's: pyserve.http.responses)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
-from starlette.responses import Response
 
-from pyserve.server.errors import BadRequest
+from pyserve.http.errors import BadRequest
 from pyserve.server.schemas import NO_EFFECT_FIELDS, REFUSED_FIELDS
-
-
-async def json_body(request: Request) -> Any:
-    body = await request.body()
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    return data
-
-
-def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data), status, media_type="application/json", headers=headers)
 
 
 def validate(schema: type[BaseModel], data: dict[str, Any]):

@@ -9,10 +9,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import json_body, json_response
+from pyserve.http.responses import json_body, json_response
 from pyserve.server.chat_cache import ChatCache
 from pyserve.server.tenants import tenant_of
-from pyserve.server.errors import BadRequest, Forbidden
+from pyserve.http.errors import BadRequest, Forbidden
 from pyserve.server.state import ServerState
 
 

@@ -16,8 +16,8 @@ from starlette.responses import Response
 
 from pyserve.engine.output_processor import ClientTooSlow, ConstraintFailed, RequestStream, StreamDelta
 from pyserve.lora.request import LoRARequest
-from pyserve.server.body import json_response
-from pyserve.server.errors import APIError, BadRequest, Unavailable, error_body
+from pyserve.http.responses import json_response
+from pyserve.http.errors import APIError, BadRequest, Unavailable, error_body
 from pyserve.server.models import ServedModel
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState

@@ -24,7 +24,7 @@ import orjson
 from starlette.responses import Response
 
 from pyserve.model_choice.classifier import RouteClassifier
-from pyserve.server.body import json_response
+from pyserve.http.responses import json_response
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.streaming import replayed
 

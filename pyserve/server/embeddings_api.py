@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import check_token_ids, json_body, json_response, validate
-from pyserve.server.errors import BadRequest, NotFound
+from pyserve.http.responses import json_body, json_response
+from pyserve.server.body import check_token_ids, validate
+from pyserve.http.errors import BadRequest, NotFound
 from pyserve.server.state import ServerState
 
 MAX_INPUTS = 2048

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyserve.lora.request import LoRARequest
-from pyserve.server.errors import BadRequest, NotFound
+from pyserve.http.errors import BadRequest, NotFound
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import json_body
-from pyserve.server.errors import BadRequest
+from pyserve.http.responses import json_body
+from pyserve.http.errors import BadRequest
 
 MAX_NAME_CHARS = 256
 

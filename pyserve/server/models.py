@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pyserve import __version__
 from pyserve.lora.request import LoRARequest
-from pyserve.server.errors import NotFound
+from pyserve.http.errors import NotFound
 from pyserve.server.lora_registry import LoraRegistry
 
 if TYPE_CHECKING:

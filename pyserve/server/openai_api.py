@@ -19,11 +19,12 @@ from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.model_choice.classifier import routed_text
-from pyserve.server.body import check_token_ids, json_body, json_response, validate
+from pyserve.http.responses import json_body, json_response
+from pyserve.server.body import check_token_ids, validate
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
-from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unavailable
+from pyserve.http.errors import BadRequest, NotFound, TooManyRequests, Unavailable
 from pyserve.server.decision import serve_decided
 from pyserve.server.models import RouteSpec, ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields

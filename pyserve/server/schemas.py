@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pyserve.server.errors import BadRequest
+from pyserve.http.errors import BadRequest
 from pyserve.step.sampling_params import BOUNDS, LOGIT_BIAS, MAX_LOGIT_BIAS, TOKEN_ID, Bounds
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects

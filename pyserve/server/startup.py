@@ -28,7 +28,7 @@ from pyserve.server.chat_cache import ChatCache
 from pyserve.server.decision import check_routes, load_route, parse_cascade
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
-from pyserve.server.errors import NotFound
+from pyserve.http.errors import NotFound
 from pyserve.server.settings import ServerSettings
 from pyserve.server.state import ServerMetrics, ServerState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+from pyserve.http.metrics import Counter, Gauge, Histogram, Registry
 from pyserve.server.models import ModelTable
 from pyserve.server.settings import ServerSettings
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.server.body import json_response
+from pyserve.http.responses import json_response
 from pyserve.server.state import ServerState
 
 

@@ -7,7 +7,7 @@ import hashlib
 from starlette.requests import Request
 
 from pyserve.batches.asgi_call import TENANT_SCOPE_KEY
-from pyserve.server.middleware import bearer_key
+from pyserve.http.middleware import bearer_key
 
 
 def tenant_of(request: Request) -> str:

@@ -23,9 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.model.tokenizer import ChatTemplateError
-from pyserve.server.body import check_token_ids, json_body, json_response, validate
+from pyserve.http.responses import json_body, json_response
+from pyserve.server.body import check_token_ids, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
-from pyserve.server.errors import BadRequest
+from pyserve.http.errors import BadRequest
 from pyserve.server.schemas import MAX_TOOLS, ChatMessage, ToolDef
 from pyserve.server.tool_calls import template_tools
 from pyserve.server.state import ServerState

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyserve.server.errors import BadRequest
+from pyserve.http.errors import BadRequest
 from pyserve.server.schemas import ChatCompletionRequest, FunctionDef, NamedFunction, NamedToolChoice
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects

@@ -11,7 +11,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from pyserve.server.errors import NotFound
+from pyserve.http.errors import NotFound
 
 WEB = Path(__file__).parent / "web"
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

@@ -23,7 +23,7 @@ from pyserve.server.batch_routes import cancel_batch, create_batch, file_content
 from pyserve.batches.runner import BatchRunner
 from pyserve.batches.service import BatchService
 from pyserve.batches.store import BatchStore
-from pyserve.server.errors import EXCEPTION_HANDLERS
+from pyserve.http.errors import EXCEPTION_HANDLERS
 
 URL = "/v1/chat/completions"
 MODEL = "m"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pyserve.server.errors import BadRequest, NotFound, TooManyRequests, Unauthorized, Unavailable, error_response
+from pyserve.http.errors import BadRequest, NotFound, TooManyRequests, Unauthorized, Unavailable, error_response
 
 
 @pytest.mark.parametrize("cls, status, type_", [
@@ -35,8 +35,8 @@ def test_an_unexpected_error_is_a_500_and_the_connection_serves_on():
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from pyserve.server.errors import EXCEPTION_HANDLERS
-    from pyserve.server.middleware import InternalErrors
+    from pyserve.http.errors import EXCEPTION_HANDLERS
+    from pyserve.http.middleware import InternalErrors
 
     async def boom(request):
         raise RuntimeError("a bug")

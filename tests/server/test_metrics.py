@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pyserve.server.metrics import Counter, Gauge, Histogram, Registry
+from pyserve.http.metrics import Counter, Gauge, Histogram, Registry
 
 
 def test_a_registry_renders_each_kind_in_the_exposition_format():

@@ -8,7 +8,7 @@ import pytest
 
 from pyserve import SamplingParams
 from pyserve.server.body import validate
-from pyserve.server.errors import BadRequest
+from pyserve.http.errors import BadRequest
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from pyserve.step.sampling_params import BOUNDS, LOGIT_BIAS, TOKEN_ID, Bounds
 

@@ -16,7 +16,7 @@ import structlog
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from pyserve.server.errors import error_body
+from pyserve.http.errors import error_body
 
 log = structlog.get_logger("pyserve.server")
 
