@@ -18,6 +18,12 @@ from pyserve.engine.background import BackgroundLimit
 from pyserve.config import EngineConfig
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
+from pyserve.engine.participants.base import StepParticipant
+from pyserve.engine.participants.grammar import GrammarStep
+from pyserve.engine.participants.lora import LoraAdapters
+from pyserve.engine.participants.output_tokens import OutputTokens
+from pyserve.engine.participants.prompt_logprobs import PromptLogprobsGathering
+from pyserve.engine.participants.speculation import Speculation
 from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.step.request import Abort, Add, EngineRequest
 from pyserve.step.sampling_params import SamplingParams
@@ -100,16 +106,10 @@ class AsyncEngine:
         self.output_processor = OutputProcessor(self.tokenizer, eos_ids[0] if eos_ids else None)
         self.grammar_compiler = GrammarCompiler(self.tokenizer.inner.to_str, cfg.vocab_size, eos_ids)
         self.grammar_matchers = GrammarMatchers(cfg.vocab_size, eos_ids)
-        speculator = None
-        if spec is not None:
-            proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if spec.method == "ngram" else WorkerProposer(self.worker))
-            speculator = Speculator(spec, proposer, self.grammar_matchers, config.grammar_forced_tokens)
         target = config.max_inter_token_latency
         step_budget = StepBudget(target, config.max_num_batched_tokens) if target else None
-        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, speculator, step_budget,
-                                      self.grammar_matchers, config.grammar_forced_tokens,
-                                      BackgroundLimit(config.max_background_seqs))
+        self.engine_core = EngineCore(self.scheduler, self.worker, self.output_processor, self._participants(spec),
+                                      step_budget, BackgroundLimit(config.max_background_seqs))
         self.watchdog = None if config.watchdog_timeout is None else Watchdog(self.engine_core, config.watchdog_timeout)
         self.system = ActorSystem()
         self.system.on_failure(self.output_processor.fail_all)
@@ -119,6 +119,21 @@ class AsyncEngine:
         self.loras: dict[int, str] = {}  # adapter id -> path, loaded in the worker
         self._lora_locks: dict[int, asyncio.Lock] = {}
         self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
+
+    def _participants(self, spec: SpeculativeConfig | None) -> list[StepParticipant]:
+        """The step's optional parts, in the order the EngineCore calls them: speculation
+        before the grammar, whose forced tokens go out as drafts where the speculator drafted
+        nothing."""
+        forced = self.config.grammar_forced_tokens
+        parts: list[StepParticipant] = [OutputTokens(), PromptLogprobsGathering()]
+        if self.worker.lora is not None:
+            parts.append(LoraAdapters())
+        if spec is not None:
+            proposer = (NgramProposer(self.scheduler, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if spec.method == "ngram" else WorkerProposer(self.worker))
+            parts.append(Speculation(Speculator(spec, proposer, self.grammar_matchers, forced)))
+        parts.append(GrammarStep(self.grammar_matchers, forced))
+        return parts
 
     def _check_draft(self, draft_dir: str) -> ModelConfig:
         """The draft's config, once its tokenizer is known to be the target's."""

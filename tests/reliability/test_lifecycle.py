@@ -74,7 +74,8 @@ def assert_nothing_left(engine: AsyncEngine) -> None:
     assert (stats["num_requests_running"], stats["num_requests_waiting"], stats["kv_cache_usage_perc"]) == (0, 0, 0.0)
     assert stats["kv_free_blocks"] + stats["kv_cached_blocks"] == engine.worker.num_kv_blocks - 1  # block 0 is null
     core = engine.engine_core
-    assert not core.requests and not core.pending_forks and not core.fork_parent and core.num_needing_output == 0
+    assert not core.requests and not core.pending_forks and not core.fork_parent
+    assert {type(p).__name__: p.held() for p in core.participants if p.held()} == {}
     assert not engine.output_processor._streams and not engine.output_processor._samples
     proposer = engine.worker.proposer
     if proposer is not None:  # the draft model's per-request KV bookkeeping
