@@ -43,6 +43,7 @@ from pyserve.eval.harness import run_plan
 from pyserve.eval.items import load_eval_set
 from pyserve.eval.runner import Client, run_items
 from pyserve.model_choice.train import routed_figures, train_classifier
+from pyserve.server.completion_result import choice_tokens
 from pyserve.server.decision import confidence
 from pyserve.server.child_server import start_server, stop_server
 from pyserve.server.model_specs import DRAFT_MODEL_NAME
@@ -66,7 +67,7 @@ async def per_item(base: str, items: list) -> dict:
             body = client._sampling(item) | {"stream": False, "logprobs": 0, "prompt": item.prompt}
             body.pop("stream_options")
             r = await http.post("/v1/completions", json=body)
-            conf[item.id] = confidence(r.json())
+            conf[item.id] = confidence(choice_tokens(r.json()["choices"][0]))
     await client.close()
     return {"scores": out, "confidence": conf}
 

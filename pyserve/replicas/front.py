@@ -39,6 +39,7 @@ from pyserve.http.responses import json_response
 from pyserve.http.errors import EXCEPTION_HANDLERS, NotFound, Unauthorized, Unavailable, error_body
 from pyserve.http.metrics import Counter, Gauge, Registry
 from pyserve.http.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrors, cors
+from pyserve.http import sse as sse_events
 from pyserve.server.web_routes import PAGES, PUBLIC_PATHS, asset, page
 
 log = structlog.get_logger("pyserve.router")
@@ -244,7 +245,7 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
                     except StopAsyncIteration:
                         break
                 if sse:
-                    chunk, partial = _whole_events(partial + chunk)
+                    chunk, partial = sse_events.whole_events(partial + chunk)
                     if not chunk:
                         continue
                 yield chunk
@@ -254,20 +255,13 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_stream_cut", replica=replica.url, error=repr(e))
             if sse:
-                yield b"data: " + _failure(replica, e, pool, mid_stream=True) + b"\n\n"
+                yield sse_events.raw_event(_failure(replica, e, pool, mid_stream=True))
 
     async def close() -> None:
         await upstream.aclose()
         _done(pool, replica, flight)
 
     return _PassThrough(body(), close, status_code=upstream.status_code, headers=_response_headers(upstream, replica))
-
-
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """`data` split after its last complete SSE event (a blank line ends one): (events, the rest)."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-    return data[:end], data[end:]
 
 
 async def _gather(pool: ReplicaPool, path: str, request: Request, need_one: bool = True) -> dict[str, httpx.Response]:

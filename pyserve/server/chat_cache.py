@@ -33,6 +33,7 @@ from pyserve.semantic_cache.calibration import Calibration
 from pyserve.semantic_cache.guard import Guard, guard_of
 from pyserve.semantic_cache.question import conversation_text, question_text
 from pyserve.semantic_cache.store import Entry, Lookup, SemanticStore
+from pyserve.server.completion_result import CompletionResult
 from pyserve.server.schemas import ChatCompletionRequest
 from pyserve.server.tenants import tenant_of
 from pyserve.step.sampling_params import is_greedy
@@ -137,12 +138,12 @@ class ChatCache:
             counts.hits += 1
         return found
 
-    def save(self, plan: CachePlan, body: dict) -> None:
+    def save(self, plan: CachePlan, result: CompletionResult) -> None:
         """Stores a finished answer: its one choice and usage."""
-        choice = body["choices"][0]
+        choice = result.first_choice
         if not plan.write or choice.get("finish_reason") not in ("stop", "length", "tool_calls", "function_call"):
             return
-        answer = orjson.dumps({"choice": choice, "usage": body["usage"]})
+        answer = orjson.dumps({"choice": choice, "usage": result.body["usage"]})
         self.store.insert(plan.scope, plan.vector, plan.guard, answer, plan.tenant, plan.model,
                           self.calibration.threshold)
         self.stores += 1

@@ -1,6 +1,7 @@
 """One HTTP completion request while it runs: its engine streams merged into (choice, delta)
-events, served as SSE chunks or one final body, with its timings, metrics and log line. A client
-that disconnects, streaming or not, gets its sequences aborted at once (freeing their blocks)."""
+events, served as SSE chunks or one final body (read as its endpoint's body reads: ChatBody or
+TextBody), with its timings, metrics and log line. A client that disconnects, streaming or not,
+gets its sequences aborted at once (freeing their blocks)."""
 
 from __future__ import annotations
 
@@ -9,39 +10,40 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import orjson
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pyserve.engine.output_processor import ClientTooSlow, ConstraintFailed, RequestStream, StreamDelta
-from pyserve.lora.request import LoRARequest
-from pyserve.http.responses import json_response
+from pyserve.http import sse
 from pyserve.http.errors import APIError, BadRequest, Unavailable, error_body
+from pyserve.http.responses import json_response
+from pyserve.lora.request import LoRARequest
+from pyserve.server.chat_body import ChatBody
+from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ServedModel
 from pyserve.server.schemas import SamplingFields
 from pyserve.server.state import ServerState
-from pyserve.server.tool_calls import ChoiceCalls, ToolPlan
+from pyserve.server.text_body import TextBody
 
 log = structlog.get_logger("pyserve.server")
-# Alternatives whose logprob is below this are tokens a grammar masked out (their logits got
-# model.token_masks.BANNED): they are left out of top_logprobs, never offered as choices.
-MASKED = -1e30
 
 
 class CompletionContext:
     """One HTTP request's engine requests, timings and response building."""
 
-    def __init__(self, kind: str, base_id: str, req: SamplingFields, prompts: list[list[int]], state: ServerState,
-                 model: ServedModel, arrival: float, created: int, lora: LoRARequest | None,
-                 tools: ToolPlan | None = None, echo: list[str] | None = None, echo_only: bool = False):
-        """`model` (with `lora`, when an adapter serves it) answers the request; `echo`: each
-        prompt's text, put before its completions (with their logprobs when asked); `echo_only`:
-        max_tokens 0, the one token the engine generated is not returned."""
-        self.kind, self.id, self.req, self.prompts, self.state = kind, base_id, req, prompts, state
+    def __init__(self, shape: ChatBody | TextBody, base_id: str, req: SamplingFields, prompts: list[list[int]],
+                 state: ServerState, model: ServedModel, arrival: float, created: int, lora: LoRARequest | None,
+                 echo_only: bool = False, cache_status: str | None = None,
+                 on_done: Callable[[CompletionResult], None] | None = None):
+        """`model` (with `lora`, when an adapter serves it) answers the request; `shape` builds its
+        chunks and body; `echo_only`: nothing generated is returned (nor counted in its usage);
+        `cache_status`: the semantic cache's word on it (miss / bypass); `on_done`: told the
+        result of a request that finished."""
+        self.shape, self.id, self.req, self.prompts, self.state = shape, base_id, req, prompts, state
         self.model, self.engine = model, model.engine
         self.model_name = model.name if lora is None else lora.lora_name  # the response's `model`
-        self.echo, self.echo_only = echo, echo_only
+        self.echo_only = echo_only
         self.arrival, self.created = arrival, created
         self.lora = lora
         state.metrics.requests.inc(model=model.name, adapter="" if lora is None else lora.lora_name)
@@ -53,21 +55,11 @@ class CompletionContext:
         self.last_token: dict[int, float] = {}
         self.outcome = "ok"
         self._logged = False
-        self.tools = tools if tools is not None and tools.format is not None else None  # calls to read out
-        self._calls: dict[int, ChoiceCalls] = {}  # per choice, when calls are read out
-        self._streamed_chars: dict[int, int] = {}  # per choice: its streamed tokens' characters (text_offset)
-        self.cache_status: str | None = None  # the semantic cache's word on this request (hit / miss / bypass)
-        self.on_done: Callable[[dict], None] | None = None  # told the final body of a request that finished
+        self.cache_status = cache_status
+        self.on_done = on_done
 
     def headers(self) -> dict[str, str]:
         return {} if self.cache_status is None else {"x-pyserve-cache": self.cache_status}
-
-    def _choice_calls(self, idx: int) -> ChoiceCalls:
-        calls = self._calls.get(idx)
-        if calls is None:
-            calls = self._calls[idx] = ChoiceCalls(self.tools.parser(), self.tools.legacy, self.tools.named,
-                                                   self.tools.forced, self.tools.fallback)
-        return calls
 
     def release_lora(self) -> None:
         """Tells the registry this request no longer uses its adapter (once)."""
@@ -161,6 +153,14 @@ class CompletionContext:
                     m.itl.observe((now - s.output.first_token_time) / gaps, times=gaps, model=self.model.name)
 
     async def respond(self, request: Request) -> Response:
+        """One JSON body once every stream finished (499 for a client gone meanwhile)."""
+        result = await self.result(request)
+        if result is None:
+            return Response(status_code=499)
+        return json_response(result.body, headers=self.headers())
+
+    async def result(self, request: Request) -> CompletionResult | None:
+        """The finished request; None when the client left first (its sequences aborted)."""
         body_task = asyncio.create_task(self._finished())
         gone_task = asyncio.create_task(_wait_disconnect(request))
         try:
@@ -178,7 +178,7 @@ class CompletionContext:
             self.abort(self.streams)
             self.outcome = "disconnected"
             self._finish_log()
-            return Response(status_code=499)
+            return None
         try:
             body_task.result()
         except Exception as e:
@@ -186,27 +186,24 @@ class CompletionContext:
             self._finish_log()
             raise
         self._finish_log()
-        body = self._final_body()
+        result = self._result()
         if self.on_done is not None:
-            self.on_done(body)
-        return json_response(body, headers=self.headers())
+            self.on_done(result)
+        return result
 
     async def sse(self) -> AsyncIterator[bytes]:
         try:
-            if self.kind == "chat":
-                for i in range(len(self.prompts) * self.req.n):
-                    yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
-                                        "logprobs": None, "finish_reason": None}])
+            for choice in self.shape.opening(len(self.prompts) * self.req.n):
+                yield self._chunk([choice])
             try:
                 async for idx, d in self.events():
                     if d.text or d.finish_reason or d.token_ids:
-                        choice = self._delta_choice(idx, d)
-                        if choice.get("delta") == {} and not choice["finish_reason"] and choice["logprobs"] is None:
-                            continue  # text held back while it may still be a tool call's start
-                        yield self._chunk([choice])
+                        choice = self.shape.delta_choice(idx, d)
+                        if choice is not None:
+                            yield self._chunk([choice])
             except APIError as e:
                 self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
-                yield b"data: " + error_body(e.status, e.type, e.message, e.param, e.code) + b"\n\n"
+                yield sse.raw_event(error_body(e.status, e.type, e.message, e.param, e.code))
                 return
             except ClientTooSlow:  # its requests are aborted already; the client is not reading
                 self.outcome = "slow_client"
@@ -214,9 +211,9 @@ class CompletionContext:
                 return
             if self.req.wants_usage():
                 yield self._chunk([], usage=self._usage())
-            yield b"data: [DONE]\n\n"
-            if self.on_done is not None and self.tools is None:  # streamed calls' final message is not kept
-                self.on_done(self._final_body())
+            yield sse.DONE
+            if self.on_done is not None and self.shape.final_body_of_stream:
+                self.on_done(self._result())
         except (asyncio.CancelledError, GeneratorExit):
             self.abort(self.streams)
             if self.outcome == "ok":
@@ -226,103 +223,20 @@ class CompletionContext:
             self._finish_log()
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
+        body: dict[str, Any] = {"id": self.id, "object": self.shape.chunk_object, "created": self.created,
                                 "model": self.model_name, "system_fingerprint": self.model.fingerprint,
                                 "choices": choices}
         if usage is not None:
             body["usage"] = usage
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        return sse.event(body)
 
-    def _delta_choice(self, idx: int, d: StreamDelta) -> dict:
-        lp = None
-        if d.logprobs is not None:
-            lp = self._logprobs(d.token_ids, d.logprobs, offset=self._streamed_chars.get(idx, 0))
-            if "tokens" in lp:
-                self._streamed_chars[idx] = self._streamed_chars.get(idx, 0) + sum(len(t) for t in lp["tokens"])
-        if self.kind == "chat" and self.tools is not None:
-            calls = self._choice_calls(idx)
-            delta, has_calls = calls.delta(d.text, final=d.finish_reason is not None)
-            return {"index": idx, "delta": delta, "logprobs": lp,
-                    "finish_reason": calls.finish_reason(d.finish_reason, has_calls)}
-        if self.kind == "chat":
-            delta = {"content": d.text} if d.text or not d.finish_reason else {}
-            return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        return {"index": idx, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-
-    def _final_body(self) -> dict:
-        choices = []
-        for i, s in enumerate(self.streams):
-            for c in s.output.outputs:
-                idx = i * self.req.n + c.index
-                lp = None if c.logprobs is None else self._logprobs(c.token_ids, c.logprobs)
-                if self.kind == "chat":
-                    message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
-                    if self.tools is not None:
-                        calls = self._choice_calls(idx)
-                        message = calls.message(c.text)
-                        finish = calls.finish_reason(finish, "tool_calls" in message or "function_call" in message)
-                    # OpenAI's message always has a refusal; this server never refuses
-                    choices.append({"index": idx, "message": message | {"refusal": None}, "logprobs": lp,
-                                    "finish_reason": finish})
-                elif self.echo is not None:
-                    choices.append(self._echoed(i, s.output, c, idx))
-                else:
-                    choices.append({"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-        obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
-                "system_fingerprint": self.model.fingerprint, "choices": choices, "usage": self._usage()}
-
-    def _logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
-        """The OpenAI logprobs of `token_ids`: chat's `content` (each token's bytes as it stands
-        for them, a piece of a character included), or the completions API's lists, where each
-        token's `top_logprobs` holds the sampled token besides the top k and `text_offset` counts
-        characters from `offset`, the choice's text before these tokens."""
-        tokenizer = self.engine.tokenizer
-        if self.kind == "chat":
-            content = []
-            for tid, entry in zip(token_ids, entries):
-                text = tokenizer.token_text(tid, skip_special_tokens=False)
-                top = [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list(tokenizer.token_bytes(t))}
-                       for t, e in sorted(entry.items(), key=lambda kv: -kv[1].logprob)
-                       if e.logprob > MASKED][: self._num_top()]
-                content.append({"token": text, "logprob": entry[tid].logprob, "bytes": list(tokenizer.token_bytes(tid)),
-                                "top_logprobs": top})
-            return {"content": content}
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, entries):
-            text = tokenizer.token_text(tid, skip_special_tokens=False)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-            sampled = entry[tid]
-            token_logprobs.append(sampled.logprob)
-            best = [e for e in sorted(entry.values(), key=lambda e: -e.logprob) if e.logprob > MASKED][: self._num_top()]
-            tops.append({e.decoded_token: e.logprob for e in best} | {sampled.decoded_token: sampled.logprob})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def _echoed(self, i: int, output, c, idx: int) -> dict:
-        """A completion choice with prompt i before it: text, and logprobs (the prompt's first token
-        has none) when asked."""
-        tokens = [] if self.echo_only else c.token_ids
-        text = self.echo[i] + ("" if self.echo_only else c.text)
-        lp = None
-        if self.req.logprobs is not None:
-            prompt = self.prompts[i]
-            first = self.engine.tokenizer.decode(prompt[:1], skip_special_tokens=False)
-            head = self._logprobs(prompt[1:], output.prompt_logprobs[1:], offset=len(first))
-            lp = {"tokens": [first, *head["tokens"]], "token_logprobs": [None, *head["token_logprobs"]],
-                  "top_logprobs": [None, *head["top_logprobs"]], "text_offset": [0, *head["text_offset"]]}
-            if tokens:
-                tail = self._logprobs(tokens, c.logprobs, offset=sum(len(t) for t in lp["tokens"]))
-                lp = {k: lp[k] + tail[k] for k in lp}
-        finish = "length" if self.echo_only else c.finish_reason
-        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
-
-    def _num_top(self) -> int:
-        if self.kind == "chat":
-            return self.req.top_logprobs or 0
-        return self.req.logprobs or 0
+    def _result(self) -> CompletionResult:
+        choices = [self.shape.choice(i, s.output, c, i * self.req.n + c.index)
+                   for i, s in enumerate(self.streams) for c in s.output.outputs]
+        usage = self._usage()
+        body = {"id": self.id, "object": self.shape.object, "created": self.created, "model": self.model_name,
+                "system_fingerprint": self.model.fingerprint, "choices": choices, "usage": usage}
+        return CompletionResult(body, usage["prompt_tokens"], usage["completion_tokens"])
 
     def _usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import numpy as np
-import orjson
 from starlette.responses import Response
 
-from pyserve.model_choice.classifier import RouteClassifier
 from pyserve.http.responses import json_response
+from pyserve.model_choice.classifier import RouteClassifier
+from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
-from pyserve.server.streaming import replayed
+from pyserve.server.replay import replayed
 
 MODEL_HEADER = "x-pyserve-model"
 
@@ -70,8 +70,9 @@ def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str 
                              f"this server's embedding model is {encoder_name!r}")
 
 
-def confidence(body: dict) -> float:
-    """The mean logprob of the first line of the first choice's answer (chat or text completion):
+def confidence(tokens: list[tuple[str, float | None]]) -> float:
+    """The mean logprob of the first line of an answer's (token text, logprob) pairs
+    (CompletionResult.scored_tokens; from a response body, completion_result.choice_tokens):
     its tokens up to the first one that ends a line after some text, or all of them; -inf
     without logprobs. The first line is what a completion is asked for and where a chat answer
     commits to its content; past it a model may write on to max_tokens, and those tokens'
@@ -79,11 +80,6 @@ def confidence(body: dict) -> float:
     small model's confidence told nothing of where the large one did better). A completion
     that echoes its prompt carries the prompt's tokens first, so there the first line read is
     the prompt's: a loglikelihood request is kept or escalated by how likely its opening is."""
-    lp = body["choices"][0].get("logprobs") or {}
-    if "content" in lp:
-        tokens = [(t["token"], t["logprob"]) for t in lp["content"] or []]
-    else:
-        tokens = list(zip(lp.get("tokens") or [], lp.get("token_logprobs") or []))
     values, text_seen = [], False
     for token, value in tokens:
         if value is not None:
@@ -96,35 +92,32 @@ def confidence(body: dict) -> float:
 
 
 async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callable[[], str], embed,
-                        run: Callable[[ServedModel, object], Awaitable[Response]], metrics,
+                        answer: Callable[[ServedModel, object], Awaitable[Response]],
+                        result: Callable[[ServedModel, object], Awaitable[CompletionResult | None]], metrics,
                         stream_timeout: float) -> Response:
     """Serves `req` (a validated chat or completion request naming `route`) by the route's rule.
-    `text()`: the request's text for the route's classifier; `embed(text)`: its vector; `run(model, req)`:
-    the endpoint's own serving of a request on one model."""
+    `text()`: the request's text for the route's classifier; `embed(text)`: its vector;
+    `answer(model, req)`: the endpoint's own response to a request served on one model;
+    `result(model, req)`: that request's finished result instead (None: the client left)."""
     small, large = models.get(route.small), models.get(route.large)
     if route.classifier is not None:
         chosen = route.classifier.choose(await embed(text()))
         metrics.route_requests.inc(route=route.name, model=chosen)
-        return _named(await run(models.get(chosen), req.model_copy(update={"model": chosen})), chosen)
-    asked_logprobs = _asked_logprobs(req)
-    first = await run(small, _with_logprobs(req.model_copy(update={"model": small.name, "stream": False})))
-    if first.status_code != 200:
-        return _named(first, small.name)
-    body = orjson.loads(first.body)
-    escalate = confidence(body) < route.min_logprob
+        return _named(await answer(models.get(chosen), req.model_copy(update={"model": chosen})), chosen)
+    first = await result(small, req.model_copy(update={"model": small.name, "stream": False}).with_logprobs())
+    if first is None:
+        return _named(Response(status_code=499), small.name)
+    escalate = confidence(first.scored_tokens) < route.min_logprob
     metrics.route_requests.inc(route=route.name, model=large.name if escalate else small.name)
     if escalate:
         metrics.cascade_escalations.inc(route=route.name)
-        response = await run(large, req.model_copy(update={"model": large.name}))
+        response = await answer(large, req.model_copy(update={"model": large.name}))
         response.headers["x-pyserve-escalated"] = "yes"
         # The body's usage is the large model's; what the small one spent on its refused answer:
-        usage = body.get("usage") or {}
-        response.headers["x-pyserve-small-prompt-tokens"] = str(usage.get("prompt_tokens", 0))
-        response.headers["x-pyserve-small-completion-tokens"] = str(usage.get("completion_tokens", 0))
+        response.headers["x-pyserve-small-prompt-tokens"] = str(first.prompt_tokens)
+        response.headers["x-pyserve-small-completion-tokens"] = str(first.completion_tokens)
         return _named(response, large.name)
-    if not asked_logprobs:
-        for c in body["choices"]:
-            c["logprobs"] = None
+    body = first.body if req.num_logprobs() is not None else first.without_logprobs()
     headers = {MODEL_HEADER: small.name, "x-pyserve-escalated": "no"}
     if req.stream:
         return replayed(body, req.wants_usage(), stream_timeout, headers)
@@ -134,14 +127,3 @@ async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callabl
 def _named(response: Response, model: str) -> Response:
     response.headers[MODEL_HEADER] = model
     return response
-
-
-def _asked_logprobs(req) -> bool:
-    chat = hasattr(req, "messages")
-    return bool(req.logprobs) if chat else req.logprobs is not None
-
-
-def _with_logprobs(req):
-    if _asked_logprobs(req):
-        return req
-    return req.model_copy(update={"logprobs": True} if hasattr(req, "messages") else {"logprobs": 0})

@@ -1,7 +1,8 @@
 """The OpenAI endpoints: /v1/chat/completions and /v1/completions, streaming (SSE) or not.
 
 A request is validated, templated and tokenized, checked against the model length, then queued
-as one engine request per prompt; a CompletionContext serves it from there (SSE or one body).
+as one engine request per prompt; a CompletionContext serves it from there (SSE or one body),
+building its chunks and body as its endpoint reads (ChatBody, TextBody).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pyserve.step.sampling_params import SamplingParams
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.model_choice.classifier import routed_text
+from pyserve.http import sse
 from pyserve.http.responses import json_body, json_response
 from pyserve.server.body import check_token_ids, validate
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
+from pyserve.server.chat_body import ChatBody
 from pyserve.server.completion_context import CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.http.errors import BadRequest, NotFound, TooManyRequests, Unavailable
@@ -29,10 +32,11 @@ from pyserve.server.decision import serve_decided
 from pyserve.server.models import RouteSpec, ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
-from pyserve.server.tool_calls import ToolPlan, plan_tools
+from pyserve.server.tool_calls import plan_tools
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.tools.formats import FORMATS, ToolFormat, detect
-from pyserve.server.streaming import TimedStreamingResponse, replayed
+from pyserve.server.replay import replayed
+from pyserve.server.text_body import TextBody
 
 
 async def chat_completions(request: Request) -> Response:
@@ -51,7 +55,14 @@ async def chat_completions(request: Request) -> Response:
             state.metrics.cache_lookup.observe(found.seconds)
             if found.entry is not None:
                 return _cache_hit(state, req, model, found.entry)
-    return await _chat_on(request, state, model, lora, req, cache_plan)
+    return await _answer(request, state, await _chat_on(request, state, model, lora, req, cache_plan))
+
+
+async def _answer(request: Request, state: ServerState, ctx: CompletionContext) -> Response:
+    """A started request's response: its SSE stream, or its body once it finished."""
+    if ctx.req.stream:
+        return sse.TimedStreamingResponse(ctx.sse(), state.settings.stream_timeout, ctx.slow_client, ctx.headers())
+    return await ctx.respond(request)
 
 
 async def _decided(request: Request, state: ServerState, route: RouteSpec, req: SamplingFields, text: str,
@@ -60,13 +71,18 @@ async def _decided(request: Request, state: ServerState, route: RouteSpec, req: 
     async def embed(t: str):
         return (await asyncio.to_thread(embed_texts, state.encoder, [t]))[0]
 
-    return await serve_decided(route, state.models, req, lambda: text, embed,
-                               lambda model, r: serve_on(request, state, model, None, r), state.metrics,
+    async def answer_on(model: ServedModel, r: SamplingFields) -> Response:
+        return await _answer(request, state, await serve_on(request, state, model, None, r))
+
+    async def result_on(model: ServedModel, r: SamplingFields):
+        return await (await serve_on(request, state, model, None, r)).result(request)
+
+    return await serve_decided(route, state.models, req, lambda: text, embed, answer_on, result_on, state.metrics,
                                state.settings.stream_timeout)
 
 
 async def _chat_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
-                   req: ChatCompletionRequest, cache_plan: CachePlan | None = None) -> Response:
+                   req: ChatCompletionRequest, cache_plan: CachePlan | None = None) -> CompletionContext:
     tok = model.engine.tokenizer
     settings = state.settings
     param = "messages" if req.chat_template is None else "chat_template"
@@ -84,8 +100,9 @@ async def _chat_on(request: Request, state: ServerState, model: ServedModel, lor
                          param=param) from e
     prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(request, state, model, "chat", req, [prompt], max_tokens, req.num_logprobs(), lora, plan,
-                        cache_plan=cache_plan)
+    shape = ChatBody(tok, req.top_logprobs or 0, plan)
+    return await _serve(state, model, shape, req, [prompt], max_tokens, req.num_logprobs(), lora,
+                        plan.constraint, plan.field, cache_plan=cache_plan)
 
 
 def _cache_hit(state: ServerState, req: ChatCompletionRequest, model: ServedModel, entry) -> Response:
@@ -118,11 +135,11 @@ async def completions(request: Request) -> Response:
             state.models.get(route.large).engine.tokenizer.decode(prompts[0], skip_special_tokens=False)
         return await _decided(request, state, route, req, text, _completion_on)
     model, lora = state.models.resolve(req.model)
-    return await _completion_on(request, state, model, lora, req)
+    return await _answer(request, state, await _completion_on(request, state, model, lora, req))
 
 
 async def _completion_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
-                         req: CompletionRequest) -> Response:
+                         req: CompletionRequest) -> CompletionContext:
     tok = model.engine.tokenizer
     vocab = model.engine.vocab_size
     prompts = []
@@ -137,7 +154,9 @@ async def _completion_on(request: Request, state: ServerState, model: ServedMode
     echo = None
     if req.echo:  # the prompts as given (token ids: decoded)
         echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts()]
-    return await _serve(request, state, model, "text", req, prompts, req.max_tokens, req.logprobs, lora, echo=echo)
+    echo_only = echo is not None and req.max_tokens == 0
+    shape = TextBody(tok, req.logprobs or 0, prompts, echo, echo_only)
+    return await _serve(state, model, shape, req, prompts, req.max_tokens, req.logprobs, lora, echo=echo is not None)
 
 
 def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -192,21 +211,23 @@ def _field_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-async def _serve(request: Request, state: ServerState, model: ServedModel, kind: str, req: SamplingFields,
+async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextBody, req: SamplingFields,
                  prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
-                 tools: ToolPlan | None = None, echo: list[str] | None = None,
-                 cache_plan: CachePlan | None = None) -> Response:
-    """`echo`: the prompts' texts, to put before each completion (with logprobs: the prompts'
-    logprobs too; max_tokens 0: nothing generated is returned)."""
+                 tools_constraint: StructuredOutputsParams | None = None, tools_field: str | None = None,
+                 echo: bool = False, cache_plan: CachePlan | None = None) -> CompletionContext:
+    """Queues the request's engine requests; returns its context, which answers it.
+    `tools_constraint`: the output the tools force (`tools_field` names where they are);
+    `echo`: the prompts go before each completion (with logprobs: the prompts' logprobs too;
+    max_tokens 0: nothing generated is returned)."""
     engine = model.engine
     constraint, constraint_field = _constraint(req)
-    if tools is not None and tools.constraint is not None:
+    if tools_constraint is not None:
         if constraint is not None:
             raise BadRequest(f"{constraint_field}: the tools already constrain the output (tool_choice "
                              "required or a named function, or a strict function under auto)",
                              param=constraint_field)
-        constraint, constraint_field = tools.constraint, tools.field
-    prompt_logprobs = logprobs if echo is not None else None
+        constraint, constraint_field = tools_constraint, tools_field
+    prompt_logprobs = logprobs if echo else None
     engine_max = 1 if max_tokens == 0 else max_tokens  # echo of the prompt alone: one token, not returned
     params = [_params(req, len(p), engine_max, logprobs, engine.max_model_len, engine.vocab_size, constraint,
                       prompt_logprobs) for p in prompts]
@@ -222,12 +243,14 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
     if lora is not None and model.loras.get(lora.lora_name) is not lora:
         # Unloaded while the request was being prepared (its template rendered): as if it came after.
         raise NotFound(f"model: the adapter {lora.lora_name!r} was unloaded", param="model", code="model_not_found")
-    base_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    ctx = CompletionContext(kind, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
-                            tools, echo, echo_only=echo is not None and max_tokens == 0)
+    chat = isinstance(shape, ChatBody)
+    base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    cache_status = on_done = None
     if cache_plan is not None:
-        ctx.cache_status = "miss" if cache_plan.read else "bypass"
-        ctx.on_done = lambda body: state.cache.save(cache_plan, body)
+        cache_status = "miss" if cache_plan.read else "bypass"
+        on_done = lambda result: state.cache.save(cache_plan, result)  # noqa: E731
+    ctx = CompletionContext(shape, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
+                            echo_only=echo and max_tokens == 0, cache_status=cache_status, on_done=on_done)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -242,7 +265,7 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
         ctx.abort(streams)
         ctx.release_lora()
         field = getattr(e, "field", None)  # RequestRefused: the scheduler's field name
-        prompt_param = "messages" if kind == "chat" else "prompt"
+        prompt_param = "messages" if chat else "prompt"
         raise BadRequest(str(e), param=prompt_param if field == "prompt_token_ids" else field) from e
     except EngineDeadError as e:
         ctx.release_lora()
@@ -255,8 +278,4 @@ async def _serve(request: Request, state: ServerState, model: ServedModel, kind:
             engine.abort_nowait(f"{base_id}-{i}")
         raise
     ctx.streams = streams
-    if req.stream:
-        return TimedStreamingResponse(ctx.sse(), state.settings.stream_timeout, ctx.slow_client,
-                                      media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ctx.headers()})
-    return await ctx.respond(request)
+    return ctx

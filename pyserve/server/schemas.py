@@ -323,9 +323,14 @@ class ChatCompletionRequest(SamplingFields):
                                  f"with id {m.tool_call_id!r}", param=f"messages.{i}.tool_call_id")
 
     def num_logprobs(self) -> int | None:
+        """The alternatives per token the response lists; None: no logprobs."""
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def with_logprobs(self) -> ChatCompletionRequest:
+        """This request, its tokens' logprobs asked for (a cascade reads the small answer's)."""
+        return self if self.logprobs else self.model_copy(update={"logprobs": True})
 
 
 class CompletionRequest(SamplingFields):
@@ -344,6 +349,14 @@ class CompletionRequest(SamplingFields):
         if v is not None and v != info.data.get("n", 1):
             raise ValueError("only best_of equal to n is supported (every sample is returned)")
         return v
+
+    def num_logprobs(self) -> int | None:
+        """The alternatives per token the response lists; None: no logprobs."""
+        return self.logprobs
+
+    def with_logprobs(self) -> CompletionRequest:
+        """This request, its tokens' logprobs asked for (a cascade reads the small answer's)."""
+        return self if self.logprobs is not None else self.model_copy(update={"logprobs": 0})
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

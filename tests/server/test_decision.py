@@ -11,6 +11,7 @@ import pytest
 from pyserve.embeddings.encoder import embed_texts
 from pyserve.embeddings.packaged import NAME as ENCODER, PackagedEncoder
 from pyserve.model_choice.classifier import RouteClassifier
+from pyserve.server.completion_result import choice_tokens
 from pyserve.server.decision import confidence
 from pyserve.testing import parse_metrics
 from pyserve.testing.in_process import serving_models
@@ -108,10 +109,10 @@ def _text_body(tokens: list[str], logprobs: list[float | None]) -> dict:
     ([], [], float("-inf")),
 ])
 def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line(tokens, logprobs, want):
-    assert confidence(_text_body(tokens, logprobs)) == want
+    assert confidence(choice_tokens(_text_body(tokens, logprobs)["choices"][0])) == want
     chat = {"choices": [{"message": {}, "logprobs": {"content": [{"token": t, "logprob": v}
                                                                for t, v in zip(tokens, logprobs)]}}]}
-    assert confidence(chat) == want
+    assert confidence(choice_tokens(chat["choices"][0])) == want
 
 
 @pytest.mark.parametrize("settings, message", [
