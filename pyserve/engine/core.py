@@ -78,10 +78,11 @@ class EngineCore(Actor):
             if idle:  # an empty step reports the requests that just ended: their state is freed now
                 await self.step()
                 self._publish_all()
-            await self._drain_inbox(block=idle)
+            drained = await self._drain_inbox(block=idle)
             if idle:  # work arrived: the no-progress clock starts now
                 self.last_progress = time.monotonic()
-            self._publish_all()
+            if drained:
+                self._publish_all()
             await self.step()
             self._publish_all()
 
@@ -175,11 +176,15 @@ class EngineCore(Actor):
                 drop(req)
         return req
 
-    async def _drain_inbox(self, block: bool) -> None:
+    async def _drain_inbox(self, block: bool) -> bool:
+        """Handles the messages waiting (with `block`, at least one); whether there were any."""
+        drained = block
         if block:
             self._handle(await self.receive())
         while (msg := self.receive_nowait()) is not None:
             self._handle(msg)
+            drained = True
+        return drained
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Add):
