@@ -41,7 +41,7 @@ class EngineConfig:
         "(weights only, a scale and zero point per group of inputs), fp8 (e4m3 weights, one scale per output "
         "channel; CUDA compute capability 8.9+) or w8a8 (int8's weights and int8 activations, a scale per "
         "row; CPUs with VNNI: for batches, where int8's f32 arithmetic is the limit)", type=str)
-    quantization_group_size: int = option(64, "int4: inputs per group of a scale and a zero point (32, 64 or 128)")
+    quantization_group_size: int = option(32, "int4: inputs per group of a scale and an offset (32, 64 or 128)")
     gguf_dequantize: bool = option(
         False, "GGUF: widen the file's quantized weights to the serving dtype once at load, instead of serving its "
         "4- and 8-bit blocks on the int4 and int8 paths")

@@ -19,8 +19,7 @@ layer at load, model/prequantized reads a quantized checkpoint's.
 
 int8: q = round(w / s) clamped to [-127, 127] with s = max |w| / 127 per output row; the layer
 computes (x q^T) * s + bias, i.e. x (q * s)^T + bias. int4: per row and group, s = (max - min) /
-15, zero z = round(-min / s) in [0, 15], q = round(w / s) + z clamped to [0, 15], w ~ (q - z) * s;
-the layer keeps and computes with q * s + offset, offset = -z * s (`_core.linear_q4`; on a CPU,
+15, offset = min, q = round((w - min) / s) in [0, 15], w ~ q * s + offset (`_core.linear_q4`; on a CPU,
 groups of 32 or more multiply the nibbles with x quantized to int16 per block of 32 inputs, the
 offsets with x itself: pyserve.testing.quantized_reference.Int4Reference is that arithmetic in
 torch). `dequantized()` is what a layer multiplies by, in both cases.
@@ -75,18 +74,20 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K / 2], scales f32 [N, K / g], zeros uint8 [N, K / g]) of a [N, K]
-    weight: asymmetric 4-bit in groups of g inputs; weight 2j in the low nibble of byte j."""
+    """(packed uint8 [N, K / 2], scales f32 [N, K / g], offsets f32 [N, K / g]) of a [N, K]
+    weight: asymmetric 4-bit in groups of g inputs, w ~ q * scale + offset with the group's
+    smallest weight as its offset (llama.cpp's Q4_1 rule: no weight is off by more than half a
+    step; an integer zero point would move every weight of the group by up to half a step
+    more); weight 2j in the low nibble of byte j."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"quantization_group_size: {group_size} does not divide a layer's {k} inputs")
     w = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=2).clamp(max=0.0), w.amax(dim=2).clamp(min=0.0)  # 0 stays exact
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
     scales = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
-    zeros = torch.round(-lo / scales).clamp_(0, 15)
-    q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-    return packed, scales.contiguous(), zeros.to(torch.uint8).contiguous()
+    return packed, scales.contiguous(), lo.contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -117,8 +118,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
-        packed, scales, zeros = quantize_int4(linear.weight, group_size)
-        return cls(packed, scales, -zeros.float() * scales, group_size, linear.bias)
+        return cls(*quantize_int4(linear.weight, group_size), group_size, linear.bias)
 
     @property
     def weight_bytes(self) -> int:

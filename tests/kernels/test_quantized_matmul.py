@@ -45,8 +45,7 @@ def test_w8a16_matches_the_dequantized_weight(m, k, n, bias, dtype, quantize):
                                                   (16, 128, 64, 128, False), (2, 96, 24, 32, True)])
 def test_w4a16_matches_the_dequantized_weight(m, k, n, group, bias, dtype):
     g = torch.Generator().manual_seed(k + m)
-    packed, scales, zeros = quantize_int4(torch.randn(n, k, generator=g), group)
-    offsets = -zeros.float() * scales
+    packed, scales, offsets = quantize_int4(torch.randn(n, k, generator=g), group)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     q = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(n, k).double()

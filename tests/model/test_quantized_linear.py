@@ -35,12 +35,15 @@ def test_quantize_int8_is_symmetric_per_output_channel():
 def test_quantize_int4_is_asymmetric_per_group_and_packs_two_a_byte():
     torch.manual_seed(1)
     w = torch.randn(5, 128) + torch.linspace(-2, 2, 128)
-    packed, scales, zeros = quantize_int4(w, 32)
-    assert packed.shape == (5, 64) and scales.shape == zeros.shape == (5, 4)
-    q = unpack_int4(packed)
-    assert int(q.max()) <= 15 and (q.reshape(5, 4, 32).amax(dim=2) == 15).any()
-    dq = ((q.float().reshape(5, 4, 32) - zeros.float()[..., None]) * scales[..., None]).reshape(5, 128)
+    packed, scales, offsets = quantize_int4(w, 32)
+    assert packed.shape == (5, 64) and scales.shape == offsets.shape == (5, 4)
+    q = unpack_int4(packed).reshape(5, 4, 32)
+    # every group spans its range: its smallest weight is the offset (q 0), its largest q 15
+    assert (q.amin(dim=2) == 0).all() and (q.amax(dim=2) == 15).all()
+    assert torch.equal(offsets, w.reshape(5, 4, 32).amin(dim=2))
+    dq = (q.float() * scales[..., None] + offsets[..., None]).reshape(5, 128)
     assert ((dq - w).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+    q = q.reshape(5, 128)
     assert torch.equal(packed[0, 0] & 0xF, q[0, 0].to(torch.uint8)) and torch.equal(packed[0, 0] >> 4, q[0, 1])
     with pytest.raises(ValueError, match="quantization_group_size"):
         quantize_int4(torch.randn(4, 96), 64)
