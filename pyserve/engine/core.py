@@ -5,9 +5,11 @@ fitted to the measured seconds of the worker's steps), run the model worker, `up
 scheduler with the sampled tokens, and send the step's output, as `update` returned it, to the
 OutputProcessor. The step's optional parts (grammar, prompt logprobs, speculation, LoRA,
 penalties) are participants (engine/participants) called at fixed points of it: they hand back
-data (masks, failures, drafts), and only this actor calls the scheduler. The worker's forwards run inline, so this actor's loop serves nothing that must
-answer meanwhile: the server gives it a thread of its own (see AsyncEngine). The scheduler holds every request's tokens; this actor keeps only what the
-scheduler does not know (sampling parameters, samples waiting to fork). It never touches tensors.
+data (masks, failures, drafts), and only this actor calls the scheduler. The worker's forwards
+run inline, so this actor's loop serves nothing that must answer meanwhile: the server gives it
+a thread of its own (see AsyncEngine). The scheduler holds every request's tokens; this actor
+keeps only what the scheduler does not know (sampling parameters, samples waiting to fork). It
+never touches tensors.
 """
 
 from __future__ import annotations
