@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters the lines may name as their model (NAME=PATH, or an embedded adapter's name)")
     b.set_defaults(func=batch)
     e = sub.add_parser("eval", help="run an eval set through serving configurations: quality, cost, latency")
-    e.add_argument("--data", required=True, help="the eval set (JSON Lines; see pyserve.eval.items)")
+    e.add_argument("--data", required=True,
+                   help="the eval set (JSON Lines; see pyserve.eval.items), or a built-in set: humaneval")
     e.add_argument("--configs", required=True, help="CONFIGS.yaml (see pyserve.eval.configs)")
     e.add_argument("--out", default="eval-out", help="folder for eval.json, eval.csv, eval.png and server logs")
     e.add_argument("--repeats", type=int, default=1, help="rounds, the configurations taking turns")
@@ -328,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=run_eval)
     r = sub.add_parser("route-train", help="train a router between two models from an eval that scored both")
     r.add_argument("--eval", required=True, help="eval.json of a pyserve eval run with both configurations")
-    r.add_argument("--data", required=True, help="the eval set that run used (the items' prompts)")
+    r.add_argument("--data", required=True, help="the eval set that run used (the items' prompts; or humaneval)")
     r.add_argument("--small", required=True, help="the small model's configuration name in eval.json")
     r.add_argument("--large", required=True, help="the large model's configuration name in eval.json")
     r.add_argument("--small-model", default=None, help="its served name (default: the configuration's name)")
@@ -344,12 +345,12 @@ def route_train(args: argparse.Namespace) -> None:
     import json
 
     from pyserve.embeddings.load import load_encoder
-    from pyserve.eval.items import EvalSetError, load_eval_set
+    from pyserve.eval.items import EvalSetError, load_eval_data
     from pyserve.model_choice.classifier import routed_text
     from pyserve.model_choice.train import eval_scores, train_classifier
 
     try:
-        items = load_eval_set(args.data)
+        items = load_eval_data(args.data)
         small, large = eval_scores(args.eval, args.small), eval_scores(args.eval, args.large)
         encoder = load_encoder(args.embedding_model)
         if encoder is None:
@@ -369,10 +370,10 @@ def route_train(args: argparse.Namespace) -> None:
 def run_eval(args: argparse.Namespace) -> None:
     from pyserve.eval.configs import ConfigsError, load_plan
     from pyserve.eval.harness import machine, run_plan, table, write_report
-    from pyserve.eval.items import EvalSetError, load_eval_set
+    from pyserve.eval.items import EvalSetError, load_eval_data
 
     try:  # both checked before anything runs
-        items = load_eval_set(args.data)
+        items = load_eval_data(args.data)
         plan = load_plan(args.configs)
     except (EvalSetError, ConfigsError, OSError) as e:
         sys.exit(f"pyserve eval: {e}")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pyserve.eval.configs import EvalConfig, EvalPlan
 from pyserve.eval.runner import Client, ItemResult, percentile, run_items
-from pyserve.eval.stats import bootstrap_ci, dollars_per_million_tokens, pareto_frontier, quality_per_dollar_second
+from pyserve.eval.stats import dollars_per_million_tokens, mean_ci, pareto_frontier, quality_per_dollar_second
 
 COLUMNS = ("name", "status", "quality", "ci_low", "ci_high", "perplexity", "dollars_per_mtok", "ttft_p50_ms",
            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s", "output_tok_s", "quality_per_dollar_second",
@@ -75,7 +75,7 @@ def summarize(name: str, rounds: list[tuple[list[ItemResult], float]], price_per
     values = [statistics.fmean(s.score.value for s in results) for results in per_item
               if results[0].score.value is not None]
     if values:
-        rep.quality, rep.ci_low, rep.ci_high = bootstrap_ci(values)
+        rep.quality, rep.ci_low, rep.ci_high = mean_ci(values)
     first_round = rounds[0][0]  # logprobs do not change between rounds
     nll = [(r.score.nll, r.score.tokens) for r in first_round if r.score.nll is not None]
     if nll:

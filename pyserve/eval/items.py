@@ -13,11 +13,13 @@ with that scorer's fields:
                in the output is within max(tolerance, relative * |reference|) of reference
   choice       choices, answer (an index): the choice with the highest loglikelihood after the
                prompt is the answer (no generation)
-  code         tests (Python asserts), timeout_s, memory_mb, with_prompt (default false): the
-               program (the output's first ``` block, else the output; after the prompt when
-               with_prompt) passes the tests in the sandbox (code_sandbox.py)
+  code         tests (Python asserts), timeout_s, memory_mb, with_prompt (default false), preamble:
+               the program (the output's first ``` block, else the output; after the prompt when
+               with_prompt, after the preamble when given) passes the tests in the sandbox
+               (code_sandbox.py)
   perplexity   reference: its per-token loglikelihood after the prompt (no generation)
 A malformed line stops the load with an EvalSetError naming the line and the field.
+`load_eval_data` also takes the name of a built-in set: `humaneval` (eval/humaneval.py).
 """
 
 from __future__ import annotations
@@ -139,6 +141,13 @@ class CodeItem(_Item):
     timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
     memory_mb: Annotated[int, Field(ge=16, le=1 << 16)] = 512
     with_prompt: bool = False  # the program is the prompt (a completion prompt) then the output
+    preamble: str | None = None  # code the program starts with (a chat item's function stub and imports)
+
+    @model_validator(mode="after")
+    def _one_lead(self):
+        if self.with_prompt and (self.prompt is None or self.preamble is not None):
+            raise ValueError("with_prompt needs a prompt (completion) and no preamble")
+        return self
 
 
 class PerplexityItem(_Item):
@@ -189,6 +198,15 @@ def parse_item(line: str, where: str) -> EvalItem:
         field = _field(err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         raise EvalSetError(f"{where}: {field}: {message}" if field else f"{where}: {message}") from e
+
+
+def load_eval_data(spec: str) -> list[EvalItem]:
+    """A built-in set by name (`humaneval`), else the JSON Lines file at `spec`."""
+    if spec == "humaneval":
+        from pyserve.eval.humaneval import humaneval_items
+
+        return humaneval_items()
+    return load_eval_set(spec)
 
 
 def load_eval_set(path: str | Path) -> list[EvalItem]:

@@ -49,6 +49,8 @@ def score_text(item, output: str) -> Score:
         program = program_of(output)
         if item.with_prompt:
             program = item.prompt + program
+        elif item.preamble is not None:
+            program = item.preamble + program
         result = run_tests(program, item.tests, item.timeout_s, item.memory_mb)
         return Score(float(result.passed), result.reason)
     raise TypeError(f"{type(item).__name__} is not scored on generated text")

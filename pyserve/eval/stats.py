@@ -1,13 +1,34 @@
-"""The eval's statistics: a bootstrap confidence interval of a mean score, and the Pareto
-frontier of configurations (no other one is at least as good on every axis and better on one)."""
+"""The eval's statistics: a confidence interval of a mean score (Wilson's for pass/fail scores,
+whose bootstrap collapses to a point when every item passed or every item failed; a percentile
+bootstrap otherwise), and the Pareto frontier of configurations (no other one is at least as
+good on every axis and better on one)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 import numpy as np
 
 BOOTSTRAP_RESAMPLES = 2000
+Z_95 = 1.959963984540054  # the standard normal's 97.5th percentile
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high), 95%: Wilson's score interval when every value is 0 or 1 (pass@1),
+    else `bootstrap_ci`."""
+    if len(values) and all(v in (0.0, 1.0) for v in values):
+        return wilson_ci(int(sum(values)), len(values))
+    return bootstrap_ci(values)
+
+
+def wilson_ci(successes: int, n: int, z: float = Z_95) -> tuple[float, float, float]:
+    """(share, low, high): Wilson's score interval of a binomial share."""
+    p = successes / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return p, min(p, max(0.0, center - half)), max(p, min(1.0, center + half))  # rounding kept off p's wrong side
 
 
 def bootstrap_ci(values: Sequence[float], confidence: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,

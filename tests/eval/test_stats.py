@@ -1,4 +1,4 @@
-"""The bootstrap interval on a fixed sample, the Pareto frontier on a constructed table, and the
+"""The bootstrap and Wilson intervals on fixed samples, the Pareto frontier on a constructed table, and the
 cost and quality-per-dollar-second arithmetic."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from pyserve.eval.stats import bootstrap_ci, dollars_per_million_tokens, pareto_frontier, quality_per_dollar_second
+from pyserve.eval.stats import (bootstrap_ci, dollars_per_million_tokens, mean_ci, pareto_frontier,
+                                quality_per_dollar_second, wilson_ci)
 
 
 def test_bootstrap_interval_of_a_fixed_sample():
@@ -22,6 +23,15 @@ def test_bootstrap_interval_of_a_fixed_sample():
     assert narrow[2] - narrow[1] < (high - low) / 2.5
     with pytest.raises(ValueError):
         bootstrap_ci([])
+
+
+def test_pass_fail_scores_get_wilsons_interval_which_stays_open_at_all_or_nothing():
+    # Wilson's 95% interval of 8 of 8: [0.6756, 1.0]; of 0 of 4: [0.0, 0.4899]; of 30 of 40: [0.5981, 0.8581]
+    assert mean_ci([1.0] * 8) == wilson_ci(8, 8)
+    assert wilson_ci(8, 8)[0] == 1.0 and round(wilson_ci(8, 8)[1], 4) == 0.6756 and wilson_ci(8, 8)[2] == 1.0
+    assert [round(v, 4) for v in wilson_ci(0, 4)] == [0.0, 0.0, 0.4899]
+    assert [round(v, 4) for v in mean_ci([1.0] * 30 + [0.0] * 10)] == [0.75, 0.5981, 0.8581]
+    assert mean_ci([0.5, 1.0, 0.25]) == bootstrap_ci([0.5, 1.0, 0.25])  # partial credit: the bootstrap
 
 
 def test_pareto_frontier_on_a_constructed_table():
