@@ -3,7 +3,9 @@
 alone: batch 1, greedy, code prompts through the chat template, --tokens tokens each (EOS
 ignored), one request at a time. Default speculation settings (4 tokens, the adaptive depth
 on); the outputs are checked equal. Reports tok/s of both, the ratio, the drafts' acceptance
-and the depth the adaptive rule settled on. Writes bench/results/gguf_speculation.json.
+and the depth the adaptive rule settled on. `--humaneval N`: the first N HumanEval problems as
+`pyserve eval --data humaneval` asks them, instead of the three prompts below. Writes
+bench/results/gguf_speculation.json.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ PROMPTS = ["Write a Python function that merges overlapping intervals.",
            "Write a Python function that parses a duration like '1h30m' into seconds."]
 
 
-def run(target: str, tokens: int, **kwargs) -> tuple[list[list[int]], float, dict]:
-    llm = LLM(model=target, max_model_len=1024, **kwargs)
+def run(target: str, tokens: int, questions: list[str], **kwargs) -> tuple[list[list[int]], float, dict]:
+    llm = LLM(model=target, max_model_len=2048, **kwargs)
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start, outs = time.perf_counter(), []
@@ -37,16 +39,22 @@ def run(target: str, tokens: int, **kwargs) -> tuple[list[list[int]], float, dic
 def main() -> None:
     ap = harness.parser(__doc__, "gguf_speculation")
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--humaneval", type=int, default=0, metavar="N", help="the first N HumanEval problems as prompts")
     args = ap.parse_args()
+    questions = PROMPTS
+    if args.humaneval:
+        from pyserve.eval.humaneval import humaneval_items
+
+        questions = [item.messages[0]["content"] for item in humaneval_items()[: args.humaneval]]
     head = harness.header(__file__)
     harness.print_header(head)
     target, draft = str(fetch("qwen2.5-coder-1.5b-instruct")), str(fetch("qwen2.5-coder-0.5b-instruct"))
-    plain, plain_tok_s, _ = run(target, args.tokens)
-    spec, spec_tok_s, stats = run(target, args.tokens, speculative_config={"method": "draft_model", "model": draft,
+    plain, plain_tok_s, _ = run(target, args.tokens, questions)
+    spec, spec_tok_s, stats = run(target, args.tokens, questions, speculative_config={"method": "draft_model", "model": draft,
                                                                           "num_speculative_tokens": 4,
                                                                           "adaptive": True})
     accepted = stats["spec_decode_num_accepted_tokens"] / max(stats["spec_decode_num_draft_tokens"], 1)
-    report = {**head, "tokens": args.tokens, "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
+    report = {**head, "tokens": args.tokens, "prompts": f"humaneval[:{args.humaneval}]" if args.humaneval else "three", "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
               "ratio": round(spec_tok_s / plain_tok_s, 3), "same_tokens": spec == plain,
               "draft_tokens_accepted": round(accepted, 3), **stats}
     print(f"1.5B alone {plain_tok_s:.2f} tok/s; with the 0.5B drafting {spec_tok_s:.2f} ({report['ratio']:.2f}x), "
