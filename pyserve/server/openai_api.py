@@ -55,7 +55,7 @@ async def chat_completions(request: Request) -> Response:
             state.metrics.cache_lookup.observe(found.seconds)
             if found.entry is not None:
                 return _cache_hit(state, req, model, found.entry)
-    return await _answer(request, state, await _chat_on(request, state, model, lora, req, cache_plan))
+    return await _answer(request, state, await _chat_on(state, model, lora, req, cache_plan))
 
 
 async def _answer(request: Request, state: ServerState, ctx: CompletionContext) -> Response:
@@ -72,16 +72,16 @@ async def _decided(request: Request, state: ServerState, route: RouteSpec, req: 
         return (await asyncio.to_thread(embed_texts, state.encoder, [t]))[0]
 
     async def answer_on(model: ServedModel, r: SamplingFields) -> Response:
-        return await _answer(request, state, await serve_on(request, state, model, None, r))
+        return await _answer(request, state, await serve_on(state, model, None, r))
 
     async def result_on(model: ServedModel, r: SamplingFields):
-        return await (await serve_on(request, state, model, None, r)).result(request)
+        return await (await serve_on(state, model, None, r)).result(request)
 
     return await serve_decided(route, state.models, req, lambda: text, embed, answer_on, result_on, state.metrics,
                                state.settings.stream_timeout)
 
 
-async def _chat_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
+async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | None,
                    req: ChatCompletionRequest, cache_plan: CachePlan | None = None) -> CompletionContext:
     tok = model.engine.tokenizer
     settings = state.settings
@@ -135,10 +135,10 @@ async def completions(request: Request) -> Response:
             state.models.get(route.large).engine.tokenizer.decode(prompts[0], skip_special_tokens=False)
         return await _decided(request, state, route, req, text, _completion_on)
     model, lora = state.models.resolve(req.model)
-    return await _answer(request, state, await _completion_on(request, state, model, lora, req))
+    return await _answer(request, state, await _completion_on(state, model, lora, req))
 
 
-async def _completion_on(request: Request, state: ServerState, model: ServedModel, lora: LoRARequest | None,
+async def _completion_on(state: ServerState, model: ServedModel, lora: LoRARequest | None,
                          req: CompletionRequest) -> CompletionContext:
     tok = model.engine.tokenizer
     vocab = model.engine.vocab_size
