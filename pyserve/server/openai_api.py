@@ -156,7 +156,8 @@ async def _completion_on(state: ServerState, model: ServedModel, lora: LoRAReque
         echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts()]
     echo_only = echo is not None and req.max_tokens == 0
     shape = TextBody(tok, req.logprobs or 0, prompts, echo, echo_only)
-    return await _serve(state, model, shape, req, prompts, req.max_tokens, req.logprobs, lora, echo=echo is not None)
+    return await _serve(state, model, shape, req, prompts, req.max_tokens, req.logprobs, lora, echo=echo is not None,
+                        echo_only=echo_only)
 
 
 def _constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -214,11 +215,12 @@ def _field_of(message: str) -> str | None:
 async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextBody, req: SamplingFields,
                  prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
                  tools_constraint: StructuredOutputsParams | None = None, tools_field: str | None = None,
-                 echo: bool = False, cache_plan: CachePlan | None = None) -> CompletionContext:
+                 echo: bool = False, echo_only: bool = False,
+                 cache_plan: CachePlan | None = None) -> CompletionContext:
     """Queues the request's engine requests; returns its context, which answers it.
     `tools_constraint`: the output the tools force (`tools_field` names where they are);
-    `echo`: the prompts go before each completion (with logprobs: the prompts' logprobs too;
-    max_tokens 0: nothing generated is returned)."""
+    `echo`: the prompts go before each completion (with logprobs: the prompts' logprobs too);
+    `echo_only` (max_tokens 0): nothing generated is returned."""
     engine = model.engine
     constraint, constraint_field = _constraint(req)
     if tools_constraint is not None:
@@ -250,7 +252,7 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
         cache_status = "miss" if cache_plan.read else "bypass"
         on_done = lambda result: state.cache.save(cache_plan, result)  # noqa: E731
     ctx = CompletionContext(shape, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
-                            echo_only=echo and max_tokens == 0, cache_status=cache_status, on_done=on_done)
+                            echo_only=echo_only, cache_status=cache_status, on_done=on_done)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
