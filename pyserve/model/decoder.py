@@ -71,8 +71,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`fused`: x is a few fp32 CPU rows and the model uses the CPU kernels (CausalLM.use_cpu_ops)."""
         n, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and not self.qk_norm:  # q and k side by side: one rotation
-            qkv = self.qkv_proj(x)
+        if not self.qk_norm and (self.qkv_proj is not None or fused):  # q and k side by side: one rotation
+            # unfused parts (of different kinds, or under LoRA) side by side, as the layer kernel runs them
+            qkv = self.qkv_proj(x) if self.qkv_proj is not None else \
+                torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)
             if fused:  # in place, in one call
                 cpu_ops.rotary_(qkv, h + hkv, d, rope)
                 q, k = qkv[:, : h * d].view(n, h, d), qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
@@ -109,8 +111,10 @@ class MLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if self.gate_up_proj is not None and fused:
-            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
+        if fused:
+            gate_up = self.gate_up_proj(x) if self.gate_up_proj is not None else \
+                torch.cat([self.gate_proj(x), self.up_proj(x)], dim=1)
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -126,6 +130,16 @@ def kernel_projection(p: nn.Module | None) -> tuple | None:
     if isinstance(p, QUANTIZED) and p.cpu:
         return p.kernel_weights()
     return None
+
+
+def _joined_projection(module: nn.Module, fused: str, parts: tuple[str, ...]) -> tuple | list | None:
+    """The kernel view of `module`'s fused projection, or where its parts did not fuse (stored in
+    different kinds, as a GGUF file's Q4_K q and k beside its Q6_K v) the list of theirs, which
+    the kernels run side by side; None where one has no CPU kernel."""
+    if getattr(module, fused) is not None:
+        return kernel_projection(getattr(module, fused))
+    views = [kernel_projection(getattr(module, name)) for name in parts]
+    return None if any(v is None for v in views) else views
 
 
 def _concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
@@ -159,7 +173,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if attn.qk_norm:
             return False
-        weights = [kernel_projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        weights = [_joined_projection(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), kernel_projection(attn.o_proj),
+                   _joined_projection(mlp, "gate_up_proj", ("gate_proj", "up_proj")),
+                   kernel_projection(mlp.down_proj)]
         if any(w is None for w in weights):
             return False
         qkv, o, gate_up, down = weights

@@ -23,10 +23,11 @@ def _permute(w, heads: int):
 
 
 def gguf_from_hf(model_dir: Path, out: Path, projections: str = "F32", embedding: str = "F32",
-                 arch: str | None = None) -> Path:
+                 arch: str | None = None, by_role: dict[str, str] | None = None) -> Path:
     """Writes `model_dir` as the GGUF file `out`: its projections in `projections` (F32, F16,
-    Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, ...) and its embedding in `embedding`; `arch` overrides the
-    GGUF architecture (to write one pyserve refuses)."""
+    Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, ...) but those of the roles in `by_role` ("attn_v": "Q8_0", as
+    llama.cpp's mixes store some), and its embedding in `embedding`; `arch` overrides the GGUF
+    architecture (to write one pyserve refuses)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
@@ -64,6 +65,8 @@ def gguf_from_hf(model_dir: Path, out: Path, projections: str = "F32", embedding
             module = ".".join(parts[3:-1])
             target = f"blk.{parts[2]}.{ROLES[module]}.{parts[-1]}"
             kind = projections if module.endswith("_proj") and parts[-1] == "weight" else "F32"
+            if kind != "F32":
+                kind = (by_role or {}).get(ROLES[module], kind)
             if family in ("llama", "mistral") and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 value = _permute(value, heads if module == "self_attn.q_proj" else kv_heads)
         value = np.ascontiguousarray(value, dtype=np.float32)

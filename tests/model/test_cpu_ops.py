@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pyserve.model import cpu_ops
 from pyserve.model.attention import AttentionMetadata, make_backend
+from pyserve.model.checkpoint import load_config
 from pyserve.model.config import ModelConfig, RopeConfig
 from pyserve.model.cpu_linear import use_cpu_linears
 from pyserve.model.decoder import RMSNorm
@@ -18,6 +19,7 @@ from pyserve.model.loader import load_model
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 from pyserve.model.whole_model import WholeModel
 from pyserve.testing import build_model
+from pyserve.testing.tiny_gguf import gguf_from_hf
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -56,12 +58,18 @@ def test_rotary_has_the_bits_of_apply_rotary_and_leaves_v_alone():
     assert torch.equal(qkv[:, 6 * 16 :], v)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-gguf-mixed"])
 def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
     """Same greedy tokens and close logits as the torch reference; the whole-layer kernel, and the
-    whole model in one call, give the bits of the same kernels called op by op."""
-    model_dir = build_model(tmp_path, arch)
-    cfg = ModelConfig.from_dir(model_dir)
+    whole model in one call, give the bits of the same kernels called op by op. The GGUF's q, k
+    and gate are 4-bit and its v and up int8 (as llama.cpp's Q4_K_M mixes store them): its fused
+    projections run as parts side by side."""
+    mixed = arch.endswith("-gguf-mixed")
+    model_dir = build_model(tmp_path / "hf", arch.removesuffix("-gguf-mixed"))
+    if mixed:
+        model_dir = gguf_from_hf(model_dir, tmp_path / "mixed.gguf", projections="Q4_0",
+                                 by_role={"attn_v": "Q8_0", "ffn_up": "Q8_0"})
+    cfg = load_config(model_dir)
 
     def load(kernels: bool, layer_kernel: bool = False):
         model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
@@ -73,6 +81,8 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
             model.layer_kernel = layer_kernel
         return model
 
+    # 4-bit layers' kernels quantize x to int16 per block (the torch reference does not)
+    tolerance, cache_tolerance = (1e-2, 1e-3) if mixed else (1e-4, 1e-5)
     models = {"torch": load(False), "ops": load(True), "layers": load(True, layer_kernel=True),
               "whole": load(True, layer_kernel=True)}
     backend = make_backend("torch")
@@ -97,7 +107,7 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
                     h = model(torch.tensor(ids), torch.arange(start, end), caches[name], meta, backend)
                     logits[name] = model.compute_logits(h)
                 tokens[name].append(int(logits[name][-1].argmax()))
-            torch.testing.assert_close(logits["ops"], logits["torch"], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(logits["ops"], logits["torch"], rtol=tolerance, atol=tolerance)
             assert torch.equal(logits["layers"], logits["ops"])
             assert torch.equal(logits["whole"], logits["ops"])
             start = len(tokens["torch"]) - 1
@@ -106,5 +116,5 @@ def test_a_model_on_the_cpu_kernels_matches_it_on_torch_ops(tmp_path, arch):
         assert torch.equal(k, k_ops) and torch.equal(v, v_ops)
     for name in ("ops", "layers"):
         for (k, v), (k_ref, v_ref) in zip(caches[name], caches["torch"]):
-            torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(k, k_ref, rtol=10 * cache_tolerance, atol=cache_tolerance)
+            torch.testing.assert_close(v, v_ref, rtol=10 * cache_tolerance, atol=cache_tolerance)

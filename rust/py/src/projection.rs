@@ -9,7 +9,8 @@ use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights, W8A8W
 use crate::arrays::contiguous;
 
 /// (weight f32, bias), (weight int8, scales, bias), (weight int8, scales, bias, "w8a8": int8
-/// activations too) or (packed u8, scales, offsets, group, bias).
+/// activations too), (packed u8, scales, offsets, group, bias), or a list of these: their outputs
+/// side by side.
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
     Q4(
@@ -22,6 +23,7 @@ pub enum Weight<'py> {
     W8A8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>, String),
     Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
+    Parts(Vec<Weight<'py>>),
 }
 
 impl Weight<'_> {
@@ -31,6 +33,9 @@ impl Weight<'_> {
             Weight::F32(w, _) => [w.shape()[0], w.shape()[1]],
             Weight::Q8(w, _, _) | Weight::W8A8(w, _, _, _) => [w.shape()[0], w.shape()[1]],
             Weight::Q4(p, _, _, _, _) => [p.shape()[0], p.shape()[1] * 2],
+            Weight::Parts(parts) => {
+                [parts.iter().map(|p| p.shape()[0]).sum(), parts.first().map_or(0, |p| p.shape()[1])]
+            }
         }
     }
 }
@@ -84,5 +89,8 @@ pub fn projection<'a>(w: &'a Weight<'_>, name: Option<&str>) -> PyResult<Project
             fan_in,
             fan_out,
         }),
+        Weight::Parts(parts) => {
+            Projection::Parts(parts.iter().map(|p| projection(p, name)).collect::<PyResult<_>>()?)
+        }
     })
 }
