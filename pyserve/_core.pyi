@@ -168,7 +168,7 @@ def linear_q4(
 ) -> None:
     """`linear` with 4-bit weights: packed [fan_out, fan_in / 2] uint8 (weight 2j in the low
     nibble of byte j), weight q * scales + offsets per row and group of `group` inputs (scales,
-    offsets [fan_out, fan_in / group] f32). Groups of 32 or more: the nibbles multiply x
+    offsets [fan_out, fan_in / group] f16). Groups of 32 or more: the nibbles multiply x
     quantized to int16 per block of 32 inputs, the offsets x itself."""
 
 def linear_w8a8(
@@ -199,11 +199,11 @@ def rotary(x: np.ndarray, heads: int, head_dim: int, cos: np.ndarray, sin: np.nd
     and sin [rows, head_dim]; the bits of the torch reference `apply_rotary`."""
 
 # (weight f32, bias or None), int8 (weight, scales [fan_out], bias or None), w8a8 (the same and
-# "w8a8"), or 4-bit (packed, scales, offsets, group, bias or None): see linear, linear_q8,
-# linear_w8a8, linear_q4
+# "w8a8"), 4-bit (packed, scales f16, offsets f16, group, bias or None): see linear, linear_q8,
+# linear_w8a8, linear_q4; or a list of these, their outputs side by side (one fan_in)
 Projection = (tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None]
               | tuple[np.ndarray, np.ndarray, np.ndarray | None, str]
-              | tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None])
+              | tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None] | list)
 
 def decoder_layer(
     x: np.ndarray,

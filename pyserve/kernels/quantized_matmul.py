@@ -10,7 +10,7 @@ Layouts (row-major, the CPU kernels' and model/quantized_linear's):
   x:       [M, K] float16 / bfloat16 / float32
   W8A16:   qweight int8 or float8_e4m3fn [N, K], scales f32 [N]   y = (x q^T) * scales + bias
   W4A16:   packed uint8 [N, K / 2] (input 2j in the low nibble of byte j), scales and offsets
-           f32 [N, K / group]                              y = x (q * scale + offset)^T + bias
+           f16 [N, K / group]                              y = x (q * scale + offset)^T + bias
   bias:    f32 [N] or None;  y: [M, N] in x's dtype.
 """
 
@@ -87,15 +87,15 @@ def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, offsets_ptr, bias_ptr, y_ptr, m
         byte = tl.load(packed_ptr + cols[:, None].to(tl.int64) * stride_p + ks[None, :] // 2, mask=w_mask, other=0)
         q = ((byte >> ((ks[None, :] % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
         group = cols[:, None].to(tl.int64) * stride_s + ks[None, :] // GROUP
-        w = q * tl.load(scales_ptr + group, mask=w_mask, other=0.0) + tl.load(offsets_ptr + group, mask=w_mask,
-                                                                               other=0.0)
+        scale = tl.load(scales_ptr + group, mask=w_mask, other=0.0).to(tl.float32)
+        w = q * scale + tl.load(offsets_ptr + group, mask=w_mask, other=0.0).to(tl.float32)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     _store_tile(acc, bias_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
 
 
-def _check_common(x, weight, scales, bias):
+def _check_common(x, weight, scales, bias, scales_dtype=torch.float32):
     check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor("scales", scales, scales.dim(), (torch.float32,), x.device)
+    check_tensor("scales", scales, scales.dim(), (scales_dtype,), x.device)
     if bias is not None:
         check_tensor("bias", bias, 1, (torch.float32,), x.device)
         check_shape("bias", bias, weight.shape[:1])
@@ -130,10 +130,11 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher, checked: y [M, N] = x (q * scale + offset)^T + bias, in x's dtype."""
+    """Triton launcher, checked: y [M, N] = x (q * scale + offset)^T + bias, in x's dtype; scales
+    and offsets float16."""
     check_tensor("packed", packed, 2, (torch.uint8,), x.device)
-    _check_common(x, packed, scales, bias)
-    check_tensor("offsets", offsets, 2, (torch.float32,), x.device)
+    _check_common(x, packed, scales, bias, torch.float16)
+    check_tensor("offsets", offsets, 2, (torch.float16,), x.device)
     n, k = packed.shape[0], 2 * packed.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features, packed expects {k}")
@@ -161,5 +162,5 @@ def w8a16_ref(x, qweight, scales, bias=None):
 def w4a16_ref(x, packed, scales, offsets, group, bias=None):
     """Torch reference: the dequantized weight in f32, the result in x's dtype."""
     q = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(packed.shape[0], -1).float()
-    w = (q.reshape(q.shape[0], -1, group) * scales[..., None] + offsets[..., None]).reshape(q.shape)
+    w = (q.reshape(q.shape[0], -1, group) * scales.float()[..., None] + offsets.float()[..., None]).reshape(q.shape)
     return F.linear(x.float(), w, bias).to(x.dtype)

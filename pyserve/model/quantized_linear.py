@@ -19,7 +19,8 @@ layer at load, model/prequantized reads a quantized checkpoint's.
 
 int8: q = round(w / s) clamped to [-127, 127] with s = max |w| / 127 per output row; the layer
 computes (x q^T) * s + bias, i.e. x (q * s)^T + bias. int4: per row and group, s = (max - min) /
-15, offset = min, q = round((w - min) / s) in [0, 15], w ~ q * s + offset (`_core.linear_q4`; on a CPU,
+15, offset = min, both stored as float16 (as GGUF's Q4_0 / Q4_1 store theirs: a group of 32 weights is
+20 bytes, not 24 as in f32), q = round((w - offset) / s) in [0, 15], w ~ q * s + offset (`_core.linear_q4`; on a CPU,
 groups of 32 or more multiply the nibbles with x quantized to int16 per block of 32 inputs, the
 offsets with x itself: pyserve.testing.quantized_reference.Int4Reference is that arithmetic in
 torch). `dequantized()` is what a layer multiplies by, in both cases.
@@ -85,18 +86,19 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K / 2], scales f32 [N, K / g], offsets f32 [N, K / g]) of a [N, K]
+    """(packed uint8 [N, K / 2], scales f16 [N, K / g], offsets f16 [N, K / g]) of a [N, K]
     weight: asymmetric 4-bit in groups of g inputs, w ~ q * scale + offset with the group's
     smallest weight as its offset (llama.cpp's Q4_1 rule: no weight is off by more than half a
     step; an integer zero point would move every weight of the group by up to half a step
-    more); weight 2j in the low nibble of byte j."""
+    more), rounded to f16 before q is chosen against them; weight 2j in the low nibble of byte j."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"quantization_group_size: {group_size} does not divide a layer's {k} inputs")
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scales = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    lo = lo.half()
+    scales = ((hi - lo.float()) / 15.0).clamp_min(torch.finfo(torch.float16).tiny).half()
+    q = torch.round((w - lo.float()[..., None]) / scales.float()[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     return packed, scales.contiguous(), lo.contiguous()
 
@@ -107,8 +109,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """A linear layer with 4-bit weights, a scale and an offset per group of `group_size` inputs:
-    weight (o, j) = q * scale + offset. `input_order` (act-order checkpoints): the layer's
+    """A linear layer with 4-bit weights, a scale and an offset (float16; others are rounded to
+    it) per group of `group_size` inputs: weight (o, j) = q * scale + offset. `input_order` (act-order checkpoints): the layer's
     columns are stored in this order of its inputs, so that each group is contiguous; x is
     gathered into it first."""
 
@@ -118,8 +120,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
         self.group_size = group_size
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("offsets", offsets.float().contiguous())
+        self.register_buffer("scales", scales.half().contiguous())
+        self.register_buffer("offsets", offsets.half().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.register_buffer("input_order", input_order)
         self.cpu = packed.device.type == "cpu"
@@ -133,12 +135,13 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + 4 * (self.scales.numel() + self.offsets.numel())
+        return self.packed.numel() + 2 * (self.scales.numel() + self.offsets.numel())
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in], its columns in input order."""
         q = unpack_int4(self.packed).float().reshape(self.out_features, -1, self.group_size)
-        w = (q * self.scales[..., None] + self.offsets[..., None]).reshape(self.out_features, self.in_features)
+        w = (q * self.scales.float()[..., None] + self.offsets.float()[..., None]).reshape(self.out_features,
+                                                                                         self.in_features)
         if self.input_order is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.input_order, w)

@@ -3,7 +3,7 @@ its decoder's linear layers quantized (min-max, in groups) and packed as compres
 (by that library's own compressors: pack-quantized, or int-quantized with or without int8
 activations), GPTQ (by AutoAWQ's exllama packer, which writes GPTQ's
 layout) or AWQ (GEMM packing, written here by the format's definition), beside a full-precision
-reference checkpoint holding exactly the weights the packed one decodes to.
+reference checkpoint holding exactly the weights pyserve serves for the packed one (`Quantized.served`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,20 @@ class Quantized:
     zeros: torch.Tensor  # int32 [out, groups]
     scales: torch.Tensor  # float16 [out, groups]
     g_idx: torch.Tensor  # int32 [in]
+    bits: int
 
     def dequantized(self) -> torch.Tensor:
         g = self.g_idx.long()
         return (self.q - self.zeros[:, g]).float() * self.scales.float()[:, g]
+
+    def served(self) -> torch.Tensor:
+        """The weights pyserve serves: `dequantized`, except that a 4-bit layer holds each group's
+        offset -zeros * scales rounded to f16 (Int4Linear), and computes q * scales + offset."""
+        if self.bits != 4:
+            return self.dequantized()
+        g = self.g_idx.long()
+        offsets = (-self.zeros.float() * self.scales.float()).half().float()
+        return self.q.float() * self.scales.float()[:, g] + offsets[:, g]
 
 
 def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool, act_order: bool, seed: int) -> Quantized:
@@ -63,7 +73,7 @@ def quantize(w: torch.Tensor, bits: int, group: int, symmetric: bool, act_order:
         zeros = torch.round(-lo / scales.float()).clamp(0, top).int()
     g = g_idx.long()
     q = torch.round(w / scales.float()[:, g]) + zeros[:, g]
-    return Quantized(q.clamp(0, top).int(), zeros, scales, g_idx)
+    return Quantized(q.clamp(0, top).int(), zeros, scales, g_idx, bits)
 
 
 def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -85,7 +95,7 @@ def write_quantized(src: Path, dst: Path, ref: Path, method: str, bits: int = 4,
         layer_group = linear.in_features if group == -1 else group
         layers[name] = quantize(linear.weight.detach(), bits, layer_group, symmetric, act_order, seed=i)
         with torch.no_grad():
-            linear.weight.copy_(layers[name].dequantized())
+            linear.weight.copy_(layers[name].served())
     shutil.copytree(src, ref, dirs_exist_ok=True)
     model.save_pretrained(ref, safe_serialization=True)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -42,8 +42,9 @@ class Int4Reference(nn.Module):
     def __init__(self, layer: Int4Linear):
         super().__init__()
         n, groups = layer.scales.shape
-        self.scaled = (unpack_int4(layer.packed).float().reshape(n, groups, -1) * layer.scales[..., None]).reshape(n, -1)
-        self.offsets = layer.offsets.repeat_interleave(layer.group_size, dim=1)
+        scales = layer.scales.float()[..., None]
+        self.scaled = (unpack_int4(layer.packed).float().reshape(n, groups, -1) * scales).reshape(n, -1)
+        self.offsets = layer.offsets.float().repeat_interleave(layer.group_size, dim=1)
         self.bias = layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

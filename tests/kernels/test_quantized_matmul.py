@@ -68,10 +68,12 @@ def test_bad_arguments_are_errors_naming_them():
         w8a16_matmul(torch.zeros(2, 32), q, s)
     with pytest.raises(ValueError, match="scales must have shape"):
         w8a16_matmul(x, q, torch.ones(7))
-    packed, s4 = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2)
+    packed, s4 = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="scales must have dtype"):
+        w4a16_matmul(x, packed, s4.float(), s4, 32)
     with pytest.raises(ValueError, match="group must be an even size dividing 64"):
         w4a16_matmul(x, packed, s4, s4, 48)
     with pytest.raises(ValueError, match="offsets must have shape"):
-        w4a16_matmul(x, packed, s4, torch.ones(8, 3), 32)
+        w4a16_matmul(x, packed, s4, torch.ones(8, 3, dtype=torch.float16), 32)
     with pytest.raises(ValueError, match="bias must have shape"):
         w4a16_matmul(x, packed, s4, s4, 32, torch.ones(9))

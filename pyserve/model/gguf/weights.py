@@ -2,9 +2,9 @@
 each quantized projection:
 - Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) and Q4_K (256 weights a
   block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32): an Int4Linear
-  in groups of 32, the nibbles repacked into its order, each group's scale and offset as the file
-  has them (Q4_0's offset is -8 scales; Q4_K's scale d * sc, offset -dmin * m): the same weights,
-  bit for bit, no widening;
+  in groups of 32, the nibbles repacked into its order, each group's scale and offset in f16 as the
+  file has them (Q4_0's offset is -8 scales): the same weights, bit for bit, no widening; Q4_K's
+  scale d * sc and offset -dmin * m are products rounded to f16 (within 2^-11 of each);
 - Q8_0, Q5_0, Q5_1, Q5_K and Q6_K: an Int8Linear, whose kernels take one scale per row: each row
   widened (gguf's arithmetic) and re-rounded to int8 (half a step at most, the step the row's
   largest weight / 127): tests/model/test_gguf.py bounds it; on Qwen2.5-Coder-0.5B's Q4_K_M file
@@ -27,7 +27,7 @@ from torch import nn
 
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8, unpack_int4
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -143,12 +143,12 @@ def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor
         return _q4_k_blocks(blocks)
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, BLOCK_BYTES[kind])
-    scales = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scales = b[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "Q4_1":
-        offsets = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        offsets = b[..., 2:4].copy().view(np.float16)[..., 0]
         qs = b[..., 4:]
     else:
-        offsets = -8.0 * scales
+        offsets = scales * np.float16(-8.0)  # exact in f16
         qs = b[..., 2:]
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)  # the weights in order
     return _packed(q), torch.from_numpy(scales), torch.from_numpy(np.ascontiguousarray(offsets))
@@ -169,7 +169,7 @@ def _q4_k_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.
     sc = np.concatenate([low & 0x3F, (high & 0xF) | (low >> 6 << 4)], axis=-1)  # [N, blocks, 8]
     m = np.concatenate([mins & 0x3F, (high >> 4) | (mins >> 6 << 4)], axis=-1)
     scales = (d * sc.astype(np.float32)).reshape(n, -1)
-    offsets = -(dmin * m.astype(np.float32)).reshape(n, -1)  # q * s + (-o) is gguf's q * s - o, bit for bit
+    offsets = -(dmin * m.astype(np.float32)).reshape(n, -1)
     qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # [N, blocks, 64-weight chunk, nibble, byte]
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, -1)
     return _packed(q), torch.from_numpy(scales), torch.from_numpy(offsets)
@@ -194,9 +194,10 @@ def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
 
     if kind == "Q8_0":
         return q8_0_dequantized(blocks)
-    if kind in INT4_TYPES:  # Int4Linear's own arithmetic: the served and widened weights agree bit for bit
+    if kind in INT4_TYPES:  # q * s + o in f32 from the file's own scales: gguf's arithmetic, bit for bit
         packed, scales, offsets = q4_blocks(blocks, kind)
-        return Int4Linear(packed, scales, offsets, 32, None).dequantized().numpy()
+        q = unpack_int4(packed).float().reshape(packed.shape[0], -1, 32)
+        return (q * scales.float()[..., None] + offsets.float()[..., None]).reshape(packed.shape[0], -1).numpy()
     try:
         return np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32)
     except (ValueError, KeyError, NotImplementedError) as e:

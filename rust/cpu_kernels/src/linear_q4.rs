@@ -19,13 +19,18 @@
 //! or the thread: a row gets the same bits alone or in a batch.
 //!
 //! Layouts (row-major): `packed [fan_out, fan_in / 2]` u8 (weight 2j in the low nibble of byte j,
-//! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f32, `x [rows, fan_in]`,
+//! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f16 (GGUF's Q4_0 and
+//! Q4_1 store theirs so; f32 would make a group of 32 weights 24 bytes instead of 20), `x [rows, fan_in]`,
 //! `bias [fan_out]`, `y [rows, fan_out]` f32. `group` is a power of two of at least 8 dividing
 //! fan_in.
 
 use std::ops::Range;
 
-use crate::linear::{check_rows, for_output_ranges, run_checked, LinearError, RowWeights, SharedOutputs, CHUNK_ROWS};
+use half::f16;
+
+use crate::linear::{
+    check_rows, for_output_ranges, run_checked, LinearError, RowWeights, SharedOutputs, CHUNK_ROWS,
+};
 use crate::parallel::{ForkJoin, OnCallingThread};
 use crate::vector::{round_ties_even_small, sum};
 
@@ -35,8 +40,8 @@ pub(crate) const BLOCK: usize = 32;
 /// One 4-bit linear layer's parameters.
 pub struct Q4Weights<'a> {
     pub packed: &'a [u8],
-    pub scales: &'a [f32],
-    pub offsets: &'a [f32],
+    pub scales: &'a [f16],
+    pub offsets: &'a [f16],
     pub group: usize,
     pub bias: Option<&'a [f32]>,
     pub fan_in: usize,
@@ -129,13 +134,18 @@ fn quantize(v: f32, scale: f32) -> i16 {
 }
 
 impl Q4Weights<'_> {
-    /// Output o of row r from its blocks' scaled sums (in block order, already added up) and the
-    /// offsets' terms.
+    /// Output o's offsets, one a group.
     #[inline(always)]
-    pub(crate) fn output(&self, o: usize, blocks_total: f32, group_sums: &[f32]) -> f32 {
+    pub(crate) fn offsets_of(&self, o: usize) -> &[f16] {
         let groups = self.fan_in / self.group;
-        let offsets = &self.offsets[o * groups..][..groups];
-        let total = blocks_total + crate::vector::dot(offsets, group_sums);
+        &self.offsets[o * groups..][..groups]
+    }
+
+    /// Output o of a row from its blocks' scaled sums (in block order, already added up) and its
+    /// offsets' dot with the row's group sums.
+    #[inline(always)]
+    pub(crate) fn output(&self, o: usize, blocks_total: f32, offsets_total: f32) -> f32 {
+        let total = blocks_total + offsets_total;
         self.bias.map_or(total, |b| total + b[o])
     }
 }
@@ -143,9 +153,9 @@ impl Q4Weights<'_> {
 /// Columns `outputs` of every row, on the calling thread.
 fn run_outputs(x: &QuantizedBlocks, w: &Q4Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
     #[cfg(target_arch = "x86_64")]
-    if crate::vector::avx2_fma_available() {
-        // SAFETY: the CPU has AVX2 and FMA; the weights' and x's shapes were checked, the group
-        // is a multiple of BLOCK.
+    if crate::vector::avx2_fma_available() && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has AVX2, FMA and F16C; the weights' and x's shapes were checked, the
+        // group is a multiple of BLOCK.
         return unsafe { crate::linear_q4_avx2::run_outputs(x, w, outputs, y) };
     }
     plain_outputs(x, w, outputs, y)
@@ -163,10 +173,12 @@ fn plain_outputs(x: &QuantizedBlocks, w: &Q4Weights<'_>, outputs: Range<usize>, 
                     let byte = w.packed[(o * k + j) / 2];
                     isum += ((byte >> (4 * (j % 2))) & 0xF) as i32 * x.input(r, j).0 as i32;
                 }
-                let scale = w.scales[o * groups + b * BLOCK / w.group];
+                let scale = w.scales[o * groups + b * BLOCK / w.group].to_f32();
                 total += (isum as f32 * x.input(r, b * BLOCK).1) * scale;
             }
-            let out = w.output(o, total, &x.group_sums[r * groups..][..groups]);
+            let offsets_total =
+                crate::vector::dot_f16(w.offsets_of(o), &x.group_sums[r * groups..][..groups]);
+            let out = w.output(o, total, offsets_total);
             // SAFETY: this call's range of outputs is its own.
             unsafe { y.set(r * w.fan_out + o, out) };
         }
@@ -223,7 +235,7 @@ impl RowWeights for Q4Weights<'_> {
         let byte = self.packed[(o * self.fan_in + j) / 2];
         let q = (byte >> (4 * (j % 2))) & 0xF;
         let g = self.group_of(o, j);
-        q as f32 * self.scales[g] + self.offsets[g]
+        q as f32 * self.scales[g].to_f32() + self.offsets[g].to_f32()
     }
     #[inline(always)]
     fn finish(&self, o: usize, dot: f32) -> f32 {
@@ -246,8 +258,8 @@ impl RowWeights for Q4Weights<'_> {
         let g = self.group_of(o, i);
         _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(q),
-            _mm256_set1_ps(self.scales[g]),
-            _mm256_set1_ps(self.offsets[g]),
+            _mm256_set1_ps(self.scales[g].to_f32()),
+            _mm256_set1_ps(self.offsets[g].to_f32()),
         )
     }
 }
@@ -259,6 +271,10 @@ mod tests {
 
     fn nibbles(n: usize, seed: u32) -> Vec<u8> {
         values(n, seed).iter().map(|v| ((v + 1.0) * 7.5).round() as u8 & 0xF).collect()
+    }
+
+    fn halves(n: usize, seed: u32) -> Vec<f16> {
+        values(n, seed).into_iter().map(f16::from_f32).collect()
     }
 
     fn pack(q: &[u8]) -> Vec<u8> {
@@ -293,8 +309,8 @@ mod tests {
                 let dot: f64 = (0..k)
                     .map(|j| {
                         let g = o * groups + j / group;
-                        xm[r * k + j] * q[o * k + j] as f64 * scales[g] as f64
-                            + x[r * k + j] as f64 * offsets[g] as f64
+                        xm[r * k + j] * q[o * k + j] as f64 * scales[g].to_f64()
+                            + x[r * k + j] as f64 * offsets[g].to_f64()
                     })
                     .sum();
                 y[r * n + o] = dot + bias.map_or(0.0, |b| b[o] as f64);
@@ -317,9 +333,10 @@ mod tests {
         ] {
             let groups = k / group;
             // rows of different magnitudes: each block has a scale of its own
-            let x: Vec<f32> = values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
+            let x: Vec<f32> =
+                values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
             let (q, b) = (nibbles(n * k, 2), values(n, 3));
-            let (scales, offsets) = (values(n * groups, 4), values(n * groups, 5));
+            let (scales, offsets) = (halves(n * groups, 4), halves(n * groups, 5));
             let packed = pack(&q);
             for bias in [None, Some(b.as_slice())] {
                 let w = Q4Weights {
@@ -345,7 +362,7 @@ mod tests {
         let (k, n, group) = (256, 1030, 64);
         let (x, q) = (values(7 * k, 6), nibbles(n * k, 7));
         let packed = pack(&q);
-        let (scales, offsets) = (values(n * k / group, 8), values(n * k / group, 9));
+        let (scales, offsets) = (halves(n * k / group, 8), halves(n * k / group, 9));
         let w = Q4Weights {
             packed: &packed,
             scales: &scales,
@@ -374,9 +391,17 @@ mod tests {
     fn extreme_inputs_do_not_saturate_and_a_zero_row_stays_zero() {
         let (k, n, group) = (4096, 8, 32);
         let packed = vec![0xFFu8; n * k / 2]; // every nibble 15
-        let (scales, offsets) = (vec![1.0f32; n * k / group], vec![0.0f32; n * k / group]);
+        let (scales, offsets) = (vec![f16::ONE; n * k / group], vec![f16::ZERO; n * k / group]);
         let x: Vec<f32> = (0..2 * k).map(|i| if i < k { -3.0 } else { 0.0 }).collect(); // every product 15 x -32767
-        let w = Q4Weights { packed: &packed, scales: &scales, offsets: &offsets, group, bias: None, fan_in: k, fan_out: n };
+        let w = Q4Weights {
+            packed: &packed,
+            scales: &scales,
+            offsets: &offsets,
+            group,
+            bias: None,
+            fan_in: k,
+            fan_out: n,
+        };
         let mut y = vec![f32::NAN; 2 * n];
         linear_q4(&x, &w, &mut y).unwrap();
         assert!(y[..n].iter().all(|&v| v == -3.0 * 15.0 * k as f32), "{:?}", &y[..n]);
@@ -385,7 +410,7 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_groups_are_errors_naming_the_argument() {
-        let (packed, s) = (vec![0u8; 3 * 32], vec![1.0f32; 6]);
+        let (packed, s) = (vec![0u8; 3 * 32], vec![f16::ONE; 6]);
         let ok = Q4Weights {
             packed: &packed,
             scales: &s,

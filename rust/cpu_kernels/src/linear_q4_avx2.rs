@@ -10,18 +10,18 @@
 //! the other half multiplies zeros.
 //!
 //! Each output is summed in one fixed order (pairs in turn, lane by lane; then the lanes in
-//! `hsum`'s order; then the offsets' terms), whatever the rows beside it or the tile: the tiles
+//! `hsum`'s order; then the offsets' terms, `dot_f16`'s), whatever the rows beside it or the tile: the tiles
 //! only choose which outputs and rows share a register's load.
 //!
-//! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `linear_q4` checked
+//! Safety: every function here needs a CPU with AVX2, FMA and F16C, and the shapes `linear_q4` checked
 //! with a group that is a multiple of BLOCK.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::linear::SharedOutputs;
-use crate::linear_q4::{QuantizedBlocks, Q4Weights, BLOCK, PAIR, PAIR_SCALES};
-use crate::vector::avx2::hsum;
+use crate::linear_q4::{Q4Weights, QuantizedBlocks, BLOCK, PAIR, PAIR_SCALES};
+use crate::vector::avx2::{dot_f16, hsum};
 
 /// Weight rows of a tile at one input row: four streams of weights in flight.
 const SINGLE_ROW_OUTPUTS: usize = 4;
@@ -31,8 +31,8 @@ const MULTI_ROW_ROWS: usize = 5;
 /// Pairs between two prefetches of the next tile's rows: a cache line of packed weights.
 const PREFETCH_EVERY: usize = 2;
 
-/// `linear_q4::run_outputs` with AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// `linear_q4::run_outputs` with AVX2, FMA and F16C (the weights' f16 scales).
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn run_outputs(x: &QuantizedBlocks, w: &Q4Weights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
     let mut o = outputs.start;
     if x.rows == 1 {
@@ -81,18 +81,18 @@ unsafe fn widen(p: *const u8, half: bool) -> [__m256i; 4] {
     ]
 }
 
-/// The weights' scales of pair t of output o: block 2t's in lanes 0-3, block 2t + 1's in 4-7
-/// (one broadcast where both blocks are in one group).
+/// The weights' scales of pair t of output o, widened from f16: block 2t's in lanes 0-3, block
+/// 2t + 1's in 4-7 (one broadcast where both blocks are in one group).
 #[inline(always)]
 unsafe fn pair_scales(w: &Q4Weights<'_>, o: usize, t: usize) -> __m256 {
     let groups = w.fan_in / w.group;
-    let first = w.scales.as_ptr().add(o * groups + t * PAIR / w.group);
+    let first = w.scales.as_ptr().add(o * groups + t * PAIR / w.group) as *const u16;
     if w.group > BLOCK {
-        return _mm256_broadcast_ss(&*first);
+        return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*first as i32)));
     }
-    let low = _mm_broadcast_ss(&*first);
-    let high = if (2 * t + 1) * BLOCK < w.fan_in { _mm_broadcast_ss(&*first.add(1)) } else { _mm_setzero_ps() };
-    _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(low), high)
+    let high = if (2 * t + 1) * BLOCK < w.fan_in { *first.add(1) } else { 0 }; // f16 0 is 0.0
+    let both = _mm_cvtph_ps(_mm_cvtsi32_si128((*first as u32 | (high as u32) << 16) as i32));
+    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(both), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
 }
 
 /// Outputs o..o + W of rows r..r + X.
@@ -108,7 +108,8 @@ unsafe fn tile<const W: usize, const X: usize>(
     let weights: [*const u8; W] = std::array::from_fn(|a| w.packed.as_ptr().add((o + a) * k / 2));
     let next = w.packed.as_ptr().wrapping_add((o + W) * k / 2); // the next tile's rows follow
     let inputs: [*const i16; X] = std::array::from_fn(|b| x.values.as_ptr().add((r + b) * x.pairs * PAIR));
-    let x_scales: [*const f32; X] = std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * x.pairs * PAIR_SCALES));
+    let x_scales: [*const f32; X] =
+        std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * x.pairs * PAIR_SCALES));
     let mut acc = [[_mm256_setzero_ps(); X]; W];
     for t in 0..x.pairs {
         let half = (t + 1) * PAIR > k;
@@ -139,7 +140,8 @@ unsafe fn tile<const W: usize, const X: usize>(
     }
     for (a, sums) in acc.iter().enumerate() {
         for (b, s) in sums.iter().enumerate() {
-            let out = w.output(o + a, hsum(*s), &x.group_sums[(r + b) * groups..][..groups]);
+            let offsets_total = dot_f16(w.offsets_of(o + a), &x.group_sums[(r + b) * groups..][..groups]);
+            let out = w.output(o + a, hsum(*s), offsets_total);
             y.set((r + b) * w.fan_out + o + a, out);
         }
     }

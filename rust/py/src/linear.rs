@@ -1,6 +1,7 @@
 //! `linear`, `linear_q8`, `linear_q4`, `linear_w8a8`: the CPU few-rows linear kernel of `pyserve-cpu-kernels`
 //! over numpy views of the step's tensors (no copies), with the GIL released while it runs.
 
+use half::f16;
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -62,7 +63,7 @@ pub fn linear_w8a8(
 /// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` with
 /// 4-bit weights, `packed` [fan_out, fan_in / 2] u8 (two a byte, the even one low), weight
 /// q * scales + offsets per row and group of `group` inputs (scales, offsets [fan_out,
-/// fan_in / group] f32); groups of 32 or more on x quantized to int16 per block of 32 inputs.
+/// fan_in / group] f16); groups of 32 or more on x quantized to int16 per block of 32 inputs.
 #[pyfunction]
 #[pyo3(signature = (x, packed, scales, offsets, group, bias, out, threads=1))]
 #[allow(clippy::too_many_arguments)]
@@ -70,8 +71,8 @@ pub fn linear_q4(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
     packed: PyReadonlyArray2<'_, u8>,
-    scales: PyReadonlyArray2<'_, f32>,
-    offsets: PyReadonlyArray2<'_, f32>,
+    scales: PyReadonlyArray2<'_, f16>,
+    offsets: PyReadonlyArray2<'_, f16>,
     group: usize,
     bias: Option<PyReadonlyArray1<'_, f32>>,
     out: PyReadwriteArray2<'_, f32>,

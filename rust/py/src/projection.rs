@@ -1,6 +1,7 @@
 //! A layer's projection as Python passes it, and its kernel view (`pyserve_cpu_kernels::Projection`):
 //! shared by the `linear*` functions and by `decoder_layer`.
 
+use half::f16;
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -9,14 +10,14 @@ use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights, W8A8W
 use crate::arrays::contiguous;
 
 /// (weight f32, bias), (weight int8, scales, bias), (weight int8, scales, bias, "w8a8": int8
-/// activations too), (packed u8, scales, offsets, group, bias), or a list of these: their outputs
+/// activations too), (packed u8, scales f16, offsets f16, group, bias), or a list of these: their outputs
 /// side by side.
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
     Q4(
         PyReadonlyArray2<'py, u8>,
-        PyReadonlyArray2<'py, f32>,
-        PyReadonlyArray2<'py, f32>,
+        PyReadonlyArray2<'py, f16>,
+        PyReadonlyArray2<'py, f16>,
         usize,
         Option<PyReadonlyArray1<'py, f32>>,
     ),
