@@ -330,6 +330,8 @@ mod tests {
             (5, 48, 11, 16),
             (6, 128, 3, 32),
             (21, 64, 5, 64),
+            (2, 1088, 6, 32), // 34 groups: runs of eight scales, and two after them
+            (3, 2560, 5, 128),
         ] {
             let groups = k / group;
             // rows of different magnitudes: each block has a scale of its own

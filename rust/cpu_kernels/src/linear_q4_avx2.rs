@@ -10,18 +10,18 @@
 //! the other half multiplies zeros.
 //!
 //! Each output is summed in one fixed order (pairs in turn, lane by lane; then the lanes in
-//! `hsum`'s order; then the offsets' terms, `dot_f16`'s), whatever the rows beside it or the tile: the tiles
-//! only choose which outputs and rows share a register's load.
+//! `hsum`'s order; then the offsets' terms, `offsets_terms`'), whatever the rows beside it or
+//! the tile: the tiles only choose which outputs and rows share a register's load.
 //!
-//! Safety: every function here needs a CPU with AVX2, FMA and F16C, and the shapes `linear_q4` checked
-//! with a group that is a multiple of BLOCK.
+//! Safety: every function here needs a CPU with AVX2, FMA and F16C, and the shapes `linear_q4`
+//! checked with a group that is a multiple of BLOCK.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::linear::SharedOutputs;
 use crate::linear_q4::{Q4Weights, QuantizedBlocks, BLOCK, PAIR, PAIR_SCALES};
-use crate::vector::avx2::{dot_f16, hsum};
+use crate::vector::avx2::{hsum, load_f16, load_f32};
 
 /// Weight rows of a tile at one input row: four streams of weights in flight.
 const SINGLE_ROW_OUTPUTS: usize = 4;
@@ -81,18 +81,56 @@ unsafe fn widen(p: *const u8, half: bool) -> [__m256i; 4] {
     ]
 }
 
-/// The weights' scales of pair t of output o, widened from f16: block 2t's in lanes 0-3, block
-/// 2t + 1's in 4-7 (one broadcast where both blocks are in one group).
-#[inline(always)]
-unsafe fn pair_scales(w: &Q4Weights<'_>, o: usize, t: usize) -> __m256 {
-    let groups = w.fan_in / w.group;
-    let first = w.scales.as_ptr().add(o * groups + t * PAIR / w.group) as *const u16;
-    if w.group > BLOCK {
-        return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*first as i32)));
+/// Which of eight widened group scales each lane of a pair multiplies: pair u of
+/// a run of eight groups of 32 takes groups 2u (lanes 0-3) and 2u + 1 (lanes 4-7); with groups of
+/// 64 or more both blocks of pair u are in group u * PAIR / group.
+static GROUPS_OF_32: [[i32; 8]; 4] =
+    [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, 3, 3, 3, 3], [4, 4, 4, 4, 5, 5, 5, 5], [6, 6, 6, 6, 7, 7, 7, 7]];
+static ONE_GROUP: [[i32; 8]; 8] = {
+    let mut lanes = [[0; 8]; 8];
+    let mut g = 0;
+    while g < 8 {
+        lanes[g] = [g as i32; 8];
+        g += 1;
     }
-    let high = if (2 * t + 1) * BLOCK < w.fan_in { *first.add(1) } else { 0 }; // f16 0 is 0.0
-    let both = _mm_cvtph_ps(_mm_cvtsi32_si128((*first as u32 | (high as u32) << 16) as i32));
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(both), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+    lanes
+};
+
+/// The lanes of `GROUPS_OF_32` / `ONE_GROUP` for the pair at place u of its run of eight groups
+/// (groups are powers of two of 32 or more: groups of 2^(6 + shift) inputs, shift >= 0, share
+/// ONE_GROUP's entry u >> shift).
+#[inline(always)]
+unsafe fn pair_lanes(group: usize, u: usize, shift: u32) -> __m256i {
+    let lanes = if group == BLOCK { &GROUPS_OF_32[u] } else { &ONE_GROUP[u >> shift] };
+    _mm256_loadu_si256(lanes.as_ptr() as *const __m256i)
+}
+
+/// Output o's scales from group g on (up to eight; `groups` a row), widened from f16.
+#[inline(always)]
+unsafe fn eight_scales(w: &Q4Weights<'_>, groups: usize, o: usize, g: usize) -> __m256 {
+    load_f16(w.scales.as_ptr().add(o * groups + g), groups - g)
+}
+
+/// Each row's offsets term: output o's offsets (f16, widened once) dotted with the group sums of
+/// each of rows r..r + X, eight groups a step.
+#[inline(always)]
+unsafe fn offsets_terms<const X: usize>(
+    w: &Q4Weights<'_>,
+    x: &QuantizedBlocks,
+    groups: usize,
+    o: usize,
+    r: usize,
+) -> [f32; X] {
+    let offsets = w.offsets_of(o).as_ptr();
+    let mut acc = [_mm256_setzero_ps(); X];
+    for g in (0..groups).step_by(8) {
+        let wide = load_f16(offsets.add(g), groups - g);
+        for (b, acc) in acc.iter_mut().enumerate() {
+            let sums = load_f32(x.group_sums.as_ptr().add((r + b) * groups + g), groups - g);
+            *acc = _mm256_fmadd_ps(wide, sums, *acc);
+        }
+    }
+    acc.map(|v| hsum(v))
 }
 
 /// Outputs o..o + W of rows r..r + X.
@@ -104,13 +142,16 @@ unsafe fn tile<const W: usize, const X: usize>(
     r: usize,
     y: &SharedOutputs,
 ) {
-    let (k, groups) = (w.fan_in, w.fan_in / w.group);
+    let (k, groups) = (w.fan_in, w.fan_in >> w.group.trailing_zeros());
     let weights: [*const u8; W] = std::array::from_fn(|a| w.packed.as_ptr().add((o + a) * k / 2));
     let next = w.packed.as_ptr().wrapping_add((o + W) * k / 2); // the next tile's rows follow
     let inputs: [*const i16; X] = std::array::from_fn(|b| x.values.as_ptr().add((r + b) * x.pairs * PAIR));
     let x_scales: [*const f32; X] =
         std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * x.pairs * PAIR_SCALES));
     let mut acc = [[_mm256_setzero_ps(); X]; W];
+    let mut scales8 = [_mm256_setzero_ps(); W]; // the tile's outputs' scales of eight groups
+    let run = 8 * w.group / PAIR; // pairs of a run of eight groups (a power of two)
+    let shift = (w.group / PAIR).max(1).trailing_zeros(); // pairs a group holds, log2 (for groups of 64+)
     for t in 0..x.pairs {
         let half = (t + 1) * PAIR > k;
         if r == 0 && t % PREFETCH_EVERY == 0 {
@@ -118,9 +159,16 @@ unsafe fn tile<const W: usize, const X: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(a * k / 2 + t * PAIR / 2) as *const i8);
             }
         }
+        let u = t & (run - 1);
+        if u == 0 {
+            for (a, s) in scales8.iter_mut().enumerate() {
+                *s = eight_scales(w, groups, o + a, (t >> run.trailing_zeros()) * 8);
+            }
+        }
+        let lanes = pair_lanes(w.group, u, shift);
         for (a, sums) in acc.iter_mut().enumerate() {
             let q = widen(weights[a].add(t * PAIR / 2), half);
-            let scales = pair_scales(w, o + a, t);
+            let scales = _mm256_permutevar8x32_ps(scales8[a], lanes);
             for (b, s) in sums.iter_mut().enumerate() {
                 let xs = inputs[b].add(t * PAIR) as *const __m256i;
                 let products = _mm256_add_epi32(
@@ -139,10 +187,9 @@ unsafe fn tile<const W: usize, const X: usize>(
         }
     }
     for (a, sums) in acc.iter().enumerate() {
+        let offsets = offsets_terms::<X>(w, x, groups, o + a, r);
         for (b, s) in sums.iter().enumerate() {
-            let offsets_total = dot_f16(w.offsets_of(o + a), &x.group_sums[(r + b) * groups..][..groups]);
-            let out = w.output(o + a, hsum(*s), offsets_total);
-            y.set((r + b) * w.fan_out + o + a, out);
+            y.set((r + b) * w.fan_out + o + a, w.output(o + a, hsum(*s), offsets[b]));
         }
     }
 }

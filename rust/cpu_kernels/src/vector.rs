@@ -156,24 +156,41 @@ pub mod avx2 {
         _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
     }
 
-    /// `super::dot_f16` with F16C: eight f16 widened by one instruction (the last few from a
-    /// zero-padded copy). Safety: the CPU also has F16C.
+    /// The first `n` (at most eight) f16 values at `p` widened to f32 lanes, the lanes past `n`
+    /// zero; nothing past p + n is read. Safety: the CPU also has F16C.
     #[inline(always)]
-    pub unsafe fn dot_f16(a: &[half::f16], b: &[f32]) -> f32 {
-        let whole = a.len() / LANES * LANES;
-        let mut acc = _mm256_setzero_ps();
-        for i in (0..whole).step_by(LANES) {
-            let wide = _mm256_cvtph_ps(_mm_loadu_si128(a.as_ptr().add(i) as *const __m128i));
-            acc = _mm256_fmadd_ps(wide, _mm256_loadu_ps(b.as_ptr().add(i)), acc);
+    pub unsafe fn load_f16(p: *const half::f16, n: usize) -> __m256 {
+        if n >= LANES {
+            return _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
         }
-        if whole < a.len() {
-            let (mut ta, mut tb) = ([half::f16::ZERO; LANES], [0.0f32; LANES]);
-            ta[..a.len() - whole].copy_from_slice(&a[whole..]);
-            tb[..a.len() - whole].copy_from_slice(&b[whole..a.len()]);
-            let wide = _mm256_cvtph_ps(_mm_loadu_si128(ta.as_ptr() as *const __m128i));
-            acc = _mm256_fmadd_ps(wide, _mm256_loadu_ps(tb.as_ptr()), acc);
+        let p = p as *const u16;
+        let mut v = _mm_setzero_si128();
+        macro_rules! lane {
+            ($i:literal) => {
+                if n > $i {
+                    v = _mm_insert_epi16::<$i>(v, *p.add($i) as i32);
+                }
+            };
         }
-        hsum(acc)
+        lane!(0);
+        lane!(1);
+        lane!(2);
+        lane!(3);
+        lane!(4);
+        lane!(5);
+        lane!(6);
+        _mm256_cvtph_ps(v)
+    }
+
+    /// The first `n` (at most eight) f32 values at `p`, the lanes past `n` zero (a masked load:
+    /// nothing past p + n is read).
+    #[inline(always)]
+    pub unsafe fn load_f32(p: *const f32, n: usize) -> __m256 {
+        if n >= LANES {
+            return _mm256_loadu_ps(p);
+        }
+        const MASKS: [i32; 2 * LANES] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+        _mm256_maskload_ps(p, _mm256_loadu_si256(MASKS.as_ptr().add(LANES - n) as *const __m256i))
     }
 
     /// `super::exp` on each lane: the same steps, with fused multiply-adds.
