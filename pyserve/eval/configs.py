@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENGINE_SETTINGS = ("quantization", "quantization_group_size", "speculative_config", "max_num_seqs",
                    "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "block_size", "dtype",
-                   "enable_prefix_caching", "seed")
+                   "enable_prefix_caching", "gguf_dequantize", "seed")
 
 
 class ConfigsError(ValueError):
@@ -130,9 +130,11 @@ class EvalConfig(BaseModel):
         flags = []
         for key, value in self.engine.items():
             flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                if key == "enable_prefix_caching" and not value:
-                    flags.append("--no-prefix-caching")
+            if isinstance(value, bool):  # a switch: prefix caching is on unless turned off, the others off
+                if key == "enable_prefix_caching":
+                    flags += [] if value else ["--no-prefix-caching"]
+                elif value:
+                    flags.append(flag)
                 continue
             flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
         if self.lora is not None:

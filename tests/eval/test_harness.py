@@ -42,6 +42,16 @@ def test_the_example_configs_parse():
     assert int8.engine == {"quantization": "int8"} and int8.serve_flags() == ["--quantization", "int8"]
 
 
+def test_switches_become_flags_only_where_they_change_the_default():
+    from pyserve.eval.configs import EvalConfig
+
+    widened = EvalConfig(name="w", model="m.gguf", gguf_dequantize=True, quantization="int4")
+    assert widened.serve_flags() == ["--quantization", "int4", "--gguf-dequantize"]
+    assert EvalConfig(name="n", model="m.gguf", gguf_dequantize=False).serve_flags() == []
+    assert EvalConfig(name="c", model="m", enable_prefix_caching=False).serve_flags() == ["--no-prefix-caching"]
+    assert EvalConfig(name="c", model="m", enable_prefix_caching=True).serve_flags() == []
+
+
 def test_decision_keys_become_serve_flags(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("configs:\n  - {name: r, route: r.json, semantic_cache: true}\n"
