@@ -28,9 +28,12 @@ FILES = {"0.5b": "qwen2.5-coder-0.5b-instruct", "1.5b": "qwen2.5-coder-1.5b-inst
 PORT = 8091
 
 
-def start_llama_server(bin_dir: Path, model: Path, port: int) -> subprocess.Popen:
+def start_llama_server(bin_dir: Path, model: Path, port: int, slots: int = 4, context: int = 8192,
+                       extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """llama-server on `model` with the file's chat template, 2 threads, `slots` requests at once
+    sharing `context` tokens, and `extra` flags; returns once /health answers."""
     proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-t", "2",
-                             "--parallel", "4", "-c", "8192", "--jinja", "--no-webui"],
+                             "--parallel", str(slots), "-c", str(context), "--jinja", "--no-webui", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
