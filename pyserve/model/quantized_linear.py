@@ -90,6 +90,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # make_qkx2_quants tries 21 from 14 to 16; on Qwen2.5-Coder-0.5B's layers these two keep nearly all
 # of the gain: squared error 0.70-0.82x min-max's, against 0.68-0.81x with four)
 INT4_GRID_STEPS = (-0.5, 0.5)
+F16_TINY = torch.finfo(torch.float16).tiny
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,9 +130,6 @@ def _fit_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, scale[..., 0], offset[..., 0]
 
 
-F16_TINY = torch.finfo(torch.float16).tiny
-
-
 def _on_grid(x, scale, offset):
     """(q, scale f16, offset f16, squared error) of x's groups for a (scale, offset) pair, the pair
     rounded to f16 first."""
@@ -161,9 +159,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class Int4Linear(nn.Module):
     """A linear layer with 4-bit weights, a scale and an offset (float16; others are rounded to
-    it) per group of `group_size` inputs: weight (o, j) = q * scale + offset. `input_order` (act-order checkpoints): the layer's
-    columns are stored in this order of its inputs, so that each group is contiguous; x is
-    gathered into it first."""
+    it) per group of `group_size` inputs: weight (o, j) = q * scale + offset. `input_order`
+    (act-order checkpoints): the layer's columns are stored in this order of its inputs, so that
+    each group is contiguous; x is gathered into it first."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, input_order: torch.Tensor | None = None):
