@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 import harness
-from pyserve import LLM, SamplingParams
+from quantization_real import WINDOW, scored as scored_by_engine  # windows of the same size
+from pyserve import LLM
 from pyserve.testing.quantized_reference import use_int4_reference, use_int8_reference
 from pyserve.testing.real_models import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
-WINDOW = 1024
 PROMPT = "The three primary colors are"
 # name -> (group size, how the LM head is held); None: fp32
 CHOICES = {
@@ -93,14 +93,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def engine_ppl(model_dir: Path, ids: list[int], quantization: str | None) -> float:
     """Perplexity through pyserve's engine (prompt logprobs of each window), default group size."""
-    nll, count = 0.0, 0
     with LLM(str(model_dir), quantization=quantization, max_model_len=WINDOW + 8) as llm:
-        windows = [ids[lo : lo + WINDOW + 1] for lo in range(0, len(ids) - 1, WINDOW)]
-        outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        for window, out in zip(windows, outs):
-            for pos in range(1, len(window)):
-                nll -= out.prompt_logprobs[pos][window[pos]].logprob
-                count += 1
+        nll, _, count = scored_by_engine(llm, ids)
         print(f"  engine ({quantization or 'fp32'}): weight bytes {llm.stats()['weight_bytes'] / 1e6:.1f} MB")
     return math.exp(nll / count)
 

@@ -42,8 +42,9 @@ PORT = 8093
 SPEC_MAX_TOKENS = 256
 
 
-async def one(client: httpx.AsyncClient, base: str, messages: list, max_tokens: int, ignore_eos: bool) -> dict:
-    body = {"model": served_model(base), "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+async def one(client: httpx.AsyncClient, base: str, model: str, messages: list, max_tokens: int,
+              ignore_eos: bool) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -74,12 +75,13 @@ def served_model(base: str) -> str:
 async def wave(base: str, prompts: list[list], max_tokens: int, concurrent: bool, ignore_eos: bool) -> dict:
     # a connection per request: llama-server may close one after a stream, and a pooled one reused then fails
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    model = served_model(base)  # asked once, before the clock starts
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as c:
         start = time.perf_counter()
         if concurrent:
-            results = await asyncio.gather(*(one(c, base, m, max_tokens, ignore_eos) for m in prompts))
+            results = await asyncio.gather(*(one(c, base, model, m, max_tokens, ignore_eos) for m in prompts))
         else:
-            results = [await one(c, base, m, max_tokens, ignore_eos) for m in prompts]
+            results = [await one(c, base, model, m, max_tokens, ignore_eos) for m in prompts]
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     return {"output_tok_s": round(sum(r["tokens"] for r in results) / elapsed, 2),
