@@ -153,6 +153,7 @@ class EngineCore(Actor):
         output = StepOutput(update.req_ids, update.token_ids, update.starts, finished, update.num_cached_tokens,
                             logprobs, step.failures or None, reply_to=self)
         output.prompt_logprobs = step.prompt_logprobs
+        output.closed_by_budget = step.closed_by_budget
         self.num_generation_tokens += len(output.token_ids)
         self._fork(update.fork_ready)
         if output.internal_ids:

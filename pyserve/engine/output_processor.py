@@ -215,6 +215,8 @@ class OutputProcessor(Actor):
                     delta.logprobs = delta.logprobs[:taken]
             if delta.finish_reason is None:
                 aborts.append(delta.internal_id)
+        elif finish == "stop" and delta.closed_by_budget:
+            finish = "length"  # its stop token ended JSON that max_tokens closed (json_close)
         elif finish == "stop" and tokens and tokens[-1] != self.eos_token_id:
             stop_reason = tokens[-1]
         if tokens and out.first_token_time is None:

@@ -152,6 +152,7 @@ class SampleDelta:
     finish_reason: str | None  # set when the scheduler finished it this step
     num_cached_tokens: int | None = None  # set on the first delta
     logprobs: Logprobs | None = None
+    closed_by_budget: bool = False  # stopped, but its JSON was closed for want of tokens (json_close)
 
 
 @dataclass(slots=True)
@@ -172,6 +173,9 @@ class StepOutput:
     # Sequences whose first token came this step and that asked for prompt logprobs: one row
     # per prompt token after the first.
     prompt_logprobs: dict[int, Logprobs] | None = None
+    # Sequences that stopped this step with their JSON closed for want of tokens: they finish
+    # with "length".
+    closed_by_budget: set[int] | frozenset[int] = frozenset()
 
     def delta(self, i: int) -> SampleDelta:
         """Sequence i's part of the step as one SampleDelta."""
@@ -179,4 +183,4 @@ class StepOutput:
         rid = self.internal_ids[i]
         logprobs = None if self.logprobs is None else self.logprobs[lo:hi]
         return SampleDelta(rid, self.token_ids[lo:hi], self.finish_reasons.get(rid), self.num_cached_tokens.get(rid),
-                           logprobs)
+                           logprobs, rid in self.closed_by_budget)

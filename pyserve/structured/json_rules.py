@@ -8,8 +8,9 @@
 
 Keys compare as written (a key spelled with a `\\u` escape differs from the same key spelled
 plainly); which keys and values a model picks, and when it closes an open object, remain the
-model's. A JsonTrack follows one output byte by byte; JsonVocab holds what of each token the
-masks need, computed once per tokenizer.
+model's. A JsonTrack follows one output byte by byte (where its containers stand is also what
+json_close reads to close it within max_tokens); JsonVocab holds what of each token the masks
+need, computed once per tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 MAX_DIGITS = {"int": 19, "frac": 17, "exp": 3}
 _DIGITS = frozenset(b"0123456789")
+_LETTERS = frozenset(b"abcdefghijklmnopqrstuvwxyz")
 
 
 class JsonVocab:
@@ -68,6 +70,12 @@ class JsonTrack:
     key: bytearray = field(default_factory=bytearray)
     number: str | None = None  # the part of a number being written: "int", "frac", "exp"
     digits: int = 0
+    # Where a container's members stand (json_close reads them): a key closed, its ":" to come;
+    # a value due (after ":", or after "," in an array); the innermost container just opened.
+    after_key: bool = False
+    need_value: bool = False
+    just_opened: bool = False
+    literal: bytes = b""  # the letters of a true / false / null being written
 
     @classmethod
     def start(cls, text_around: bool) -> JsonTrack:
@@ -76,7 +84,8 @@ class JsonTrack:
     def copy(self) -> JsonTrack:
         stack = [None if keys is None else set(keys) for keys in self.stack]
         return JsonTrack(self.text_around, self.in_text, stack, self.expect_key, self.in_string, self.is_key,
-                         self.escaped, bytearray(self.key), self.number, self.digits)
+                         self.escaped, bytearray(self.key), self.number, self.digits, self.after_key,
+                         self.need_value, self.just_opened, self.literal)
 
     def feed(self, data: bytes) -> None:
         for c in data:
@@ -92,6 +101,7 @@ class JsonTrack:
                 self.in_string = False
                 if self.is_key and self.stack and self.stack[-1] is not None:
                     self.stack[-1].add(bytes(self.key))
+                    self.after_key = True
                 return
             if self.is_key:
                 self.key.append(c)
@@ -114,6 +124,13 @@ class JsonTrack:
                 self.in_text = False
                 self._open(c)
             return
+        if self.literal and c in _LETTERS:
+            self.literal += bytes((c,))
+            return
+        self.literal = b""
+        if c in b" \t\n\r":
+            return
+        self.just_opened = self.need_value = False
         if c in b"{[":
             self._open(c)
         elif c in b"}]":
@@ -126,15 +143,20 @@ class JsonTrack:
             self.is_key = self.expect_key and bool(self.stack) and self.stack[-1] is not None
             self.key.clear()
         elif c == 0x3A:  # ":"
-            self.expect_key = False
+            self.expect_key = self.after_key = False
+            self.need_value = True
         elif c == 0x2C:  # ","
             self.expect_key = bool(self.stack) and self.stack[-1] is not None
+            self.need_value = not self.expect_key
         elif c in _DIGITS or c == 0x2D:
             self.number, self.digits = "int", int(c in _DIGITS)
+        elif c in _LETTERS:
+            self.literal = bytes((c,))
 
     def _open(self, c: int) -> None:
         self.stack.append(set() if c == 0x7B else None)
         self.expect_key = c == 0x7B
+        self.just_opened = True
 
     def banned(self, vocab: JsonVocab) -> np.ndarray | None:
         """The tokens that would break a rule from here (None: none would)."""

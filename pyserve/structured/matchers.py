@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pyserve.structured.compiler import Grammar
+from pyserve.structured.json_close import ClosingTokens, hold_to_budget
 from pyserve.structured.json_rules import JsonTrack, JsonVocab
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class MaskRow:
     internal_id: int
     first_row: int
     drafts: list[int]
+    left: int | None = None  # tokens the request may still write, its first row's included
 
 
 class GrammarMatchers:
@@ -56,6 +58,9 @@ class GrammarMatchers:
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._json: dict[int, tuple[JsonTrack, JsonVocab]] = {}  # outputs that are or hold JSON
         self._stuck: dict[int, str] = {}  # requests a mask left no token: why (advance fails them)
+        self._fed: dict[int, int] = {}  # tokens each JSON output holds so far
+        self._closing_from: dict[int, int] = {}  # the first of its tokens a closing mask narrowed
+        self._closing: dict[JsonVocab, ClosingTokens] = {}  # built on a vocabulary's first closing
         self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)  # per step, for the bench
@@ -70,11 +75,16 @@ class GrammarMatchers:
         self._matchers[internal_id] = grammar.matcher()
         if grammar.json_vocab is not None:
             self._json[internal_id] = (JsonTrack.start(grammar.text_around), grammar.json_vocab)
+            self._fed[internal_id] = 0
 
     def drop(self, internal_id: int) -> None:
-        self._matchers.pop(internal_id, None)
-        self._json.pop(internal_id, None)
-        self._stuck.pop(internal_id, None)
+        for held in (self._matchers, self._json, self._stuck, self._fed, self._closing_from):
+            held.pop(internal_id, None)
+
+    def closed_by_budget(self, internal_id: int) -> bool:
+        """Whether a token the output kept came from a closing mask (json_close): its JSON was
+        ended for want of tokens, not by the model alone."""
+        return self._fed.get(internal_id, 0) > self._closing_from.get(internal_id, 1 << 62)
 
     def advance(self, internal_id: int, token_ids: list[int]) -> str | None:
         """Feeds the tokens a step kept; says why when the matcher cannot follow them (the
@@ -92,6 +102,7 @@ class GrammarMatchers:
         if internal_id in self._json:
             track, vocab = self._json[internal_id]
             track.feed(b"".join(vocab.token_bytes[t] for t in token_ids if t not in self._eos))
+            self._fed[internal_id] += len(token_ids)
         return None
 
     def valid_drafts(self, internal_id: int, drafts: list[int]) -> list[int]:
@@ -149,7 +160,8 @@ class GrammarMatchers:
 
     def _hold_json_rules(self, r: MaskRow, bits: np.ndarray) -> None:
         """Takes out of each row of one request the tokens json_rules bans there (row j: after
-        its first j drafts). A row left with no token marks the request stuck."""
+        its first j drafts), then, where its budget is down to what closing takes, all but the
+        closing tokens (json_close). A row left with no token marks the request stuck."""
         track, vocab = self._json[r.internal_id]
         words = bits.view(np.uint32)
         for j in range(len(bits)):
@@ -162,6 +174,14 @@ class GrammarMatchers:
                 if not words[j].any():
                     self._stuck[r.internal_id] = ("no token keeps the output's JSON keys unique and its numbers "
                                                   "within a double's digits here")
+            if r.left is not None and hold_to_budget(track, r.left - j, words[j], self._closing_tokens(vocab)) == "closing":
+                at = self._fed[r.internal_id] + j
+                self._closing_from[r.internal_id] = min(at, self._closing_from.get(r.internal_id, at))
+
+    def _closing_tokens(self, vocab: JsonVocab) -> ClosingTokens:
+        if vocab not in self._closing:
+            self._closing[vocab] = ClosingTokens(vocab.token_bytes, self.words)
+        return self._closing[vocab]
 
     def close(self) -> None:
         if self._thread is not None:

@@ -38,6 +38,7 @@ class Step:
     update: Any = None  # the scheduler's update: the tokens it kept, by request
     finished: dict[int, str] = field(default_factory=dict)  # request -> finish reason
     failures: dict[int, str] = field(default_factory=dict)  # request -> why it failed
+    closed_by_budget: set[int] = field(default_factory=set)  # stopped, their JSON closed for want of tokens
     prompt_logprobs: dict[int, Logprobs] | None = None  # of prompts whose first token came now
     drafts: dict[int, list[int]] = field(default_factory=dict)  # to verify next step
     speculated: bool = False  # the speculator chose a depth > 0 after this step

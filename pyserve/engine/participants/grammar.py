@@ -40,16 +40,20 @@ class GrammarStep(StepParticipant):
         counts = out.num_logits[step.with_logits]
         firsts = np.cumsum(counts) - counts
         mask_rows = []
-        for req, first, count in zip(step.rows.requests, firsts.tolist(), counts.tolist()):
+        for req, first, count, written in zip(step.rows.requests, firsts.tolist(), counts.tolist(),
+                                              step.rows.num_output):
             if req.internal_id in self.matchers:
                 drafts = out.input_ids[out.logits_indices[first + 1 : first + count]].tolist() if count > 1 else []
-                mask_rows.append(MaskRow(req.internal_id, first, drafts))
+                max_tokens = req.params.max_tokens
+                left = None if max_tokens is None else max_tokens - written
+                mask_rows.append(MaskRow(req.internal_id, first, drafts, left))
         if mask_rows:
             step.rows.token_masks = self.matchers.start_masks(mask_rows)
 
     def after_update(self, step: Step) -> None:
         """Feeds each constrained request's matcher the tokens the step kept; one whose matcher
-        could not follow them fails, with why."""
+        could not follow them fails, with why. One whose JSON a closing mask ended (its budget
+        ran out) finishes with "length", not "stop"."""
         if not self.matchers:
             return
         update = step.update
@@ -59,6 +63,8 @@ class GrammarStep(StepParticipant):
             if why is not None:
                 log.warning("grammar_failed", internal_id=rid, reason=why)
                 step.failures[rid] = why
+            elif step.finished.get(rid) == "stop" and self.matchers.closed_by_budget(rid):
+                step.closed_by_budget.add(rid)
 
     async def after_output(self, step: Step) -> None:
         """The tokens each constrained request's grammar forces next become its drafts, checked
