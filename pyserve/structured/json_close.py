@@ -19,6 +19,7 @@ guard kept it from opening anything new in its last tokens.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -97,16 +98,19 @@ class ClosingTokens:
         self.guarded["number_end"] = self.closing["number_end"] | mask(DIGITS)
 
 
-def hold_to_budget(track: JsonTrack, left: int, words: np.ndarray, tokens: ClosingTokens) -> str | None:
+def hold_to_budget(track: JsonTrack, left: int, words: np.ndarray,
+                   vocab_tokens: Callable[[], ClosingTokens]) -> str | None:
     """Narrows one row's mask `words` (uint32, in place) to its phase's closing tokens when
     `left` tokens (this row's included) are all closing takes ("closing"), to its guarded ones
-    within GUARD of that ("guard"); None where it left the mask as it was."""
+    within GUARD of that ("guard"); None where it left the mask as it was. `vocab_tokens` is
+    called only then (its first call builds them)."""
     if not track.stack:
         return None
     at = phase(track)
     cost = tokens_to_close(track, at)
     if at is None or left > cost + GUARD:
         return None
+    tokens = vocab_tokens()
     closing = words & tokens.closing[at]
     if not closing.any():  # the grammar wants more first (a required property): its mask stands
         return None

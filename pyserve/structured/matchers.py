@@ -174,7 +174,9 @@ class GrammarMatchers:
                 if not words[j].any():
                     self._stuck[r.internal_id] = ("no token keeps the output's JSON keys unique and its numbers "
                                                   "within a double's digits here")
-            if r.left is not None and hold_to_budget(track, r.left - j, words[j], self._closing_tokens(vocab)) == "closing":
+            if r.left is None:
+                continue
+            if hold_to_budget(track, r.left - j, words[j], lambda: self._closing_tokens(vocab)) == "closing":
                 at = self._fed[r.internal_id] + j
                 self._closing_from[r.internal_id] = min(at, self._closing_from.get(r.internal_id, at))
 

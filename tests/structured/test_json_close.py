@@ -130,17 +130,17 @@ def test_a_mask_narrows_only_when_the_budget_is_down_to_closing():
     assert tokens_to_close(track, "string_end") == 3
     everything = np.full(WORDS, 0xFFFFFFFF, dtype=np.uint32)
     words = everything.copy()
-    assert hold_to_budget(track, 4 + GUARD, words, CLOSING) is None and (words == everything).all()
-    assert hold_to_budget(track, 3 + GUARD, words, CLOSING) == "guard"
+    assert hold_to_budget(track, 4 + GUARD, words, lambda: CLOSING) is None and (words == everything).all()
+    assert hold_to_budget(track, 3 + GUARD, words, lambda: CLOSING) == "guard"
     assert (words == CLOSING.guarded["string_end"]).all()
-    assert hold_to_budget(track, 4, words, CLOSING) == "guard"
+    assert hold_to_budget(track, 4, words, lambda: CLOSING) == "guard"
     words = everything.copy()
-    assert hold_to_budget(track, 3, words, CLOSING) == "closing" and (words == CLOSING.closing["string_end"]).all()
+    assert hold_to_budget(track, 3, words, lambda: CLOSING) == "closing" and (words == CLOSING.closing["string_end"]).all()
     nothing_closes = np.zeros(WORDS, dtype=np.uint32)
     nothing_closes[0] = 1 << TOKENS.index(b"x") | 1 << TOKENS.index(b",")  # the grammar allows no closing token
     for left in (1, 3 + GUARD):
         words = nothing_closes.copy()
-        assert hold_to_budget(track, left, words, CLOSING) is None and (words == nothing_closes).all()
+        assert hold_to_budget(track, left, words, lambda: CLOSING) is None and (words == nothing_closes).all()
 
 
 @pytest.fixture(scope="module")
