@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pyserve.model.gguf.file import gguf_path
+from pyserve.model.hub import fetch_model, is_hub_id
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -20,7 +21,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: the draft's Hugging Face directory
+    model: str | None = None  # draft_model: the draft's directory or GGUF file (a hub id: downloaded)
     # Choose the depth per step (0 = plain decoding) from measurements; by default only where
     # the user left num_speculative_tokens out (a depth the user fixed is honoured).
     adaptive: bool = True
@@ -62,9 +63,14 @@ class SpeculativeConfig:
             model = fields["model"] or default_draft
             if model is None:
                 raise ValueError("speculative_config.model: a draft_model needs the draft's model directory")
+            if is_hub_id(str(model)):  # ORG/NAME or ORG/NAME:FILE.gguf, as the target takes them
+                try:
+                    model = fetch_model(str(model), None, None)
+                except ValueError as e:
+                    raise ValueError(f"speculative_config.model: {e}") from None
             if not (Path(model) / "config.json").is_file() and gguf_path(model) is None:
-                raise ValueError(f"speculative_config.model: {model} is neither a model directory (config.json) "
-                                 "nor a GGUF file")
+                raise ValueError(f"speculative_config.model: {model} is neither a model directory (config.json), "
+                                 "a GGUF file nor a hub id (ORG/NAME)")
             fields["model"] = str(model)
         elif fields["model"] is not None:
             raise ValueError("speculative_config.model is only for method 'draft_model'")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -99,3 +100,26 @@ def test_an_unreachable_hub_fails_at_once_naming_it(tmp_path):
     got = _fetch("org/anything", env)
     assert "org/anything" in got["error"] and "reach" in got["error"]
     assert got["seconds"] < 1.0
+
+
+PARSE = ("import json, sys; from pyserve.speculative.config import SpeculativeConfig\n"
+         "try:\n    c = SpeculativeConfig.parse({'method': 'draft_model', 'model': sys.argv[1]})\n"
+         "    print(json.dumps({'path': c.model}))\n"
+         "except ValueError as e:\n    print(json.dumps({'error': str(e)}))\n")
+
+
+def test_a_draft_model_named_by_hub_id_is_downloaded(tiny, tmp_path):
+    with HubStandIn() as hub:
+        hub.add_folder("org/draft", tiny)
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
+
+        def parse(model: str) -> dict:
+            run = subprocess.run([sys.executable, "-c", PARSE, model], capture_output=True, text=True, env=env,
+                                 timeout=60)
+            assert run.returncode == 0, run.stderr
+            return json.loads(run.stdout.strip().splitlines()[-1])
+
+        got, missing = parse("org/draft"), parse("org/nothing")
+    assert (tmp_path / "hf") in Path(got["path"]).parents
+    assert json.loads((Path(got["path"]) / "config.json").read_text()) == json.loads((tiny / "config.json").read_text())
+    assert missing["error"].startswith("speculative_config.model: org/nothing was not found on the hub")
