@@ -21,9 +21,14 @@
         route: router.json      #   a router from pyserve route-train, or
         cascade: {min_logprob: -1.5}   # a cascade (small, large: served names, default the pair)
         semantic_cache: true    # the server's semantic cache on (chat items; any local configuration)
+      - name: real-cascade      # a route or cascade over models of your own: `model` served as
+        model: ~/large.gguf     #   `served_model`, `models` beside it (pyserve serve --model NAME=PATH)
+        served_model: large
+        models: {small: ~/small.gguf}
+        cascade: {small: small, large: large, min_logprob: -0.3}
 
-A configuration is started on loopback with `pyserve serve` unless it names a `url`. Keys that
-are not listed here are refused, naming the configuration and the key.
+A configuration is started on loopback with `pyserve serve` unless it names a `url`. Paths may
+start with `~`. Keys that are not listed here are refused, naming the configuration and the key.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class EvalConfig(BaseModel):
 
     name: Annotated[str, Field(min_length=1)]
     model: str | None = None
+    models: dict[Annotated[str, Field(min_length=1, pattern=r"^[^=]+$")], str] = Field(default_factory=dict)
     url: str | None = None
     served_model: str | None = None
     api_key_env: Annotated[str, Field(min_length=1)] | None = None
@@ -92,7 +98,25 @@ class EvalConfig(BaseModel):
             if v not in dirs:
                 raise ValueError(f"{v!r} is not one of {', '.join(dirs)}")
             return str(dirs[v])
-        return v
+        return None if v is None else os.path.expanduser(v)
+
+    @field_validator("models")
+    @classmethod
+    def _model_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        return {name: os.path.expanduser(path) for name, path in v.items()}
+
+    @field_validator("route")
+    @classmethod
+    def _route_path(cls, v: str | None) -> str | None:
+        return None if v is None else os.path.expanduser(v)
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_path(cls, v: str | None) -> str | None:
+        if v is None or "=" not in v:
+            return v
+        name, _, path = v.partition("=")
+        return f"{name}={os.path.expanduser(path)}"
 
     @field_validator("prompt_template")
     @classmethod
@@ -103,10 +127,10 @@ class EvalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _local_or_remote(self):
-        if self.url is not None and (self.model is not None or self.engine or self.lora is not None
+        if self.url is not None and (self.model is not None or self.models or self.engine or self.lora is not None
                                      or self.decides or self.semantic_cache):
-            raise ValueError("a url configuration is already running: model, lora, engine settings, routes and "
-                             "the cache do not apply")
+            raise ValueError("a url configuration is already running: model, models, lora, engine settings, "
+                             "routes and the cache do not apply")
         if self.api_key_env is not None:
             if self.url is None:
                 raise ValueError("api_key_env: only a url configuration takes a key (a local server has none)")
@@ -114,8 +138,20 @@ class EvalConfig(BaseModel):
                 raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set")
         if self.route is not None and self.cascade is not None:
             raise ValueError("give route or cascade, not both")
-        if self.decides and (self.model is not None or self.lora is not None):
-            raise ValueError("a route or cascade is served over the embedded pair: leave model and lora unset")
+        if self.decides and self.lora is not None:
+            raise ValueError("lora: a route or cascade chooses between models, not adapters")
+        if self.url is None and self.served_model is not None and not self.decides:
+            raise ValueError("served_model: a local configuration's requests go to its model as served; "
+                             "served_model names it only for a route or cascade (or a url's model)")
+        if self.decides and self.model is not None and self.served_model is None:
+            raise ValueError("served_model: a route or cascade over your own model names it here")
+        if self.cascade is not None and self.model is not None:
+            served = {self.served_model, *self.models}
+            for role in ("small", "large"):
+                name = getattr(self.cascade, role)
+                if name not in served:
+                    raise ValueError(f"cascade: {role}: {name!r} is not a model this configuration serves "
+                                     f"({', '.join(sorted(served))})")
         return self
 
     @property
@@ -137,6 +173,8 @@ class EvalConfig(BaseModel):
                     flags.append(flag)
                 continue
             flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        for name, path in self.models.items():
+            flags += ["--model", f"{name}={path}"]
         if self.lora is not None:
             flags += ["--enable-lora", "--lora-modules", self.lora]
         if self.route is not None:

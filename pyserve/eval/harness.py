@@ -114,7 +114,10 @@ class LocalServer:
         from pyserve.server.child_server import start_server
 
         model = None if self.cfg.model is None else Path(self.cfg.model)
-        named = [] if self.cfg.decides else ["--served-model-name", "eval"]  # a route is named eval
+        if not self.cfg.decides:
+            named = ["--served-model-name", "eval"]
+        else:  # the route is named eval; the models keep their own names
+            named = [] if self.cfg.served_model is None else ["--served-model-name", self.cfg.served_model]
         self.proc, base = start_server(model, *named, *self.cfg.serve_flags(), workdir=self.workdir)
         return base
 

@@ -4,6 +4,7 @@ validated once; every error names the key."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ class SpeculativeConfig:
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
         if method == "draft_model":
-            model = fields["model"] or default_draft
+            model = os.path.expanduser(fields["model"]) if fields["model"] else default_draft
             if model is None:
                 raise ValueError("speculative_config.model: a draft_model needs the draft's model directory")
             if is_hub_id(str(model)):  # ORG/NAME or ORG/NAME:FILE.gguf, as the target takes them

@@ -42,6 +42,19 @@ def test_the_example_configs_parse():
     assert int8.engine == {"quantization": "int8"} and int8.serve_flags() == ["--quantization", "int8"]
 
 
+def test_the_real_model_example_parses_and_serves_the_pair_it_names():
+    plan = load_plan(DATA / "real_models_configs.yaml")
+    configs = {c.name: c for c in plan.configs}
+    assert len(configs) == 7
+    home = str(Path.home())
+    assert configs["qwen-1.5b"].model == f"{home}/.cache/pyserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    cascade = configs["cascade-0.5b-1.5b"]
+    assert cascade.serve_flags()[:2] == ["--model", f"small={home}/.cache/pyserve/models/"
+                                                    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]
+    assert cascade.serve_flags()[2:4] == ["--cascade", "eval=small,large,-0.3"]
+    assert configs["llama-server-1.5b"].url == "http://127.0.0.1:8091/v1"
+
+
 def test_switches_become_flags_only_where_they_change_the_default():
     from pyserve.eval.configs import EvalConfig
 
@@ -61,9 +74,29 @@ def test_decision_keys_become_serve_flags(tmp_path):
     assert cascade.serve_flags() == ["--cascade", "eval=pyserve-default-draft,pyserve-default,-1.5"]
 
 
+def test_a_cascade_over_models_of_ones_own_serves_them_all_with_home_paths_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("configs:\n  - {name: c, model: ~/big.gguf, served_model: big, models: {small: ~/s.gguf},\n"
+                    "      cascade: {small: small, large: big, min_logprob: -0.3}}\n"
+                    "  - {name: r, model: ~/big.gguf, served_model: big, models: {small: ~/s.gguf}, route: ~/r.json}\n"
+                    "  - {name: l, model: ~/big.gguf, lora: a=~/adapter}\n")
+    cascade, routed, adapted = load_plan(path).configs
+    assert cascade.model == str(tmp_path / "big.gguf")
+    assert cascade.serve_flags() == ["--model", f"small={tmp_path / 's.gguf'}", "--cascade", "eval=small,big,-0.3"]
+    assert routed.serve_flags() == ["--model", f"small={tmp_path / 's.gguf'}", "--route", f"eval={tmp_path / 'r.json'}"]
+    assert adapted.serve_flags() == ["--enable-lora", "--lora-modules", f"a={tmp_path / 'adapter'}"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("configs: []", "configs: List should have at least 1 item"),
-    ("configs:\n  - {name: a, route: x, model: embedded:draft}", r"configs\[0\] \(a\): .*leave model and lora unset"),
+    ("configs:\n  - {name: a, route: x, model: embedded:draft}", r"configs\[0\] \(a\): served_model: a route or cascade"),
+    ("configs:\n  - {name: a, route: x, lora: docstrings}", r"configs\[0\] \(a\): lora: a route or cascade chooses"),
+    ("configs:\n  - {name: a, model: m, served_model: m}", r"configs\[0\] \(a\): served_model: a local config"),
+    ("configs:\n  - {name: a, model: m, served_model: big, models: {small: s}, cascade: {small: smal, large: big, "
+     "min_logprob: -1}}", r"configs\[0\] \(a\): cascade: small: 'smal' is not a model this configuration serves "
+     r"\(big, small\)"),
+    ("configs:\n  - {name: a, url: 'http://x', models: {s: s}}", "a url configuration is already running"),
     ("configs:\n  - {name: a, route: x, cascade: {min_logprob: -1}}", r"configs\[0\] \(a\): .*route or cascade"),
     ("configs:\n  - {name: a, cascade: {}}", r"configs\[0\] \(a\): cascade.min_logprob: Field required"),
     ("configs:\n  - {name: a, temprature: 0.5}", r"configs\[0\] \(a\): temprature: Extra inputs"),
