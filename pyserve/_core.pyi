@@ -184,6 +184,17 @@ def linear_w8a8(
     the sums exact in int32 (VNNI where the CPU has it): the bits of torch._int_mm followed by
     the same float steps."""
 
+def gguf_repack_q4(kind: str, blocks: np.ndarray, packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
+                   threads: int = 1) -> None:
+    """Q4_0 / Q4_1 / Q4_K rows (blocks [rows, row bytes] uint8) as linear_q4's packed [rows,
+    fan_in / 2] uint8, scales and offsets [rows, fan_in / 32] f16, written in place. ValueError
+    names the argument at fault."""
+
+def gguf_requantize_int8(kind: str, blocks: np.ndarray, q: np.ndarray, scales: np.ndarray,
+                         threads: int = 1) -> None:
+    """Q8_0 / Q5_0 / Q6_K rows widened with the gguf package's arithmetic and rounded to int8 as
+    quantize_int8 rounds: q [rows, fan_in] int8 and scales [rows] f32, written in place."""
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
     C-contiguous. Raises ValueError naming the argument at fault."""

@@ -17,7 +17,7 @@ from pyserve.model.errors import WeightsError
 from pyserve.model.gguf import gguf_path
 from pyserve.model.gguf.tokenizer import build_tokenizer
 from pyserve.model.loader import load_model
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 from pyserve.testing import build_model
 from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
 
@@ -267,3 +267,37 @@ def test_an_unknown_pre_tokenizer_is_refused_naming_it():
     with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre 'klingon'"):
         build_tokenizer(_Fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "klingon",
                                  "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
+def test_int8_rows_are_quantize_int8_of_ggufs_widening_bit_for_bit(kind):
+    from pyserve.model.gguf.weights import int8_rows
+
+    blocks = _blocks(kind, 37, 512, seed=3)
+    q, scales = int8_rows(blocks, kind)
+    want_q, want_scales = quantize_int8(_dequantized(blocks, kind))
+    assert torch.equal(q, want_q) and torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4_bit_rows_repack_to_ggufs_weights(kind):
+    """Q4_0 / Q4_1 bit for bit; Q4_K's scale d * sc and offset -dmin * m rounded to f16 (computed
+    here from the block's fields as gguf reads them)."""
+    from pyserve.model.gguf.weights import q4_blocks
+
+    blocks = _blocks(kind, 19, 512, seed=4)
+    packed, scales, offsets = q4_blocks(blocks, kind)
+    layer = Int4Linear(packed, scales, offsets, 32, None)
+    if kind != "Q4_K":
+        assert torch.equal(layer.dequantized(), _dequantized(blocks, kind))
+        return
+    from gguf.quants import Q4_K
+
+    b = blocks.reshape(-1, 144)
+    d, dmin = (b[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    assert torch.equal(scales.reshape(-1, 8), torch.from_numpy((d * sc.reshape(-1, 8).astype(np.float32))
+                                                               .astype(np.float16)))
+    assert torch.equal(offsets.reshape(-1, 8), torch.from_numpy((-(dmin * m.reshape(-1, 8).astype(np.float32)))
+                                                                .astype(np.float16)))
+    assert _within_f16_rounding(layer, _dequantized(blocks, kind))

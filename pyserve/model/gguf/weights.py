@@ -9,6 +9,9 @@ each quantized projection:
   widened (gguf's arithmetic) and re-rounded to int8 (half a step at most, the step the row's
   largest weight / 127): tests/model/test_gguf.py bounds it; on Qwen2.5-Coder-0.5B's Q4_K_M file
   RMS(error) / RMS(weight) is 0.9% for Q8_0 and Q5_0, 1.6% for Q6_K (2.0-2.7% the worst tensor);
+  The 4-bit repacking and Q8_0 / Q5_0 / Q6_K's rounding run in Rust a row at a time
+  (rust/cpu_kernels/src/gguf_blocks.rs: the same bits as numpy over gguf's widened tensor, which
+  took most of a load's time); Q5_1 / Q5_K go through gguf's widening;
 - Q2_K / Q3_K: dequantized once with the `gguf` package (llama.cpp's reference arithmetic) into a
   full-precision layer (no file of them measured on the int8 path yet);
 - F32 / F16 / BF16 as they are (an F32 tensor on the CPU is the mapped file itself).
@@ -37,8 +40,7 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QK_PERMUTED = ("llama", "mistral")  # architectures whose converter permutes q/k rows
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per block of 32 weights
-Q4_K_BYTES = 144  # per block of 256
+ROWS_IN_RUST = ("Q8_0", "Q5_0", "Q6_K")  # INT8_TYPES rounded to int8 in Rust; the others through gguf's widening
 
 
 def hf_name(name: str) -> str | None:
@@ -107,7 +109,10 @@ class GgufWeights:
             return Int4Linear(packed.to(device), scales.to(device), offsets.to(device), 32,
                               None if bias is None else bias.to(device))
         if kind in INT8_TYPES and not self.dequantize:
-            q, scales = quantize_int8(torch.from_numpy(_dequantize(blocks, kind, module_name)))
+            if kind in ROWS_IN_RUST:
+                q, scales = int8_rows(blocks, kind)
+            else:
+                q, scales = quantize_int8(torch.from_numpy(_dequantize(blocks, kind, module_name)))
             return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device))
         weight = torch.from_numpy(_dequantize(blocks, kind, module_name))
         out = nn.Linear(k, n, bias=bias is not None, device="meta")
@@ -127,6 +132,14 @@ class GgufWeights:
         return data.reshape(heads, self.head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(data.shape)
 
 
+def fan_in(kind: str, bytes_per_row: int) -> int:
+    """Weights in a row of `bytes_per_row` bytes of a block type."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    return bytes_per_row // size * weights
+
+
 def row_bytes(kind: str, k: int) -> int:
     """Bytes of a row of `k` weights of a block type; -1 where k is not a whole number of its blocks."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -136,48 +149,39 @@ def row_bytes(kind: str, k: int) -> int:
 
 
 def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K / 2] in Int4Linear's order, scales [N, K / 32], offsets [N, K / 32]) of
-    Q4_0 / Q4_1 / Q4_K blocks [N, row bytes]. A Q4_0 / Q4_1 block's byte j holds weight j (low
-    nibble) and j + 16 (high); Int4Linear's byte j holds weights 2j and 2j + 1."""
-    if kind == "Q4_K":
-        return _q4_k_blocks(blocks)
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, BLOCK_BYTES[kind])
-    scales = b[..., 0:2].copy().view(np.float16)[..., 0]
-    if kind == "Q4_1":
-        offsets = b[..., 2:4].copy().view(np.float16)[..., 0]
-        qs = b[..., 4:]
-    else:
-        offsets = scales * np.float16(-8.0)  # exact in f16
-        qs = b[..., 2:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)  # the weights in order
-    return _packed(q), torch.from_numpy(scales), torch.from_numpy(np.ascontiguousarray(offsets))
+    """(packed uint8 [N, K / 2] in Int4Linear's order, scales [N, K / 32], offsets [N, K / 32] f16)
+    of Q4_0 / Q4_1 / Q4_K blocks [N, row bytes], converted in Rust one row at a time
+    (rust/cpu_kernels/src/gguf_blocks.rs has the layouts)."""
+    from pyserve import _core
+
+    n, k = blocks.shape[0], fan_in(kind, blocks.shape[1])
+    packed = np.empty((n, k // 2), dtype=np.uint8)
+    scales, offsets = (np.empty((n, k // 32), dtype=np.float16) for _ in range(2))
+    _core.gguf_repack_q4(kind, np.ascontiguousarray(blocks), packed, scales, offsets, torch.get_num_threads())
+    return torch.from_numpy(packed), torch.from_numpy(scales), torch.from_numpy(offsets)
 
 
-def _q4_k_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K (llama.cpp's block_q4_K, as gguf/quants.py reads it): 144 bytes per 256 weights: fp16 d,
-    fp16 dmin, 12 bytes of eight 6-bit scales sc and mins m, 128 bytes of nibbles. Group g (of 32)
-    weighs d * sc[g] * q - dmin * m[g]. The 12 bytes: byte i < 4 holds sc[i] in its low 6 bits and
-    sc[i + 4]'s high 2 bits above; byte 4 + i likewise m[i] and m[i + 4]'s high bits; byte 8 + i
-    sc[i + 4]'s low 4 bits (low nibble) and m[i + 4]'s (high). Each 64 weights are 32 bytes: the
-    first 32 weights in the low nibbles, the next 32 in the high."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, Q4_K_BYTES)
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, blocks, 1]
-    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-    low, mins, high = b[..., 4:8], b[..., 8:12], b[..., 12:16]
-    sc = np.concatenate([low & 0x3F, (high & 0xF) | (low >> 6 << 4)], axis=-1)  # [N, blocks, 8]
-    m = np.concatenate([mins & 0x3F, (high >> 4) | (mins >> 6 << 4)], axis=-1)
-    scales = (d * sc.astype(np.float32)).reshape(n, -1)
-    offsets = -(dmin * m.astype(np.float32)).reshape(n, -1)
-    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)  # [N, blocks, 64-weight chunk, nibble, byte]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(n, -1)
-    return _packed(q), torch.from_numpy(scales), torch.from_numpy(offsets)
+def int8_rows(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scales f32 [N]) of Q8_0 / Q5_0 / Q6_K blocks [N, row bytes]: each row widened
+    with gguf's arithmetic and rounded as quantize_int8 rounds, in Rust one row at a time (the
+    bits of quantize_int8 over gguf's dequantization, without the widened tensor)."""
+    from pyserve import _core
+
+    n, k = blocks.shape[0], fan_in(kind, blocks.shape[1])
+    q, scales = np.empty((n, k), dtype=np.int8), np.empty(n, dtype=np.float32)
+    _core.gguf_requantize_int8(kind, np.ascontiguousarray(blocks), q, scales, torch.get_num_threads())
+    return torch.from_numpy(q), torch.from_numpy(scales)
 
 
-def _packed(q: np.ndarray) -> torch.Tensor:
-    """Int4Linear's bytes of 4-bit values [N, K] in order: weight 2j low, 2j + 1 high."""
-    return torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
+def _q4_k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's group scales d * sc and offsets -dmin * m [N, K / 32] in f32 (gguf reads sc, m)."""
+    from gguf.quants import Q4_K
+
+    n, b = blocks.shape[0], blocks.reshape(-1, 144)
+    d, dmin = (b[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    return (torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1)),
+            torch.from_numpy((-(dmin * m.astype(np.float32))).reshape(n, -1)))
 
 
 def q8_0_dequantized(blocks: np.ndarray) -> np.ndarray:
@@ -196,6 +200,8 @@ def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
         return q8_0_dequantized(blocks)
     if kind in INT4_TYPES:  # q * s + o in f32 from the file's own scales: gguf's arithmetic, bit for bit
         packed, scales, offsets = q4_blocks(blocks, kind)
+        if kind == "Q4_K":  # d * sc and -dmin * m as f32 products, not rounded to f16
+            scales, offsets = _q4_k_scales(blocks)
         q = unpack_int4(packed).float().reshape(packed.shape[0], -1, 32)
         return (q * scales.float()[..., None] + offsets.float()[..., None]).reshape(packed.shape[0], -1).numpy()
     try:

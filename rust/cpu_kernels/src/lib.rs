@@ -3,8 +3,9 @@
 //! - `decode_attention`: paged decode attention, keys and values read in place from the cache;
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
-//!   weights; `linear_q4`: 4-bit weights in groups, on int8 activations; `linear_w8a8`: int8 weights and int8
+//!   weights; `linear_q4`: 4-bit weights in groups, on int16 activations; `linear_w8a8`: int8 weights and int8
 //!   activations, exact integer sums);
+//! - `gguf_blocks`: a GGUF file's quantized rows converted to those layers' layouts at load;
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
 //! - `whole_model`: a whole model's forward over a few rows, and its greedy guesses several
@@ -14,6 +15,7 @@ mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
 mod decoder_layer;
+mod gguf_blocks;
 mod layer_ops;
 mod linear;
 #[cfg(target_arch = "x86_64")]
@@ -35,6 +37,7 @@ mod whole_model;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
 pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
+pub use gguf_blocks::{repack_q4, requantize_int8, BlockKind, BlocksError};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};

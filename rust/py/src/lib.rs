@@ -7,6 +7,7 @@ mod arrays;
 mod attention;
 mod decoder_layer;
 mod error;
+mod gguf_blocks;
 mod layer_ops;
 mod linear;
 mod lora;
@@ -34,6 +35,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::model_forward, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::greedy_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_blocks::gguf_repack_q4, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_blocks::gguf_requantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::silu_mul, m)?)?;
