@@ -298,12 +298,16 @@ fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
             for (block, out) in row.chunks_exact(210).zip(w.chunks_exact_mut(256)) {
                 let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
                 let d = f16_at(block, 208).to_f32();
-                for (i, o) in out.iter_mut().enumerate() {
-                    let (h, r) = (i / 128, i % 128);
-                    let low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
-                    let high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-                    let q = (low | (high << 4)) as i32 - 32;
-                    *o = (d * sc[i / 16] as i8 as f32) * q as f32;
+                // runs of 32 weights (i = 128h + 32t + b) share their bytes' shifts: the inner
+                // loop is straight-line over 32 lanes
+                for (run, out) in out.chunks_exact_mut(32).enumerate() {
+                    let (h, t) = (run / 4, run % 4);
+                    let (low, high) = (&ql[64 * h + 32 * (t % 2)..][..32], &qh[32 * h..][..32]);
+                    let scales = [d * sc[2 * run] as i8 as f32, d * sc[2 * run + 1] as i8 as f32];
+                    for (b, o) in out.iter_mut().enumerate() {
+                        let q = ((low[b] >> (4 * (t / 2))) & 0xF) | (((high[b] >> (2 * t)) & 3) << 4);
+                        *o = scales[b / 16] * (q as i32 - 32) as f32;
+                    }
                 }
             }
         }
