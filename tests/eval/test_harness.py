@@ -51,7 +51,7 @@ def test_the_real_model_example_parses_and_serves_the_pair_it_names():
     cascade = configs["cascade-0.5b-1.5b"]
     assert cascade.serve_flags()[:2] == ["--model", f"small={home}/.cache/pyserve/models/"
                                                     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]
-    assert cascade.serve_flags()[2:4] == ["--cascade", "eval=small,large,-0.3"]
+    assert cascade.serve_flags()[2:4] == ["--cascade", "eval=small,large,-0.04"]
     assert configs["llama-server-1.5b"].url == "http://127.0.0.1:8091/v1"
 
 

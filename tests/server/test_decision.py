@@ -107,8 +107,14 @@ def _text_body(tokens: list[str], logprobs: list[float | None]) -> dict:
     (["\nx", "y"], [-1.0, -2.0], -1.5),  # the break before the text does not: one line, all of it
     (["a", "b"], [None, -2.0], -2.0),  # no logprob for a token: left out
     ([], [], float("-inf")),
+    # a fenced answer: the block's tokens (a token starting inside it counts), not the fence lines
+    (["``", "`python\n", "def", " f", "():\n", "  x", "\n", "```", "\nmore"],
+     [0.0, 0.0, -1.0, -2.0, -3.0, -6.0, -8.0, -9.0, -9.0], -4.0),
+    (["\n```\n", "a", "b"], [0.0, -1.0, -2.0], -1.5),  # no closing fence: the rest
+    (["```py"], [-0.5], -0.5),  # a fence line and nothing after it: that line
 ])
-def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line(tokens, logprobs, want):
+def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line_or_code_block(tokens, logprobs,
+                                                                                                 want):
     assert confidence(choice_tokens(_text_body(tokens, logprobs)["choices"][0])) == want
     chat = {"choices": [{"message": {}, "logprobs": {"content": [{"token": t, "logprob": v}
                                                                for t, v in zip(tokens, logprobs)]}}]}
