@@ -145,6 +145,10 @@ class EvalConfig(BaseModel):
                              "served_model names it only for a route or cascade (or a url's model)")
         if self.decides and self.model is not None and self.served_model is None:
             raise ValueError("served_model: a route or cascade over your own model names it here")
+        if self.decides and self.model is None and self.served_model is not None:
+            raise ValueError("served_model: the embedded pair a route or cascade is served over keeps its names")
+        if self.models and not self.decides:
+            raise ValueError("models: only a route or cascade sends requests to the models served beside `model`")
         if self.cascade is not None and self.model is not None:
             served = {self.served_model, *self.models}
             for role in ("small", "large"):

@@ -160,8 +160,9 @@ class GrammarMatchers:
 
     def _hold_json_rules(self, r: MaskRow, bits: np.ndarray) -> None:
         """Takes out of each row of one request the tokens json_rules bans there (row j: after
-        its first j drafts), then, where its budget is down to what closing takes, all but the
-        closing tokens (json_close). A row left with no token marks the request stuck."""
+        its first j drafts), then, in the last tokens of its budget, those json_close leaves
+        out (the guard's, then all but the closing ones). A row left with no token marks the
+        request stuck."""
         track, vocab = self._json[r.internal_id]
         words = bits.view(np.uint32)
         for j in range(len(bits)):

@@ -97,6 +97,8 @@ def test_a_cascade_over_models_of_ones_own_serves_them_all_with_home_paths_expan
      "min_logprob: -1}}", r"configs\[0\] \(a\): cascade: small: 'smal' is not a model this configuration serves "
      r"\(big, small\)"),
     ("configs:\n  - {name: a, url: 'http://x', models: {s: s}}", "a url configuration is already running"),
+    ("configs:\n  - {name: a, model: m, models: {s: s}}", r"configs\[0\] \(a\): models: only a route or cascade"),
+    ("configs:\n  - {name: a, served_model: x, cascade: {min_logprob: -1}}", r"served_model: the embedded pair"),
     ("configs:\n  - {name: a, route: x, cascade: {min_logprob: -1}}", r"configs\[0\] \(a\): .*route or cascade"),
     ("configs:\n  - {name: a, cascade: {}}", r"configs\[0\] \(a\): cascade.min_logprob: Field required"),
     ("configs:\n  - {name: a, temprature: 0.5}", r"configs\[0\] \(a\): temprature: Extra inputs"),
