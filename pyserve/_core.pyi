@@ -195,6 +195,10 @@ def gguf_requantize_int8(kind: str, blocks: np.ndarray, q: np.ndarray, scales: n
     """Q8_0 / Q5_0 / Q6_K rows widened with the gguf package's arithmetic and rounded to int8 as
     quantize_int8 rounds: q [rows, fan_in] int8 and scales [rows] f32, written in place."""
 
+def gguf_widen(kind: str, blocks: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+    """Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 / Q6_K rows widened to out [rows, fan_in] f32 with the gguf
+    package's arithmetic (its bits), written in place."""
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / sqrt(mean(x^2 over each row) + eps) * weight; rows of len(weight), f32,
     C-contiguous. Raises ValueError naming the argument at fault."""

@@ -301,3 +301,11 @@ def test_4_bit_rows_repack_to_ggufs_weights(kind):
     assert torch.equal(offsets.reshape(-1, 8), torch.from_numpy((-(dmin * m.reshape(-1, 8).astype(np.float32)))
                                                                 .astype(np.float16)))
     assert _within_f16_rounding(layer, _dequantized(blocks, kind))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K"])
+def test_rows_widen_to_ggufs_dequantization_bit_for_bit(kind):
+    from pyserve.model.gguf.weights import _dequantize
+
+    blocks = _blocks(kind, 23, 512, seed=5)
+    assert torch.equal(torch.from_numpy(_dequantize(blocks, kind, "t")), _dequantized(blocks, kind))

@@ -30,7 +30,7 @@ from torch import nn
 
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8, unpack_int4
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -41,6 +41,7 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QK_PERMUTED = ("llama", "mistral")  # architectures whose converter permutes q/k rows
 ROWS_IN_RUST = ("Q8_0", "Q5_0", "Q6_K")  # INT8_TYPES rounded to int8 in Rust; the others through gguf's widening
+WIDENED_IN_RUST = INT4_TYPES + ROWS_IN_RUST  # widened to f32 in Rust; the others by gguf
 
 
 def hf_name(name: str) -> str | None:
@@ -173,37 +174,16 @@ def int8_rows(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(q), torch.from_numpy(scales)
 
 
-def _q4_k_scales(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's group scales d * sc and offsets -dmin * m [N, K / 32] in f32 (gguf reads sc, m)."""
-    from gguf.quants import Q4_K
-
-    n, b = blocks.shape[0], blocks.reshape(-1, 144)
-    d, dmin = (b[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
-    sc, m = Q4_K.get_scale_min(b[:, 4:16])
-    return (torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1)),
-            torch.from_numpy((-(dmin * m.astype(np.float32))).reshape(n, -1)))
-
-
-def q8_0_dequantized(blocks: np.ndarray) -> np.ndarray:
-    """The float32 weights [N, K] of Q8_0 blocks [N, K / 32 * 34]."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 34)
-    scales = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, blocks, 1]
-    return (b[..., 2:].view(np.int8).astype(np.float32) * scales).reshape(n, -1)
-
-
 def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if kind == "Q8_0":
-        return q8_0_dequantized(blocks)
-    if kind in INT4_TYPES:  # q * s + o in f32 from the file's own scales: gguf's arithmetic, bit for bit
-        packed, scales, offsets = q4_blocks(blocks, kind)
-        if kind == "Q4_K":  # d * sc and -dmin * m as f32 products, not rounded to f16
-            scales, offsets = _q4_k_scales(blocks)
-        q = unpack_int4(packed).float().reshape(packed.shape[0], -1, 32)
-        return (q * scales.float()[..., None] + offsets.float()[..., None]).reshape(packed.shape[0], -1).numpy()
+    if kind in WIDENED_IN_RUST:  # gguf's arithmetic, bit for bit, a row at a time
+        from pyserve import _core
+
+        out = np.empty((blocks.shape[0], fan_in(kind, blocks.shape[1])), dtype=np.float32)
+        _core.gguf_widen(kind, np.ascontiguousarray(blocks), out, torch.get_num_threads())
+        return out
     try:
         return np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32)
     except (ValueError, KeyError, NotImplementedError) as e:

@@ -3,6 +3,7 @@
 //! - `repack_q4`: Q4_0, Q4_1 and Q4_K rows as `linear_q4`'s layout in groups of 32 (nibbles two a
 //!   byte in weight order; each group's scale and offset in f16: Q4_0's offset is -8 scales,
 //!   Q4_K's scale d * sc and offset -dmin * m are f32 products rounded to f16);
+//! - `widen`: any of them to f32 with the `gguf` package's arithmetic (an embedding table);
 //! - `requantize_int8`: Q8_0, Q5_0 and Q6_K rows widened with the `gguf` package's arithmetic
 //!   (the same f32 products in the same order) and rounded to int8 with one scale per row, as
 //!   pyserve's `quantize_int8` rounds a widened weight: scale = max(max |w|, f32::MIN_POSITIVE) /
@@ -271,9 +272,63 @@ pub fn requantize_int8(
     Ok(())
 }
 
-/// One row of Q8_0 / Q5_0 / Q6_K blocks widened to f32.
+/// Rows of any kind's blocks [rows, row bytes] widened to f32 `out` [rows, fan_in] with the
+/// `gguf` package's arithmetic (the same products in the same order: its bits).
+pub fn widen(
+    pool: &dyn ForkJoin,
+    kind: BlockKind,
+    blocks: &[u8],
+    rows: usize,
+    fan_in: usize,
+    out: &mut [f32],
+) -> Result<(), BlocksError> {
+    let row_bytes = check(kind, blocks, rows, fan_in)?;
+    if out.len() != rows * fan_in {
+        return Err(BlocksError(format!("out: {} values for [{rows}, {fan_in}]", out.len())));
+    }
+    let shared = Shared::new(out);
+    for_row_ranges(pool, rows, &|range| {
+        for r in range {
+            // SAFETY: row r's outputs are this task's alone.
+            let w = unsafe { shared.range(r * fan_in, fan_in) };
+            widen_row(kind, &blocks[r * row_bytes..][..row_bytes], w);
+        }
+    });
+    Ok(())
+}
+
+/// One row of blocks widened to f32 (gguf: Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K (d * sc) * q -
+/// dmin * m, Q8_0 d * q, Q5_0 d * (q - 16), Q6_K (d * sc) * (q - 32)).
 fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
     match kind {
+        BlockKind::Q4_0 | BlockKind::Q4_1 => {
+            let bytes = kind.weights_and_bytes().1;
+            for (block, out) in row.chunks_exact(bytes).zip(w.chunks_exact_mut(32)) {
+                let d = f16_at(block, 0).to_f32();
+                let (m, qs) = if kind == BlockKind::Q4_1 {
+                    (f16_at(block, 2).to_f32(), &block[4..])
+                } else {
+                    (0.0, &block[2..])
+                };
+                for (j, o) in out.iter_mut().enumerate() {
+                    let q = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+                    *o = if kind == BlockKind::Q4_1 { d * q as f32 + m } else { d * (q as i32 - 8) as f32 };
+                }
+            }
+        }
+        BlockKind::Q4K => {
+            for (block, out) in row.chunks_exact(144).zip(w.chunks_exact_mut(256)) {
+                let (d, dmin) = (f16_at(block, 0).to_f32(), f16_at(block, 2).to_f32());
+                for (g, out) in out.chunks_exact_mut(32).enumerate() {
+                    let (sc, m) = q4_k_scale_min(&block[4..16], g);
+                    let (scale, min) = (d * sc as f32, dmin * m as f32);
+                    let (qs, shift) = (&block[16 + 32 * (g / 2)..][..32], 4 * (g % 2));
+                    for (o, &b) in out.iter_mut().zip(qs) {
+                        *o = scale * ((b >> shift) & 0xF) as f32 - min;
+                    }
+                }
+            }
+        }
         BlockKind::Q8_0 => {
             for (block, out) in row.chunks_exact(34).zip(w.chunks_exact_mut(32)) {
                 let d = f16_at(block, 0).to_f32();
@@ -311,7 +366,6 @@ fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
                 }
             }
         }
-        _ => unreachable!("4-bit kinds are repacked, not widened"),
     }
 }
 

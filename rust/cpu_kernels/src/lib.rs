@@ -37,7 +37,7 @@ mod whole_model;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
 pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
-pub use gguf_blocks::{repack_q4, requantize_int8, BlockKind, BlocksError};
+pub use gguf_blocks::{repack_q4, requantize_int8, widen, BlockKind, BlocksError};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
 pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};

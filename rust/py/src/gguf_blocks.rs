@@ -1,4 +1,4 @@
-//! `gguf_repack_q4`, `gguf_requantize_int8`: a GGUF file's quantized rows converted to the
+//! `gguf_repack_q4`, `gguf_requantize_int8`, `gguf_widen`: a GGUF file's quantized rows converted to the
 //! layouts of pyserve's 4-bit and int8 layers (`pyserve-cpu-kernels`' `gguf_blocks`), into
 //! arrays the caller allocated, with the GIL released and the rows spread over torch's team.
 
@@ -6,7 +6,7 @@ use half::f16;
 use numpy::{PyReadonlyArray2, PyReadwriteArray1, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{repack_q4, requantize_int8, BlockKind};
+use pyserve_cpu_kernels::{repack_q4, requantize_int8, widen, BlockKind};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
@@ -62,4 +62,23 @@ pub fn gguf_requantize_int8(
         openmp::on_team(threads, |pool| requantize_int8(pool, kind, blocks, rows, fan_in, q, scales))
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Rows of `kind` blocks [rows, row bytes] widened to f32 `out` [rows, fan_in] with the gguf
+/// package's arithmetic (any of the six types).
+#[pyfunction]
+#[pyo3(signature = (kind, blocks, out, threads=1))]
+pub fn gguf_widen(
+    py: Python<'_>,
+    kind: &str,
+    blocks: PyReadonlyArray2<'_, u8>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    let kind = kind_of(kind)?;
+    let (rows, fan_in) = (blocks.shape()[0], out.shape()[1]);
+    let blocks = contiguous("blocks", &blocks)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| openmp::on_team(threads, |pool| widen(pool, kind, blocks, rows, fan_in, out)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
