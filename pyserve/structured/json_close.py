@@ -39,7 +39,8 @@ PHASES = {
     "number_end": rb"[0-9]*" + _WS + rb"[\]}]" + _CLOSERS,
 }
 # Tokens closing takes from each phase at most, before the open containers' closing brackets
-# (None: no closing mask applies, an escape or a literal to finish first).
+# (None: no mask applies there, an escape or a literal to finish first; its cost bounds the
+# phases a guarded token may lead into).
 COST = {"close": 0, "string_end": 1, "key_end": 4, "colon": 3, "value": 2, "new_key": 5, "number_end": 0, None: 2}
 # Tokens that cannot open anything: no container, string, key or escape starts in them. After a
 # number's digits, only more digits: a "." or an "e" would open a part that needs its own.
@@ -94,7 +95,7 @@ class ClosingTokens:
 
         flat = mask(FLAT)
         self.closing = {name: mask(pattern) for name, pattern in PHASES.items()}
-        self.guarded = {name: m | flat for name, m in self.closing.items()} | {None: flat}
+        self.guarded = {name: m | flat for name, m in self.closing.items()}
         self.guarded["number_end"] = self.closing["number_end"] | mask(DIGITS)
 
 
@@ -104,11 +105,11 @@ def hold_to_budget(track: JsonTrack, left: int, words: np.ndarray,
     `left` tokens (this row's included) are all closing takes ("closing"), to its guarded ones
     within GUARD of that ("guard"); None where it left the mask as it was. `vocab_tokens` is
     called only then (its first call builds them)."""
-    if not track.stack:
-        return None
     at = phase(track)
+    if not track.stack or at is None:
+        return None
     cost = tokens_to_close(track, at)
-    if at is None or left > cost + GUARD:
+    if left > cost + GUARD:
         return None
     tokens = vocab_tokens()
     closing = words & tokens.closing[at]

@@ -61,8 +61,8 @@ def test_each_phase_allows_its_closing_tokens_only():
     assert _allowed("number_end") == [b"}", b"]", b"}}", b" }", b"1}"]
     assert set(PHASES) == set(CLOSING.closing)
     # the guard adds the tokens that open nothing; after digits, only digits
-    assert _allowed(None, guarded=True) == [b"}", b"]", b"}}", b" }", b"null", b"true}", b"5", b"-12]", b"x",
-                                            b"1}", b"0", b"e", b"ab"]
+    assert set(_allowed("close", guarded=True)) - set(_allowed("close")) == {b"null", b"true}", b"5", b"-12]", b"x",
+                                                                            b"1}", b"0", b"e", b"ab"}
     assert _allowed("number_end", guarded=True) == [b"}", b"]", b"}}", b" }", b"5", b"1}", b"0"]
 
 
@@ -110,7 +110,7 @@ def test_closing_tokens_lower_the_cost_and_guarded_ones_never_raise_it_from_ever
         for cut in range(1, len(text)):
             track = _track(text[:cut])
             at = phase(track)
-            candidates = _allowed(at, guarded=True)
+            candidates = _allowed(at, guarded=True) if at is not None else []  # no mask applies there
             for token, ok in zip(candidates, any_json(text[:cut], candidates)):
                 if not ok:
                     continue
