@@ -33,11 +33,11 @@ import httpx
 import numpy as np
 
 import harness
-from decision import cascade_cross_validated
+from decision import cascade_cross_validated, model_scores
 from pyserve.embeddings.packaged import PackagedEncoder
 from pyserve.eval.configs import EvalConfig
 from pyserve.eval.humaneval import humaneval_items
-from pyserve.eval.runner import Client, run_items
+from pyserve.eval.runner import Client
 from pyserve.model_choice.train import train_classifier
 from pyserve.server.child_server import start_server, stop_server
 from pyserve.server.completion_result import choice_tokens
@@ -66,18 +66,6 @@ def signals(tokens: list[tuple[str, float | None]]) -> dict[str, float]:
     return {"served": confidence(tokens), "first_line": float(np.mean(first_line)) if first_line else float("-inf"),
             "answer": float(values.mean()) if len(values) else float("-inf"),
             "min_code": float(in_code.min()) if len(in_code) else float("-inf")}
-
-
-async def model_scores(base: str, items: list) -> dict:
-    scores = {}
-    for name in (SMALL, LARGE):
-        client = Client(base, EvalConfig(name=name), name)
-        results = await run_items(client, items, 4)
-        await client.close()
-        scores[name] = {r.id: {"id": r.id, "score": r.score.value, "output_tokens": r.timing.output_tokens}
-                        for r in results}
-        print(f"{name}: pass@1 {np.mean([r.score.value for r in results]):.3f}", file=sys.stderr)
-    return scores
 
 
 async def small_confidence(base: str, items: list) -> dict:
@@ -116,7 +104,7 @@ def main() -> None:
         else:
             proc, base = start_server(small_file, "--served-model-name", SMALL, workdir=Path(tmp))
         try:
-            scores = scores or asyncio.run(model_scores(base, items))
+            scores = scores or asyncio.run(model_scores(base, items, (SMALL, LARGE)))
             confidences = asyncio.run(small_confidence(base, items))
         finally:
             stop_server(proc)

@@ -52,14 +52,20 @@ DATA = Path(__file__).resolve().parents[1] / "pyserve" / "eval" / "data" / "embe
 SHARES = (0.3, 0.4, 0.5)
 
 
-async def per_item(base: str, items: list) -> dict:
+async def model_scores(base: str, items: list, names: tuple[str, ...]) -> dict:
+    """Each served model's score and output tokens per item, as `pyserve eval` runs the items."""
     out = {}
-    for name in (DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME):
+    for name in names:
         client = Client(base, EvalConfig(name=name), name)
         results = await run_items(client, items, 4)
         await client.close()
         out[name] = {r.id: {"id": r.id, "score": r.score.value, "output_tokens": r.timing.output_tokens}
                      for r in results}
+    return out
+
+
+async def per_item(base: str, items: list) -> dict:
+    out = await model_scores(base, items, (DRAFT_MODEL_NAME, DEFAULT_MODEL_NAME))
     client = Client(base, EvalConfig(name="confidence"), DRAFT_MODEL_NAME)
     conf = {}
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
