@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from pyserve import LLM, SamplingParams, StructuredOutputsParams
+from pyserve import SamplingParams, StructuredOutputsParams
 from pyserve.default_model import TARGET_DIR
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.structured.compiler import GrammarCompiler
@@ -143,22 +143,12 @@ def test_a_mask_narrows_only_when_the_budget_is_down_to_closing():
         assert hold_to_budget(track, left, words, lambda: CLOSING) is None and (words == nothing_closes).all()
 
 
-@pytest.fixture(scope="module")
-def llm():
-    with LLM() as llm:
-        yield llm
-
-
-PROMPTS = ["Answer in JSON: ", "def parse(x):", "The user said", "import os\n", "config = ", "data:", "# settings\n",
-           "{'a': 1}"]
-
-
 @pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "object", "additionalProperties": {"type": "string"}}])
-def test_open_objects_out_of_tokens_end_valid_with_length(llm, schema):
+def test_open_objects_out_of_tokens_end_valid_with_length(llm, json_prompts, schema):
     for max_tokens in (12, 40):
         params = SamplingParams(max_tokens=max_tokens, temperature=0,
                                 structured_outputs=StructuredOutputsParams(json=schema))
-        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        outs = [o.outputs[0] for o in llm.generate(json_prompts, params, use_tqdm=False)]
         for c in outs:
             assert isinstance(json.loads(c.text), dict), c.text
             assert len(c.token_ids) <= max_tokens
@@ -166,10 +156,9 @@ def test_open_objects_out_of_tokens_end_valid_with_length(llm, schema):
         assert sum(c.finish_reason == "length" for c in outs) >= 4  # these ran out and were closed
 
 
-def test_json_the_model_ends_near_its_budget_stops():
+def test_json_the_model_ends_near_its_budget_stops(llm, json_prompts):
     """`[0]` ends in 4 tokens of 6: under the guard (the last tokens), not closed by it."""
-    with LLM() as llm:
-        params = SamplingParams(max_tokens=6, temperature=0,
-                                structured_outputs=StructuredOutputsParams(json={"type": "array"}))
-        c = llm.generate(PROMPTS[:2], params, use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(max_tokens=6, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json={"type": "array"}))
+    c = llm.generate(json_prompts[:2], params, use_tqdm=False)[0].outputs[0]
     assert (c.text, c.finish_reason) == ("[0]", "stop")

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from pyserve import LLM, SamplingParams, StructuredOutputsParams
+from pyserve import SamplingParams, StructuredOutputsParams
 from pyserve.default_model import TARGET_DIR
 from pyserve.model.tokenizer import Tokenizer
 from pyserve.structured.compiler import GrammarCompiler
@@ -94,21 +94,11 @@ def _pairs_unique(pairs):
     return dict(pairs)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    with LLM() as llm:
-        yield llm
-
-
-PROMPTS = ["Answer in JSON: ", "def parse(x):", "The user said", "import os\n", "config = ", "data:", "# settings\n",
-           "{'a': 1}"]
-
-
 @pytest.mark.parametrize("schema", [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
                                     {"type": "object", "additionalProperties": {"type": "integer"}}])
-def test_greedy_open_objects_never_repeat_a_key(llm, schema):
+def test_greedy_open_objects_never_repeat_a_key(llm, json_prompts, schema):
     params = SamplingParams(max_tokens=150, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
-    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+    for out in llm.generate(json_prompts, params, use_tqdm=False):
         text = out.outputs[0].text
         if out.outputs[0].finish_reason == "stop":
             json.loads(text, object_pairs_hook=_pairs_unique)
@@ -117,9 +107,9 @@ def test_greedy_open_objects_never_repeat_a_key(llm, schema):
 
 
 @pytest.mark.parametrize("kind, most_digits", [("integer", 19), ("number", 19)])
-def test_unbounded_numbers_end_within_a_machine_numbers_digits(llm, kind, most_digits):
+def test_unbounded_numbers_end_within_a_machine_numbers_digits(llm, json_prompts, kind, most_digits):
     params = SamplingParams(max_tokens=150, temperature=0, structured_outputs=StructuredOutputsParams(json={"type": kind}))
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(json_prompts, params, use_tqdm=False)
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
