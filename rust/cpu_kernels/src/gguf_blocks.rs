@@ -176,12 +176,21 @@ pub fn repack_q4(
     Ok(())
 }
 
-/// 32 weights in order, two a byte as `linear_q4` reads them (2j low, 2j + 1 high), from 16
-/// bytes holding weight j in byte j's low nibble and j + 16 in its high one.
+/// Weight j (0..32) of a 32-weight block's 16 bytes of nibbles (Q4_0, Q4_1, Q5_0's low bits):
+/// weight j in byte j's low nibble, j + 16 in its high one.
+#[inline(always)]
+fn nibble(qs: &[u8], j: usize) -> u8 {
+    if j < 16 {
+        qs[j] & 0xF
+    } else {
+        qs[j - 16] >> 4
+    }
+}
+
+/// 32 weights in order, two a byte as `linear_q4` reads them (2j low, 2j + 1 high).
 fn pack_32(qs: &[u8], out: &mut [u8]) {
-    let q = |j: usize| if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
     for (j, byte) in out[..16].iter_mut().enumerate() {
-        *byte = q(2 * j) | (q(2 * j + 1) << 4);
+        *byte = nibble(qs, 2 * j) | (nibble(qs, 2 * j + 1) << 4);
     }
 }
 
@@ -311,7 +320,7 @@ fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
                     (0.0, &block[2..])
                 };
                 for (j, o) in out.iter_mut().enumerate() {
-                    let q = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+                    let q = nibble(qs, j);
                     *o = if kind == BlockKind::Q4_1 { d * q as f32 + m } else { d * (q as i32 - 8) as f32 };
                 }
             }
@@ -343,7 +352,7 @@ fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
                 let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
                 let qs = &block[6..];
                 for (j, o) in out.iter_mut().enumerate() {
-                    let low = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+                    let low = nibble(qs, j);
                     let q = (low | (((qh >> j) & 1) as u8) << 4) as i32 - 16;
                     *o = d * q as f32;
                 }
