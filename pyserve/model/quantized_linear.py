@@ -45,6 +45,7 @@ from torch import nn
 from pyserve import _core
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
 from pyserve.model.cpu_linear import FEW_ROWS
+from pyserve.model.kquant_linear import KQuantLinear
 
 METHODS = ("int8", "int4", "fp8", "w8a8")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -286,7 +287,7 @@ class Fp8Linear(Int8Linear):
     quantize = staticmethod(quantize_fp8)
 
 
-QUANTIZED = (Int8Linear, Int4Linear)  # Fp8Linear and W8A8Linear are Int8Linears
+QUANTIZED = (Int8Linear, Int4Linear, KQuantLinear)  # Fp8Linear and W8A8Linear are Int8Linears
 LAYERS = {"int8": Int8Linear, "fp8": Fp8Linear, "w8a8": W8A8Linear}  # of one scale per output channel
 
 
@@ -337,6 +338,10 @@ def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+    if isinstance(first, KQuantLinear):
+        if any(p.kind != first.kind for p in parts):
+            return None
+        return KQuantLinear(torch.cat([p.blocks for p in parts]), first.kind, bias)
     if isinstance(first, Int8Linear):  # fp8 and w8a8 too
         return type(first)(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), bias)
     if any(p.group_size != first.group_size for p in parts):

@@ -16,6 +16,8 @@ from pyserve.model.config import UnsupportedModelError
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf import gguf_path
 from pyserve.model.gguf.tokenizer import build_tokenizer
+from pyserve.model.gguf.weights import int8_rows, q4_blocks
+from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.loader import load_model
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 from pyserve.testing import build_model
@@ -148,13 +150,12 @@ def _within_half_a_step(layer: Int8Linear, weight: torch.Tensor) -> bool:
 INT8_RMS_ERROR = 0.01
 
 
-@pytest.mark.parametrize("kind, layer", [("Q4_K", Int4Linear), ("Q5_0", Int8Linear), ("Q5_1", Int8Linear),
-                                         ("Q5_K", Int8Linear), ("Q6_K", Int8Linear), ("Q2_K", torch.nn.Linear),
+@pytest.mark.parametrize("kind, layer", [("Q4_K", KQuantLinear), ("Q5_0", Int8Linear), ("Q5_1", Int8Linear),
+                                         ("Q5_K", Int8Linear), ("Q6_K", KQuantLinear), ("Q2_K", torch.nn.Linear),
                                          ("Q3_K", torch.nn.Linear)])
 def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tmp_path, kind, layer):
-    """Q4_K on the int4 path is the file's weights up to its products d * sc and dmin * m rounded to
-    f16 (gguf's dequantization of them);
-    Q5 and Q6_K on the int8 path within half a row's step of them (and a measured RMS bound);
+    """Q4_K and Q6_K on a CPU are the file's blocks as they are (gguf's dequantization of them,
+    exactly); Q5 on the int8 path within half a row's step of them (and a measured RMS bound);
     Q2_K / Q3_K widened, exactly gguf's; `gguf_dequantize` widens every one of them so."""
     hf_dir = build_model(tmp_path / "wide", "qwen2", hidden_size=256, intermediate_size=512)
     blocks = _blocks(kind, 512, 256)  # ffn_up: 256 inputs -> 512 outputs
@@ -168,6 +169,9 @@ def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tm
     assert torch.equal(wide.model.layers[0].mlp.up_proj.weight, file_weight)
     if layer is torch.nn.Linear:
         assert torch.equal(served.weight, file_weight)
+    elif layer is KQuantLinear:
+        assert served.kind == kind and np.array_equal(served.blocks.numpy(), blocks)
+        assert torch.equal(served.dequantized(), file_weight)
     elif layer is Int4Linear:
         assert served.group_size == 32 and _within_f16_rounding(served, file_weight)
     else:
@@ -178,7 +182,7 @@ def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tm
 
 def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
     """A Llama file's q/k rows are in llama.cpp's rotary order: each row's K-quant blocks move back
-    whole, so the served layers hold Hugging Face's rows (Q4_K on the int4 path, Q6_K on int8)."""
+    whole, so the served layers hold Hugging Face's rows."""
     from pyserve.testing.tiny_gguf import _permute
 
     hf_dir = build_model(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512, **LLAMA_ROPE)
@@ -193,10 +197,43 @@ def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
     model = load_model(gguf, load_config(gguf), torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
     attn = model.model.layers[1].self_attn
     assert model.checkpoint_quantization == "gguf-Q4_K+Q6_K"
-    assert isinstance(attn.q_proj, Int4Linear) and isinstance(attn.k_proj, Int8Linear)
-    assert _within_f16_rounding(attn.q_proj, _dequantized(hf_blocks["q"], "Q4_K"))
-    k_weight = _dequantized(hf_blocks["k"], "Q6_K")
-    assert _within_half_a_step(attn.k_proj, k_weight)
+    for proj, role in ((attn.q_proj, "q"), (attn.k_proj, "k")):
+        assert isinstance(proj, KQuantLinear) and np.array_equal(proj.blocks.numpy(), hf_blocks[role])
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_k_quant_layer_multiplies_x_quantized_per_256_inputs_with_the_files_weights(kind):
+    """KQuantLinear's CPU kernel: x rounded to int8 per super-block of 256 inputs (scale max |x| /
+    127, halves to even) against gguf's dequantized weights, within f32 rounding; a row the same
+    alone as in a batch."""
+    n, k = 40, 768
+    blocks = _blocks(kind, n, k, seed=3)
+    bias = torch.linspace(-1, 1, n)
+    layer = KQuantLinear(torch.from_numpy(blocks), kind, bias)
+    x = torch.randn(6, k) * torch.linspace(0.1, 4, k)  # inputs of different sizes across super-blocks
+    groups = x.reshape(6, k // 256, 256)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(6, k)
+    want = xq.double() @ _dequantized(blocks, kind).double().T + bias.double()
+    got = layer(x)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(layer(x[2:3]), got[2:3])
+    plain = x @ _dequantized(blocks, kind).T + bias  # what int8 inputs cost: under 2% here
+    assert 0 < float((got - plain).norm() / plain.norm()) < 0.02
+
+
+@pytest.mark.parametrize("kind, layer", [("Q4_K", Int4Linear), ("Q6_K", Int8Linear)])
+def test_off_the_cpu_k_quants_convert_to_the_int4_and_int8_layouts(kind, layer):
+    """Where the blocks are not served in place (CUDA's Triton kernels), Q4_K repacks into groups of
+    32 (its products d * sc, dmin * m rounded to f16) and Q6_K rounds to int8 rows (half a step)."""
+    blocks = _blocks(kind, 64, 512, seed=4)
+    weight = _dequantized(blocks, kind)
+    if kind == "Q4_K":
+        served = Int4Linear(*q4_blocks(blocks, kind), 32, None)
+        assert _within_f16_rounding(served, weight)
+    else:
+        served = Int8Linear(*int8_rows(blocks, kind), None)
+        assert _within_half_a_step(served, weight)
 
 
 def test_a_directory_holding_one_gguf_is_served_from_it(tiny, tmp_path):

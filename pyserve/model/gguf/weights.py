@@ -1,5 +1,8 @@
 """A GGUF file's tensors under the Hugging Face names pyserve's model uses, and the served layer of
 each quantized projection:
+- Q4_K and Q6_K on a CPU: a KQuantLinear over the file's blocks as they are (the mapped file
+  itself, 4.5 and 6.56 bits a weight; model/kquant_linear.py); on other devices they take the
+  conversions below (the Triton kernels' layouts);
 - Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) and Q4_K (256 weights a
   block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32): an Int4Linear
   in groups of 32, the nibbles repacked into its order, each group's scale and offset in f16 as the
@@ -30,6 +33,8 @@ from torch import nn
 
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
+from pyserve.model.kquant_linear import BLOCK_BYTES as KQUANT_TYPES
+from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -105,6 +110,8 @@ class GgufWeights:
         if blocks.shape != (n, row_bytes(kind, k)):
             raise WeightsError(f"GGUF weight of {module_name} ({kind}) has {blocks.shape} bytes, the config implies "
                                f"{(n, row_bytes(kind, k))}")
+        if kind in KQUANT_TYPES and device.type == "cpu" and not self.dequantize:  # the file's blocks in place
+            return KQuantLinear(tensors["weight"], kind, bias)
         if kind in INT4_TYPES and not self.dequantize:
             packed, scales, offsets = q4_blocks(blocks, kind)
             return Int4Linear(packed.to(device), scales.to(device), offsets.to(device), 32,

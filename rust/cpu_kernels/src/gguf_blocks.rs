@@ -53,7 +53,8 @@ impl BlockKind {
         })
     }
 
-    fn weights_and_bytes(self) -> (usize, usize) {
+    /// Weights of a block, and its bytes.
+    pub fn weights_and_bytes(self) -> (usize, usize) {
         match self {
             Self::Q4_0 => (32, 18),
             Self::Q4_1 => (32, 20),
@@ -211,7 +212,7 @@ fn q4_0_1_row(kind: BlockKind, row: &[u8], packed: &mut [u8], scales: &mut [f16]
 }
 
 /// Q4_K's six-bit scale and minimum of group j (0..8) from a block's 12 bytes.
-fn q4_k_scale_min(b: &[u8], j: usize) -> (u8, u8) {
+pub(crate) fn q4_k_scale_min(b: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (b[j] & 0x3F, b[j + 4] & 0x3F)
     } else {

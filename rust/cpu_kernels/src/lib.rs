@@ -4,7 +4,7 @@
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
 //!   weights; `linear_q4`: 4-bit weights in groups, on int16 activations; `linear_w8a8`: int8 weights and int8
-//!   activations, exact integer sums);
+//!   activations, exact integer sums; `linear_kquant`: a GGUF file's Q4_K and Q6_K rows in place);
 //! - `gguf_blocks`: a GGUF file's quantized rows converted to those layers' layouts at load;
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
@@ -20,6 +20,9 @@ mod layer_ops;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_avx2;
+mod linear_kquant;
+#[cfg(target_arch = "x86_64")]
+mod linear_kquant_avx2;
 mod linear_q4;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx2;
@@ -40,6 +43,7 @@ pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, Paged
 pub use gguf_blocks::{repack_q4, requantize_int8, widen, BlockKind, BlocksError};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};
+pub use linear_kquant::{linear_kquant, linear_kquant_on, KQuantWeights};
 pub use linear_q4::{linear_q4, linear_q4_on, Q4Weights};
 pub use linear_q8::{linear_q8, linear_q8_on, Q8Weights};
 pub use linear_w8a8::{linear_w8a8, linear_w8a8_on, W8A8Weights};

@@ -1,10 +1,11 @@
 //! A projection of a layer as it is stored: f32 weights (`linear`), int8 weights with one scale
-//! per output channel (`linear_q8`), the same with int8 activations (`linear_w8a8`), or 4-bit
-//! weights in groups (`linear_q4`), or several of these side by side (`Parts`: a layer whose
-//! q, k and v are stored in different kinds, as GGUF files store them). The decoder layer runs
-//! any kind.
+//! per output channel (`linear_q8`), the same with int8 activations (`linear_w8a8`), 4-bit
+//! weights in groups (`linear_q4`), a GGUF file's K-quant rows (`linear_kquant`), or several of
+//! these side by side (`Parts`: a layer whose q, k and v are stored in different kinds, as GGUF
+//! files store them). The decoder layer runs any kind.
 
 use crate::linear::{linear_on, LinearError, LinearWeights};
+use crate::linear_kquant::{linear_kquant_on, KQuantWeights};
 use crate::linear_q4::{linear_q4_on, Q4Weights};
 use crate::linear_q8::{linear_q8_on, Q8Weights};
 use crate::linear_w8a8::{linear_w8a8_on, W8A8Weights};
@@ -15,6 +16,7 @@ pub enum Projection<'a> {
     Q8(Q8Weights<'a>),
     W8A8(W8A8Weights<'a>),
     Q4(Q4Weights<'a>),
+    KQuant(KQuantWeights<'a>),
     /// The outputs of each part in turn, over the same inputs.
     Parts(Vec<Projection<'a>>),
 }
@@ -26,6 +28,7 @@ impl Projection<'_> {
             Projection::Q8(w) => w.fan_in,
             Projection::W8A8(w) => w.fan_in,
             Projection::Q4(w) => w.fan_in,
+            Projection::KQuant(w) => w.fan_in,
             Projection::Parts(parts) => parts.first().map_or(0, Projection::fan_in),
         }
     }
@@ -36,6 +39,7 @@ impl Projection<'_> {
             Projection::Q8(w) => w.fan_out,
             Projection::W8A8(w) => w.fan_out,
             Projection::Q4(w) => w.fan_out,
+            Projection::KQuant(w) => w.fan_out,
             Projection::Parts(parts) => parts.iter().map(Projection::fan_out).sum(),
         }
     }
@@ -53,6 +57,7 @@ pub fn project_on(
         Projection::Q8(w) => linear_q8_on(pool, x, w, y),
         Projection::W8A8(w) => linear_w8a8_on(pool, x, w, y),
         Projection::Q4(w) => linear_q4_on(pool, x, w, y),
+        Projection::KQuant(w) => linear_kquant_on(pool, x, w, y),
         Projection::Parts(parts) => parts_on(pool, x, parts, y),
     }
 }

@@ -32,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear::linear_q8, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear_q4, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear_w8a8, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::linear_kquant, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::model_forward, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::greedy_decode, m)?)?;

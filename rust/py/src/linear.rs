@@ -1,4 +1,4 @@
-//! `linear`, `linear_q8`, `linear_q4`, `linear_w8a8`: the CPU few-rows linear kernel of `pyserve-cpu-kernels`
+//! `linear`, `linear_q8`, `linear_q4`, `linear_w8a8`, `linear_kquant`: the CPU few-rows linear kernel of `pyserve-cpu-kernels`
 //! over numpy views of the step's tensors (no copies), with the GIL released while it runs.
 
 use half::f16;
@@ -81,6 +81,23 @@ pub fn linear_q4(
     run(py, x, Weight::Q4(packed, scales, offsets, group, bias), out, threads)
 }
 
+/// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` over a
+/// GGUF file's rows of `kind` ("Q4_K" or "Q6_K") as it stores them, `blocks` [fan_out, row bytes]
+/// u8; x quantized to int16 per block of 32 inputs.
+#[pyfunction]
+#[pyo3(signature = (x, blocks, kind, bias, out, threads=1))]
+pub fn linear_kquant(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    blocks: PyReadonlyArray2<'_, u8>,
+    kind: String,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<()> {
+    run(py, x, Weight::KQuant(blocks, kind, bias), out, threads)
+}
+
 /// x [rows, fan_in] and out [rows, fan_out] checked against the weight, then the kernel of its kind.
 fn run(
     py: Python<'_>,
@@ -89,6 +106,7 @@ fn run(
     mut out: PyReadwriteArray2<'_, f32>,
     threads: usize,
 ) -> PyResult<()> {
+    let weights = projection(&weight, None)?;
     let [fan_out, fan_in] = weight.shape();
     if x.shape()[1] != fan_in || out.shape() != [x.shape()[0], fan_out] {
         return Err(PyValueError::new_err(format!(
@@ -98,7 +116,6 @@ fn run(
             [fan_out, fan_in]
         )));
     }
-    let weights = projection(&weight, None)?;
     let x = contiguous("x", &x)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| openmp::on_team(threads, |pool| project_on(pool, x, &weights, out)))

@@ -5,13 +5,15 @@ use half::f16;
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyserve_cpu_kernels::{LinearWeights, Projection, Q4Weights, Q8Weights, W8A8Weights};
+use pyserve_cpu_kernels::{
+    BlockKind, KQuantWeights, LinearWeights, Projection, Q4Weights, Q8Weights, W8A8Weights,
+};
 
 use crate::arrays::contiguous;
 
 /// (weight f32, bias), (weight int8, scales, bias), (weight int8, scales, bias, "w8a8": int8
-/// activations too), (packed u8, scales f16, offsets f16, group, bias), or a list of these: their outputs
-/// side by side.
+/// activations too), (packed u8, scales f16, offsets f16, group, bias), (GGUF blocks u8, "Q4_K" or
+/// "Q6_K", bias), or a list of these: their outputs side by side.
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
     Q4(
@@ -22,6 +24,7 @@ pub enum Weight<'py> {
         Option<PyReadonlyArray1<'py, f32>>,
     ),
     W8A8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>, String),
+    KQuant(PyReadonlyArray2<'py, u8>, String, Option<PyReadonlyArray1<'py, f32>>),
     Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     Parts(Vec<Weight<'py>>),
@@ -34,6 +37,11 @@ impl Weight<'_> {
             Weight::F32(w, _) => [w.shape()[0], w.shape()[1]],
             Weight::Q8(w, _, _) | Weight::W8A8(w, _, _, _) => [w.shape()[0], w.shape()[1]],
             Weight::Q4(p, _, _, _, _) => [p.shape()[0], p.shape()[1] * 2],
+            Weight::KQuant(b, kind, _) => {
+                // a kind that is not a block type is refused by `projection`
+                let (weights, bytes) = BlockKind::named(kind).map_or((0, 1), BlockKind::weights_and_bytes);
+                [b.shape()[0], b.shape()[1] / bytes * weights]
+            }
             Weight::Parts(parts) => {
                 [parts.iter().map(|p| p.shape()[0]).sum(), parts.first().map_or(0, |p| p.shape()[1])]
             }
@@ -86,6 +94,15 @@ pub fn projection<'a>(w: &'a Weight<'_>, name: Option<&str>) -> PyResult<Project
             scales: contiguous(&named("scales"), scales)?,
             offsets: contiguous(&named("offsets"), offsets)?,
             group: *group,
+            bias: bias(b)?,
+            fan_in,
+            fan_out,
+        }),
+        Weight::KQuant(blocks, kind, b) => Projection::KQuant(KQuantWeights {
+            kind: BlockKind::named(kind).ok_or_else(|| {
+                PyValueError::new_err(format!("{}: {kind:?} is not a GGUF block type", named("kind")))
+            })?,
+            blocks: contiguous(&named("blocks"), blocks)?,
             bias: bias(b)?,
             fan_in,
             fan_out,

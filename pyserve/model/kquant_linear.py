@@ -1,0 +1,61 @@
+"""A linear layer over a GGUF file's Q4_K or Q6_K rows as the file holds them (4.5 and 6.56 bits a
+weight), served in place on a CPU: `_core.linear_kquant` reads the blocks with x quantized to
+int8 per 256 inputs, llama.cpp's arithmetic for these types
+(rust/cpu_kernels/src/linear_kquant.rs). Converting them to the 4-bit groups of Int4Linear (5
+bits) or the int8 rows of Int8Linear (8) made every decode step read more bytes, and the load
+convert them. Elsewhere (CUDA, half precision) the GGUF loader converts instead; `forward` on
+other inputs multiplies the widened weight, the reference the kernel is tested against."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyserve import _core
+
+SUPER_BLOCK = 256  # weights of a K-quant block
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+
+
+class KQuantLinear(nn.Module):
+    """`blocks` [out_features, row bytes] uint8 of `kind` ("Q4_K" or "Q6_K"), rows in output order."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None):
+        super().__init__()
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"kind: {kind} is not a K-quant type this layer serves ({', '.join(BLOCK_BYTES)})")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[kind]:
+            raise ValueError(f"blocks: {tuple(blocks.shape)} {blocks.dtype} is not rows of whole {kind} blocks (uint8)")
+        self.kind = kind
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] // BLOCK_BYTES[kind] * SUPER_BLOCK
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.cpu = blocks.device.type == "cpu"
+        if self.cpu:
+            self.views = (self.blocks.numpy(), kind, None if self.bias is None else self.bias.numpy())
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def kernel_weights(self) -> tuple | None:
+        """The layer as `_core.decoder_layer` takes a K-quant projection."""
+        return self.views if self.cpu else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] in f32, widened with gguf's arithmetic."""
+        out = np.empty((self.out_features, self.in_features), dtype=np.float32)
+        _core.gguf_widen(self.kind, self.blocks.cpu().numpy(), out, torch.get_num_threads())
+        return torch.from_numpy(out).to(self.blocks.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu and x.dtype == torch.float32:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            blocks, kind, bias = self.views
+            _core.linear_kquant(x.contiguous().numpy(), blocks, kind, bias, out.numpy(),
+                                threads=torch.get_num_threads())
+            return out
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

@@ -1,0 +1,340 @@
+//! Linear layers over a GGUF file's K-quant rows as the file holds them: Q4_K (4.5 bits a
+//! weight) and Q6_K (6.5625), read in place, where converting them to `linear_q4`'s groups of 32
+//! (5 bits) or `linear_q8`'s rows (8 bits) would make every step read more bytes. Layouts are
+//! `gguf_blocks`' (llama.cpp's ggml-common.h): a row of `fan_in` weights is fan_in / 256
+//! super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes.
+//!
+//! Activations are quantized as llama.cpp quantizes them for these types (its Q8_K): int8 with
+//! one scale per super-block of 256 inputs (max |x| / 127, x / scale rounded half to even), so
+//! that `vpmaddubsw` multiplies 32 weights a step and each super-block sums exactly in i32:
+//! - Q4_K: sum_j d * sc[j] * (q . xq)_j - dmin * m[j] * sum(xq)_j over its 8 sub-blocks of 32
+//!   (q in 0..16; sc, m six bits), times the x scale;
+//! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
+//!   sc an int8), times the x scale.
+//! The same arithmetic as llama.cpp's on the same file, and the same bytes a step; the int16
+//! activations of `linear_q4` would cost these layers twice the multiplies (measured: the int16
+//! form of this kernel ran at ~15 GB/s, compute-bound on two AVX2 cores, against ~28 for the 4-bit
+//! layout's).
+//!
+//! Every output is summed in one fixed order whatever the rows beside it, the tile it falls in
+//! or the thread: a row gets the same bits alone or in a batch.
+
+use std::ops::Range;
+
+use half::f16;
+
+use crate::gguf_blocks::{q4_k_scale_min, BlockKind};
+use crate::linear::{check_rows, for_output_ranges, LinearError, SharedOutputs, CHUNK_ROWS};
+use crate::parallel::{ForkJoin, OnCallingThread};
+use crate::vector::round_ties_even_small;
+
+/// Weights of a K-quant super-block, and inputs sharing an activation scale.
+pub(crate) const SUPER: usize = 256;
+/// The largest quantized activation.
+const X_MAX: f32 = 127.0;
+
+/// One K-quant linear layer: `blocks` [fan_out, fan_in / 256 * bytes a super-block].
+pub struct KQuantWeights<'a> {
+    pub kind: BlockKind,
+    pub blocks: &'a [u8],
+    pub bias: Option<&'a [f32]>,
+    pub fan_in: usize,
+    pub fan_out: usize,
+}
+
+impl KQuantWeights<'_> {
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.fan_in / SUPER * self.kind.weights_and_bytes().1
+    }
+
+    fn check(&self) -> Result<(), LinearError> {
+        let (k, n) = (self.fan_in, self.fan_out);
+        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K) {
+            return Err(LinearError::new(format!(
+                "kind: {:?} is not a K-quant this kernel reads",
+                self.kind
+            )));
+        }
+        if k == 0 || !k.is_multiple_of(SUPER) {
+            return Err(LinearError::new(format!(
+                "fan_in: {k} is not a whole number of {SUPER}-weight super-blocks"
+            )));
+        }
+        if self.blocks.len() != n * self.row_bytes() {
+            return Err(LinearError::new(format!(
+                "blocks: {} bytes for [fan_out {n}, fan_in {k}] of {:?} ({} bytes a row)",
+                self.blocks.len(),
+                self.kind,
+                self.row_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    pub(crate) fn output(&self, o: usize, total: f32) -> f32 {
+        self.bias.map_or(total, |b| total + b[o])
+    }
+}
+
+/// `y = x W^T + bias` on the calling thread.
+pub fn linear_kquant(x: &[f32], weights: &KQuantWeights<'_>, y: &mut [f32]) -> Result<(), LinearError> {
+    linear_kquant_on(&OnCallingThread, x, weights, y)
+}
+
+/// `linear_kquant` with the outputs spread over the threads of `pool`; the same bits as on one thread.
+pub fn linear_kquant_on(
+    pool: &dyn ForkJoin,
+    x: &[f32],
+    weights: &KQuantWeights<'_>,
+    y: &mut [f32],
+) -> Result<(), LinearError> {
+    weights.check()?;
+    let (k, n) = (weights.fan_in, weights.fan_out);
+    check_rows(x, k, n, weights.bias, y)?;
+    for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
+        let quantized = Int8Rows::of(xs, k);
+        let out = SharedOutputs { ptr: ys.as_mut_ptr(), len: ys.len() };
+        for_output_ranges(pool, n, quantized.rows * k * n, &|outputs| {
+            run_outputs(&quantized, weights, outputs, &out)
+        });
+    }
+    Ok(())
+}
+
+/// Rows of x as the integer products take them, in input order: `values` [rows, fan_in] int8,
+/// each super-block of 256 with its scale in `scales` [rows, fan_in / 256], and the sums of its
+/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16]) and per 32 (`sums32`).
+pub(crate) struct Int8Rows {
+    pub values: Vec<i8>,
+    pub scales: Vec<f32>,
+    pub sums16: Vec<i16>,
+    pub sums32: Vec<i16>,
+    pub rows: usize,
+}
+
+impl Int8Rows {
+    pub(crate) fn of(x: &[f32], fan_in: usize) -> Self {
+        let rows = x.len() / fan_in;
+        let mut values = vec![0i8; x.len()];
+        let mut scales = Vec::with_capacity(x.len() / SUPER);
+        for (block, out) in x.chunks_exact(SUPER).zip(values.chunks_exact_mut(SUPER)) {
+            let scale = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE) / X_MAX;
+            for (q, &v) in out.iter_mut().zip(block) {
+                // |v / scale| <= 127 < 2^22
+                *q = round_ties_even_small(v / scale).clamp(-X_MAX, X_MAX) as i8;
+            }
+            scales.push(scale);
+        }
+        let sums = |n: usize| values.chunks_exact(n).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
+        let (sums16, sums32) = (sums(16), sums(32));
+        Self { values, scales, sums16, sums32, rows }
+    }
+}
+
+/// Columns `outputs` of every row, on the calling thread.
+fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::avx2_fma_available() && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has AVX2, FMA and F16C; the shapes and the kind were checked.
+        return unsafe { crate::linear_kquant_avx2::run_outputs(x, w, outputs, y) };
+    }
+    plain_outputs(x, w, outputs, y)
+}
+
+/// `run_outputs` without AVX2: the same integer sums.
+fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
+    let (k, row_bytes, bytes) = (w.fan_in, w.row_bytes(), w.kind.weights_and_bytes().1);
+    for o in outputs {
+        for r in 0..x.rows {
+            let mut total = 0.0f32;
+            for (s, block) in w.blocks[o * row_bytes..][..row_bytes].chunks_exact(bytes).enumerate() {
+                let at = r * k + s * SUPER; // the super-block's first input
+                let xs = &x.values[at..][..SUPER];
+                let sum = match w.kind {
+                    BlockKind::Q4K => q4_k_plain(block, xs, &x.sums32[at / 32..][..8]),
+                    _ => q6_k_plain(block, xs, &x.sums16[at / 16..][..16]),
+                };
+                total += sum * x.scales[at / SUPER];
+            }
+            // SAFETY: this call's range of outputs is its own.
+            unsafe { y.set(r * w.fan_out + o, w.output(o, total)) };
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// A Q4_K super-block's sum against xq, before the x scale.
+fn q4_k_plain(block: &[u8], xs: &[i8], sums32: &[i16]) -> f32 {
+    let (mut scaled, mut mins) = (0i32, 0i32);
+    for j in 0..8 {
+        let (sc, m) = q4_k_scale_min(&block[4..16], j);
+        let (qs, shift) = (&block[16 + 32 * (j / 2)..][..32], 4 * (j % 2));
+        let dot: i32 =
+            qs.iter().zip(&xs[32 * j..][..32]).map(|(&b, &v)| ((b >> shift) & 0xF) as i32 * v as i32).sum();
+        scaled += sc as i32 * dot;
+        mins += m as i32 * sums32[j] as i32;
+    }
+    f16_at(block, 0) * scaled as f32 - f16_at(block, 2) * mins as f32
+}
+
+/// A Q6_K super-block's sum against xq, before the x scale.
+fn q6_k_plain(block: &[u8], xs: &[i8], sums16: &[i16]) -> f32 {
+    let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
+    let mut scaled = 0i32;
+    for run in 0..8 {
+        // weights 32 * run + b: half h = run / 4, quarter t = run % 4 of it (gguf_blocks' layout)
+        let (h, t) = (run / 4, run % 4);
+        let (low, high) = (&ql[64 * h + 32 * (t % 2)..][..32], &qh[32 * h..][..32]);
+        for g in 0..2 {
+            let dot: i32 = (16 * g..16 * g + 16)
+                .map(|b| {
+                    let q = ((low[b] >> (4 * (t / 2))) & 0xF) | (((high[b] >> (2 * t)) & 3) << 4);
+                    q as i32 * xs[32 * run + b] as i32
+                })
+                .sum();
+            let group = 2 * run + g;
+            scaled += sc[group] as i8 as i32 * (dot - 32 * sums16[group] as i32);
+        }
+    }
+    f16_at(block, 208) * scaled as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_blocks::widen;
+    use crate::linear::tests::{values, TwoParts};
+
+    /// Random but well-formed K-quant rows: f16 scales of sensible size, any other byte.
+    fn blocks(kind: BlockKind, rows: usize, k: usize, seed: u32) -> Vec<u8> {
+        let bytes = kind.weights_and_bytes().1;
+        let raw: Vec<u8> =
+            values(rows * k / SUPER * bytes, seed).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect();
+        let mut out = raw.clone();
+        for block in out.chunks_exact_mut(bytes) {
+            let halves: &[usize] = if kind == BlockKind::Q4K { &[0, 2] } else { &[208] };
+            for (i, &at) in halves.iter().enumerate() {
+                let v = f16::from_f32(0.001 + 0.01 * (block[50 + i] as f32 / 255.0));
+                block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// (y, the sum of its terms' magnitudes) in float64 from the widened weights (gguf's
+    /// arithmetic, `widen`) and x as the kernel multiplies it (int8 per super-block, scaled back).
+    fn reference(x: &[f32], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
+        let (k, n) = (w.fan_in, w.fan_out);
+        let mut wide = vec![0.0f32; n * k];
+        widen(&OnCallingThread, w.kind, w.blocks, n, k, &mut wide).unwrap();
+        let q = Int8Rows::of(x, k);
+        let xm: Vec<f64> =
+            q.values.iter().enumerate().map(|(i, &v)| v as f64 * q.scales[i / SUPER] as f64).collect();
+        let rows = x.len() / k;
+        let (mut y, mut magnitude) = (vec![0.0; rows * n], vec![0.0; rows * n]);
+        for r in 0..rows {
+            for o in 0..n {
+                let terms = (0..k).map(|j| xm[r * k + j] * wide[o * k + j] as f64);
+                y[r * n + o] = terms.clone().sum::<f64>() + w.bias.map_or(0.0, |b| b[o] as f64);
+                magnitude[r * n + o] = terms.map(f64::abs).sum();
+            }
+        }
+        (y, magnitude)
+    }
+
+    /// Within f32's rounding of sums of `magnitude`.
+    fn assert_near(got: &[f32], (want, magnitude): &(Vec<f64>, Vec<f64>)) {
+        for ((&got, &want), &m) in got.iter().zip(want).zip(magnitude) {
+            assert!(
+                (got as f64 - want).abs() <= 1e-5 * (m + want.abs()) + 1e-30,
+                "{got} vs {want} (terms {m})"
+            );
+        }
+    }
+
+    #[test]
+    fn matches_a_float64_reference_of_the_widened_weights() {
+        for kind in [BlockKind::Q4K, BlockKind::Q6K] {
+            for (rows, k, n) in [(1, 256, 4), (1, 512, 7), (3, 256, 9), (6, 768, 5), (17, 256, 3)] {
+                let x: Vec<f32> =
+                    values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
+                let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
+                for bias in [None, Some(bias.as_slice())] {
+                    let w = KQuantWeights { kind, blocks: &b, bias, fan_in: k, fan_out: n };
+                    let mut y = vec![f32::NAN; rows * n];
+                    linear_kquant(&x, &w, &mut y).unwrap();
+                    assert_near(&y, &reference(&x, &w));
+                }
+            }
+        }
+    }
+
+    /// The AVX2 half against the plain loop, and a row's bits the same alone as beside other
+    /// rows, on one thread or several.
+    #[test]
+    fn the_halves_agree_and_a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
+        for kind in [BlockKind::Q4K, BlockKind::Q6K] {
+            let (k, n) = (512, 1030);
+            let (x, b) = (values(7 * k, 6), blocks(kind, n, k, 7));
+            let w = KQuantWeights { kind, blocks: &b, bias: None, fan_in: k, fan_out: n };
+            let mut all = vec![0.0; 7 * n];
+            linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
+            for r in 0..7 {
+                let mut one = vec![0.0; n];
+                linear_kquant(&x[r * k..][..k], &w, &mut one).unwrap();
+                assert_eq!(one, all[r * n..][..n], "{kind:?} row {r}");
+            }
+            let mut plain = vec![f32::NAN; 7 * n];
+            let out = SharedOutputs { ptr: plain.as_mut_ptr(), len: plain.len() };
+            plain_outputs(&Int8Rows::of(&x, k), &w, 0..n, &out);
+            let want = reference(&x, &w);
+            assert_near(&all, &want);
+            assert_near(&plain, &want);
+        }
+    }
+
+    #[test]
+    fn extreme_inputs_do_not_overflow() {
+        // Q6_K: every q 0 with scale -128 (the largest |(q - 32) * sc|); Q4_K: every nibble 15,
+        // scale 63, no minimum; x all -3 (every xq -127)
+        let k = 1024;
+        let mut q6 = vec![0u8; k / SUPER * 210];
+        for block in q6.chunks_exact_mut(210) {
+            block[192..208].fill(0x80); // sc = -128; ql = qh = 0: q = 0, q - 32 = -32
+            block[208..210].copy_from_slice(&f16::ONE.to_le_bytes());
+        }
+        let mut q4 = vec![0xFFu8; k / SUPER * 144];
+        for block in q4.chunks_exact_mut(144) {
+            block[0..2].copy_from_slice(&f16::ONE.to_le_bytes());
+            block[2..4].copy_from_slice(&f16::ZERO.to_le_bytes());
+        }
+        let x = vec![-3.0f32; k];
+        for (kind, b, want) in
+            [(BlockKind::Q6K, &q6, -3.0 * -32.0 * -128.0), (BlockKind::Q4K, &q4, -3.0 * 15.0 * 63.0)]
+        {
+            let w = KQuantWeights { kind, blocks: b, bias: None, fan_in: k, fan_out: 1 };
+            let mut y = [f32::NAN];
+            linear_kquant(&x, &w, &mut y).unwrap();
+            let want = want * k as f32; // within f32's rounding of the block scales (an overflow is far off)
+            assert!((y[0] - want).abs() <= want.abs() * 1e-6, "{kind:?}: {} against {want}", y[0]);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_kinds_are_errors_naming_the_argument() {
+        let b = vec![0u8; 3 * 144];
+        let ok = KQuantWeights { kind: BlockKind::Q4K, blocks: &b, bias: None, fan_in: 256, fan_out: 3 };
+        let err =
+            |w: &KQuantWeights<'_>, x: &[f32]| linear_kquant(x, w, &mut [0.0; 3]).unwrap_err().to_string();
+        assert!(linear_kquant(&[0.0; 256], &ok, &mut [0.0; 3]).is_ok());
+        assert!(err(&KQuantWeights { kind: BlockKind::Q8_0, ..ok }, &[0.0; 256]).starts_with("kind:"));
+        assert!(err(&KQuantWeights { kind: BlockKind::Q6K, ..ok }, &[0.0; 256]).starts_with("blocks:"));
+        assert!(err(&KQuantWeights { blocks: &b[..431], ..ok }, &[0.0; 256]).starts_with("blocks:"));
+        assert!(err(&KQuantWeights { fan_in: 128, ..ok }, &[0.0; 128]).starts_with("fan_in:"));
+        assert!(err(&ok, &[0.0; 255]).starts_with("x:"));
+    }
+}
