@@ -1,11 +1,11 @@
 """Quantization on real weights (issue 46 item 7): each format pyserve serves Qwen2.5-Coder-0.5B-
-Instruct in, against the file's own weights widened to fp32 (`gguf_dequantize`).
+Instruct in (or --model's), against the file's own weights widened to fp32 (`gguf_dequantize`).
 
-    python bench/quantization_real.py [--humaneval 40] [--tokens 8192]
+    python bench/quantization_real.py [--humaneval 40] [--tokens 8192] [--model NAME] [--formats fp32,file]
 
 Formats, each through pyserve's engine with default settings otherwise:
-- `file`: the Q4_K_M file's layers as they are (Q4_K on the int4 path, Q5_0 / Q8_0 / Q6_K re-rounded
-  to int8), the default;
+- `file`: the Q4_K_M file's layers as they are, the default (Q4_K and Q6_K blocks in place on
+  int8 activations, Q5_0 / Q8_0 re-rounded to int8 rows);
 - `fp32`: every tensor widened (the reference);
 - `int8`, `int4`: the widened weights quantized at load (`--quantization`, default group size);
 - `w8a8`: only where the CPU multiplies int8 fast (VNNI); refused elsewhere, and said so.
@@ -65,12 +65,18 @@ def main() -> None:
     ap = harness.parser(__doc__, "quantization_real")
     ap.add_argument("--humaneval", type=int, default=40, help="HumanEval problems for pass@1 (0: none)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the docs scored")
+    ap.add_argument("--model", default=MODEL, help="a GGUF model of pyserve.testing.real_models")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, fp32 first (the reference)")
     args = ap.parse_args()
+    chosen = args.formats.split(",")
+    if chosen[0] != "fp32" or any(f not in FORMATS for f in chosen):
+        ap.error(f"--formats: fp32 first, then any of {', '.join(FORMATS)}")
     head = harness.header(__file__)
     harness.print_header(head)
-    path = fetch(MODEL)
-    formats = {k: v for k, v in FORMATS.items() if k != "w8a8" or fast_int8_matmul()}
-    skipped = {} if "w8a8" in formats else {"w8a8": "this CPU has no fast int8 matmul (VNNI): pyserve refuses w8a8"}
+    path = fetch(args.model)
+    formats = {k: FORMATS[k] for k in chosen if k != "w8a8" or fast_int8_matmul()}
+    skipped = {} if "w8a8" in formats or "w8a8" not in chosen else {
+        "w8a8": "this CPU has no fast int8 matmul (VNNI): pyserve refuses w8a8"}
     text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     questions = [item.messages for item in humaneval_items()[:GREEDY_PROMPTS]]
     rows, reference = {}, {}
@@ -110,7 +116,7 @@ def main() -> None:
                      for c in report["configs"]}
         for name, p in pass_at_1.items():
             rows[name]["pass_at_1"] = p
-    harness.write_report(args.out, {**head, "model": MODEL, "tokens_scored": args.tokens, "window": WINDOW,
+    harness.write_report(args.out, {**head, "model": args.model, "tokens_scored": args.tokens, "window": WINDOW,
                                     "greedy_prompts": GREEDY_PROMPTS, "greedy_tokens": GREEDY_TOKENS,
                                     "humaneval_problems": args.humaneval, "formats": rows, "not_run": skipped})
 
