@@ -34,6 +34,7 @@ import torch
 import harness
 from batch1_decode import pyserve_tok_s, read_seconds  # the same measures of decode and of a read
 from pyserve import LLM, SamplingParams
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.testing.real_models import fetch
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -73,9 +74,13 @@ def embedding_table_bytes(llm: LLM) -> int:
     """Bytes of the embedding table where the head does not share it: a step reads one row of it
     per token, so the roofline leaves it out."""
     model = llm.engine.worker.model
-    table = model.model.embed_tokens.weight
+    table = model.model.embed_tokens
+    if isinstance(table, BlockEmbedding):  # the file's blocks, which a head of the same blocks shares
+        head = getattr(model.lm_head, "blocks", None)
+        return 0 if head is not None and head.data_ptr() == table.blocks.data_ptr() else table.weight_bytes
     head = getattr(model.lm_head, "weight", None)
-    return 0 if head is not None and head.data_ptr() == table.data_ptr() else table.numel() * table.element_size()
+    shared = head is not None and head.data_ptr() == table.weight.data_ptr()
+    return 0 if shared else table.weight.numel() * table.weight.element_size()
 
 
 def llama_bench_tok_s(bin_dir: Path, path: Path, tokens: int, threads: int) -> float:

@@ -76,7 +76,7 @@ class LoraSlots:
         self.rank, self.size = shard
         self.batch = LoraBatch()
         self.layers: list[dict[str, LoraLinear]] = []
-        embedding = model.model.embed_tokens.weight  # the serving dtype and device
+        serving = model.model.norm.weight  # the serving dtype and device
         for layer in model.model.layers:
             mods = {}
             for parent in (layer.self_attn, layer.mlp):
@@ -86,7 +86,7 @@ class LoraSlots:
                         owner, attr = getattr(parent, name), "inner"
                     if isinstance(getattr(owner, attr, None), (nn.Linear, *QUANTIZED)):
                         wrapped = LoraLinear(getattr(owner, attr), num_slots, max_rank, self.batch, use_triton,
-                                             embedding.dtype, embedding.device)
+                                             serving.dtype, serving.device)
                         setattr(owner, attr, wrapped)
                         mods[name] = wrapped
             self.layers.append(mods)

@@ -103,7 +103,8 @@ def load_model(
     if gguf is None:
         quantized, tensors = checkpoint_quantization(cfg.raw), iter_weights(model_dir)
     else:
-        quantized = GgufWeights(open_gguf(gguf), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, gguf_dequantize)
+        quantized = GgufWeights(open_gguf(gguf), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, gguf_dequantize,
+                                device)
         tensors = quantized.tensors()
     packed: dict[str, dict[str, torch.Tensor]] = {}  # quantized layer -> its tensors, by suffix
     loaded: set[str] = set()
@@ -129,12 +130,15 @@ def load_model(
         setattr(model.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=param.requires_grad))
         loaded.add(name)
     for owner, tensors in packed.items():  # after the loop: a layer's bias may come after its packed tensors
-        linear = model.get_submodule(owner) if f"{owner}.weight" in params else None
-        if not isinstance(linear, nn.Linear):
+        module = model.get_submodule(owner) if f"{owner}.weight" in params else None
+        parent, _, child = owner.rpartition(".")
+        if isinstance(module, nn.Embedding) and hasattr(quantized, "embedding"):  # a GGUF table in its blocks
+            setattr(model.get_submodule(parent), child, quantized.embedding(tensors["weight"], module))
+        elif isinstance(module, nn.Linear):
+            setattr(model.get_submodule(parent), child, quantized.layer(owner, tensors, module, dtype, device))
+        else:
             unexpected.extend(f"{owner}.{leaf}" for leaf in tensors)
             continue
-        parent, _, child = owner.rpartition(".")
-        setattr(model.get_submodule(parent), child, quantized.layer(owner, tensors, linear, dtype, device))
         loaded.add(f"{owner}.weight")
     if unexpected:
         raise WeightsError(f"checkpoint has tensors this architecture does not use: {', '.join(unexpected[:8])}")

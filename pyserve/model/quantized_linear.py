@@ -44,6 +44,7 @@ from torch import nn
 
 from pyserve import _core
 from pyserve.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.cpu_linear import FEW_ROWS
 from pyserve.model.kquant_linear import KQuantLinear
 
@@ -359,6 +360,11 @@ def weight_bytes(model: nn.Module) -> int:
     at its own; a tensor shared by two modules (a tied head) once."""
     seen, total = set(), 0
     for m in model.modules():
+        if isinstance(m, (KQuantLinear, BlockEmbedding)):  # a GGUF file's blocks: a head may share a table's
+            if m.blocks.data_ptr() not in seen:
+                seen.add(m.blocks.data_ptr())
+                total += m.weight_bytes
+            continue
         if isinstance(m, QUANTIZED):
             total += m.weight_bytes
             continue

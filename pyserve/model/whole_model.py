@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pyserve import _core
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.decoder import kernel_projection
 
 
@@ -20,7 +21,7 @@ from pyserve.model.decoder import kernel_projection
 class ModelView:
     """The model as the Rust calls read it (by these attribute names): numpy views, no copies."""
 
-    embed: np.ndarray  # [vocab, hidden]
+    embed: np.ndarray | tuple  # [vocab, hidden] f32, or a BlockEmbedding's (blocks, GGUF type)
     layers: list[tuple]  # each as `_core.decoder_layer` takes it (DecoderLayer.kernel_weights)
     norm: np.ndarray
     eps: float
@@ -55,7 +56,9 @@ class WholeModel:
             return None
         inner = model.model
         attn = inner.layers[0].self_attn
-        view = ModelView(inner.embed_tokens.weight.detach().numpy(), [layer.kernel_weights for layer in inner.layers],
+        table = inner.embed_tokens
+        embed = table.view if isinstance(table, BlockEmbedding) else table.weight.detach().numpy()
+        view = ModelView(embed, [layer.kernel_weights for layer in inner.layers],
                          inner.norm.weight_view, inner.norm.eps, head_weights, attn.num_heads, attn.head_dim,
                          attn.num_kv_heads, inner.rotary.cos.numpy(), inner.rotary.sin.numpy(), attn.scale)
         return cls(view, kv_caches)

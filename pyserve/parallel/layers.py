@@ -20,6 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.config import ModelConfig
 from pyserve.model.decoder import CausalLM
 from pyserve.model.quantized_linear import Fp8Linear, Int8Linear
@@ -150,7 +151,8 @@ def shard_model(model: CausalLM, group: TensorParallelGroup, quantization: str |
 
         if not isinstance(model.lm_head, nn.Linear):
             raise ValueError("tensor_parallel_size: lm_head is quantized in the checkpoint; it is not split over ranks")
-        embed = vocab_shard(model.model.embed_tokens.weight)
+        table = model.model.embed_tokens
+        embed = vocab_shard(table.dequantized() if isinstance(table, BlockEmbedding) else table.weight)
         model.model.embed_tokens = VocabParallelEmbedding(embed, lo, group)
         head = embed if cfg.tie_word_embeddings else vocab_shard(model.lm_head.weight)
         model.lm_head = VocabParallelHead(_linear(head, None), vocab, group)

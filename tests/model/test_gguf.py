@@ -16,10 +16,11 @@ from pyserve.model.config import UnsupportedModelError
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf import gguf_path
 from pyserve.model.gguf.tokenizer import build_tokenizer
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.gguf.weights import int8_rows, q4_blocks
 from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.loader import load_model
-from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
+from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8, weight_bytes
 from pyserve.testing import build_model
 from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
 
@@ -78,6 +79,33 @@ def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, k
         else:
             step = served.scales[:, None]
             assert ((served.dequantized() - file_weight).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_a_quantized_embedding_stays_in_its_blocks_and_looks_up_the_widened_rows(tmp_path, kind):
+    """On a CPU the table is the file's blocks (a BlockEmbedding): each looked-up row is gguf's
+    widening of it, so greedy tokens (the prompt op by op, each decode step through the whole-model
+    kernel) equal those of the table widened at load, and the weights held shrink by the f32 table
+    less its blocks."""
+    hf_dir = build_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
+    gguf = gguf_from_hf(hf_dir, tmp_path / "f32.gguf")
+    cfg = load_config(gguf)
+    gguf = _with_tensor(gguf, tmp_path / "m.gguf", "token_embd.weight", kind, _blocks(kind, cfg.vocab_size, 256))
+    native = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
+    wide = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
+    table = native.model.embed_tokens
+    assert isinstance(table, BlockEmbedding) and table.kind == kind
+    ids = torch.tensor([[0, 7], [cfg.vocab_size - 1, 7]])
+    assert torch.equal(table(ids), wide.model.embed_tokens(ids))
+    assert torch.equal(table.dequantized(), wide.model.embed_tokens.weight)
+    with pytest.raises(IndexError):
+        table(torch.tensor([cfg.vocab_size]))
+    assert weight_bytes(wide) - weight_bytes(native) == 4 * cfg.vocab_size * 256 - table.blocks.numel()
+    ids = load_tokenizer(gguf).encode(TEXT)
+    with LLM(model=str(gguf)) as llm:
+        assert llm.engine.worker.whole_model is not None  # decode steps look rows up in Rust
+        blocks = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert blocks == _greedy(gguf, ids, gguf_dequantize=True)
 
 
 def _with_tensor(src_path, dst_path, name: str, kind: str, blocks: np.ndarray):

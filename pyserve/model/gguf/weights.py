@@ -18,9 +18,11 @@ each quantized projection:
 - Q2_K / Q3_K: dequantized once with the `gguf` package (llama.cpp's reference arithmetic) into a
   full-precision layer (no file of them measured on the int8 path yet);
 - F32 / F16 / BF16 as they are (an F32 tensor on the CPU is the mapped file itself).
-A quantized embedding is widened (a step looks up rows of it). llama.cpp's converter reorders the
-rows of a Llama-family file's q and k projections for its own rotary layout; `_rows_in_hf_order`
-restores Hugging Face's, for raw blocks as for floats (a row's blocks move whole)."""
+A quantized embedding of a type `_core.gguf_widen` reads stays in its blocks on a CPU (a
+BlockEmbedding widens the rows a step looks up); elsewhere, or of another type, it is widened.
+llama.cpp's converter reorders the rows of a Llama-family file's q and k projections for its own
+rotary layout; `_rows_in_hf_order` restores Hugging Face's, for raw blocks as for floats (a row's
+blocks move whole)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
 from pyserve.model.kquant_linear import BLOCK_BYTES as KQUANT_TYPES
@@ -62,10 +65,14 @@ class GgufWeights:
     """The loader's view of a GGUF file (model/loader.py): `tensors()` gives (HF name, tensor);
     a quantized projection's tensor is its raw blocks, which `owns` claims and `layer` serves."""
 
-    def __init__(self, f: GgufFile, num_heads: int, num_kv_heads: int, head_dim: int, dequantize: bool = False):
+    def __init__(self, f: GgufFile, num_heads: int, num_kv_heads: int, head_dim: int, dequantize: bool,
+                 device: torch.device):
         """`dequantize`: every projection widened to the serving dtype (the reference the native
-        layers are measured against)."""
+        layers are measured against); `device`: where the model is served."""
         self.file = f
+        kind = f.type_of("token_embd.weight")
+        # the embedding's blocks in place, for a BlockEmbedding (None: it is widened)
+        self.embedding_kind = kind if kind in WIDENED_IN_RUST and device.type == "cpu" and not dequantize else None
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         self.head_dim = head_dim
         self.dequantize = dequantize
@@ -92,14 +99,22 @@ class GgufWeights:
             if kind in PLAIN_TYPES:
                 tensor = torch.from_numpy(data)
                 yield target, tensor.view(torch.bfloat16) if kind == "BF16" else tensor
-            elif name == "token_embd.weight":  # looked up a row at a time: widened once
-                yield target, torch.from_numpy(_dequantize(data, kind, name))
+            elif name == "token_embd.weight":  # looked up a row at a time: its blocks, or widened once
+                yield target, torch.from_numpy(data if self.embedding_kind else _dequantize(data, kind, name))
             else:
                 self.types[target] = kind
                 yield target, torch.from_numpy(data)
 
     def owns(self, name: str, tensor: torch.Tensor) -> bool:
-        return name in self.types
+        return name in self.types or (name == "model.embed_tokens.weight" and self.embedding_kind is not None)
+
+    def embedding(self, blocks: torch.Tensor, table: nn.Embedding) -> BlockEmbedding:
+        """The embedding `table` stands for, over its blocks as the file holds them."""
+        kind, dim = self.embedding_kind, table.embedding_dim
+        if tuple(blocks.shape) != (table.num_embeddings, row_bytes(kind, dim)):
+            raise WeightsError(f"GGUF token_embd.weight ({kind}) has {tuple(blocks.shape)} bytes, the config "
+                               f"implies {(table.num_embeddings, row_bytes(kind, dim))}")
+        return BlockEmbedding(blocks, kind, dim)
 
     def layer(self, module_name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, dtype: torch.dtype,
               device: torch.device) -> nn.Module:

@@ -309,7 +309,7 @@ pub fn widen(
 
 /// One row of blocks widened to f32 (gguf: Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K (d * sc) * q -
 /// dmin * m, Q8_0 d * q, Q5_0 d * (q - 16), Q6_K (d * sc) * (q - 32)).
-fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
+pub(crate) fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
     match kind {
         BlockKind::Q4_0 | BlockKind::Q4_1 => {
             let bytes = kind.weights_and_bytes().1;

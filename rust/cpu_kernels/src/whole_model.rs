@@ -12,18 +12,55 @@
 //! Every forward writes the keys and values of its rows into the paged cache.
 
 use crate::decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
+use crate::gguf_blocks::{widen_row, BlockKind};
 use crate::layer_ops::rms_norm;
 use crate::parallel::ForkJoin;
 use crate::projection::{project_on, Projection};
 
-/// The model's parameters: `embed` [vocab, hidden], the layers, the final norm, the head
+/// The model's parameters: the embedding table, the layers, the final norm, the head
 /// [vocab, hidden] (often the embedding itself).
 pub struct ModelWeights<'a> {
-    pub embed: &'a [f32],
+    pub embed: Embedding<'a>,
     pub layers: Vec<LayerWeights<'a>>,
     pub norm: &'a [f32],
     pub eps: f32,
     pub head: Projection<'a>,
+}
+
+/// An embedding table: f32 [vocab, hidden], or a GGUF file's blocks [vocab, row bytes] of `kind`,
+/// each row looked up widened with gguf's arithmetic (`gguf_blocks::widen`).
+pub enum Embedding<'a> {
+    F32(&'a [f32]),
+    Blocks { kind: BlockKind, blocks: &'a [u8] },
+}
+
+impl Embedding<'_> {
+    /// Rows of `hidden` values it holds (None: not a whole number of them).
+    fn rows(&self, hidden: usize) -> Option<usize> {
+        match self {
+            Embedding::F32(t) => t.len().is_multiple_of(hidden).then(|| t.len() / hidden),
+            Embedding::Blocks { kind, blocks } => {
+                let (weights, bytes) = kind.weights_and_bytes();
+                let row_bytes = hidden / weights * bytes;
+                (hidden.is_multiple_of(weights) && blocks.len().is_multiple_of(row_bytes))
+                    .then(|| blocks.len() / row_bytes)
+            }
+        }
+    }
+
+    /// Appends row t (checked to be one of its rows) to x.
+    fn push_row(&self, t: usize, hidden: usize, x: &mut Vec<f32>) {
+        match self {
+            Embedding::F32(table) => x.extend_from_slice(&table[t * hidden..][..hidden]),
+            Embedding::Blocks { kind, blocks } => {
+                let (weights, bytes) = kind.weights_and_bytes();
+                let row_bytes = hidden / weights * bytes;
+                let start = x.len();
+                x.resize(start + hidden, 0.0);
+                widen_row(*kind, &blocks[t * row_bytes..][..row_bytes], &mut x[start..]);
+            }
+        }
+    }
 }
 
 /// Rotary tables by position: `cos`, `sin` [positions, head_dim].
@@ -165,7 +202,7 @@ fn forward(
     let (mut cos, mut sin) = (Vec::with_capacity(n * dim), Vec::with_capacity(n * dim));
     for &(token, position, r) in rows {
         let t = token as usize;
-        x.extend_from_slice(&model.embed[t * hidden..][..hidden]);
+        model.embed.push_row(t, hidden, &mut x);
         let table = tables.row(r);
         let block = table[(position / bs) as usize] as i64;
         slots.push(block * bs + position % bs);
@@ -223,14 +260,13 @@ fn check(
 ) -> Result<(), LayerError> {
     let shape = |m: String| Err(LayerError::Shape(m));
     let (hidden, vocab) = (model.norm.len(), model.head.fan_out());
-    if hidden == 0 || !model.embed.len().is_multiple_of(hidden) || model.head.fan_in() != hidden {
+    let embed_rows = (hidden > 0).then(|| model.embed.rows(hidden)).flatten();
+    let Some(embed_rows) = embed_rows.filter(|_| model.head.fan_in() == hidden) else {
         return shape(format!(
-            "embed ({} values) and head ({} inputs) must have rows of the norm's {hidden}",
-            model.embed.len(),
+            "embed and head ({} inputs) must have rows of the norm's {hidden}",
             model.head.fan_in()
         ));
-    }
-    let embed_rows = model.embed.len() / hidden;
+    };
     if caches.len() != model.layers.len() {
         return shape(format!("{} caches for {} layers", caches.len(), model.layers.len()));
     }
@@ -290,4 +326,38 @@ fn check(
         return shape(format!("request {r} wants guesses but has no feed row"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_blocks::widen;
+    use crate::parallel::OnCallingThread;
+
+    /// A row looked up from blocks is the row of the table `widen` makes of them, bit for bit.
+    #[test]
+    fn a_row_of_blocks_is_the_widened_tables_row() {
+        let (rows, hidden) = (5, 64);
+        for (kind, bytes) in [(BlockKind::Q8_0, 34), (BlockKind::Q4K, 144), (BlockKind::Q6K, 210)] {
+            let weights = kind.weights_and_bytes().0;
+            let hidden = hidden.max(weights);
+            let n = rows * hidden / weights * bytes;
+            let mut blocks: Vec<u8> = (0..n).map(|i| (i * 37 % 251) as u8).collect();
+            // sensible f16 scales where each block keeps them (Q8_0, Q4_K: first; Q6_K: last)
+            let at = if kind == BlockKind::Q6K { bytes - 2 } else { 0 };
+            for block in blocks.chunks_exact_mut(bytes) {
+                block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            }
+            let mut table = vec![0.0f32; rows * hidden];
+            widen(&OnCallingThread, kind, &blocks, rows, hidden, &mut table).unwrap();
+            let embedding = Embedding::Blocks { kind, blocks: &blocks };
+            assert_eq!(embedding.rows(hidden), Some(rows));
+            for t in [3, 0, 4] {
+                let mut x = vec![1.5];
+                embedding.push_row(t, hidden, &mut x);
+                assert_eq!(x[0], 1.5);
+                assert_eq!(x[1..], table[t * hidden..][..hidden], "{kind:?} row {t}");
+            }
+        }
+    }
 }

@@ -7,8 +7,8 @@ mod common;
 
 use common::{Rng, ScopedThreads};
 use pyserve_cpu_kernels::{
-    greedy_decode_on, model_forward_on, BlockTables, Feed, ForkJoin, Heads, LayerError, LayerWeights,
-    LinearWeights, ModelWeights, OnCallingThread, Projection, RopeTables,
+    greedy_decode_on, model_forward_on, BlockTables, Embedding, Feed, ForkJoin, Heads, LayerError,
+    LayerWeights, LinearWeights, ModelWeights, OnCallingThread, Projection, RopeTables,
 };
 
 const HIDDEN: usize = 16;
@@ -73,7 +73,13 @@ fn model(p: &Params) -> ModelWeights<'_> {
             eps: 1e-6,
         })
         .collect();
-    ModelWeights { embed: &p.embed, layers, norm: &p.norm, eps: 1e-6, head: linear(&p.embed, HIDDEN) }
+    ModelWeights {
+        embed: Embedding::F32(&p.embed),
+        layers,
+        norm: &p.norm,
+        eps: 1e-6,
+        head: linear(&p.embed, HIDDEN),
+    }
 }
 
 struct Cache(Vec<(Vec<f32>, Vec<f32>)>);

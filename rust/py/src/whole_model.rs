@@ -9,8 +9,8 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyserve_cpu_kernels::{
-    greedy_decode_on, model_forward_on, BlockTables, Feed, ForkJoin, Heads, LayerError, ModelWeights,
-    RopeTables,
+    greedy_decode_on, model_forward_on, BlockKind, BlockTables, Embedding, Feed, ForkJoin, Heads, LayerError,
+    ModelWeights, RopeTables,
 };
 
 use crate::arrays::{contiguous, contiguous_mut};
@@ -21,7 +21,7 @@ use crate::projection::{projection, Weight};
 /// What both functions take: the model, its caches, the rows and the requests' block tables.
 #[derive(FromPyObject)]
 pub struct Model<'py> {
-    embed: PyReadonlyArray2<'py, f32>,
+    embed: Embed<'py>,
     layers: Vec<Layer<'py>>,
     norm: PyReadonlyArray1<'py, f32>,
     eps: f32,
@@ -32,6 +32,27 @@ pub struct Model<'py> {
     cos: PyReadonlyArray2<'py, f32>,
     sin: PyReadonlyArray2<'py, f32>,
     scale: f32,
+}
+
+/// An embedding table: f32 [vocab, hidden], or (GGUF blocks [vocab, row bytes] u8, their type's name).
+#[derive(FromPyObject)]
+enum Embed<'py> {
+    F32(PyReadonlyArray2<'py, f32>),
+    Blocks(PyReadonlyArray2<'py, u8>, String),
+}
+
+impl Embed<'_> {
+    fn view(&self) -> PyResult<Embedding<'_>> {
+        Ok(match self {
+            Embed::F32(table) => Embedding::F32(contiguous("embed", table)?),
+            Embed::Blocks(blocks, kind) => Embedding::Blocks {
+                kind: BlockKind::named(kind).ok_or_else(|| {
+                    PyValueError::new_err(format!("embed: {kind:?} is not a GGUF block type"))
+                })?,
+                blocks: contiguous("embed", blocks)?,
+            },
+        })
+    }
 }
 
 fn negative(name: &str, v: i64) -> PyErr {
@@ -89,7 +110,7 @@ fn run<R: Send>(
         }
     }
     let weights = ModelWeights {
-        embed: contiguous("embed", &model.embed)?,
+        embed: model.embed.view()?,
         layers: model.layers.iter().map(layer_weights).collect::<PyResult<_>>()?,
         norm: contiguous("norm", &model.norm)?,
         eps: model.eps,
@@ -124,7 +145,7 @@ fn run<R: Send>(
 /// One forward over the rows (feed_tokens int32, feed_positions int64, feed_requests int64: row
 /// i's request, a request's rows in position order), their keys and values written to the
 /// caches; returns the float32 logits [len(logits_rows), vocab] of the rows `logits_rows`.
-/// `model`: (embed [vocab, hidden], layers as `decoder_layer` takes them, norm [hidden], eps,
+/// `model`: (embed [vocab, hidden] f32 or (blocks, GGUF type), layers as `decoder_layer` takes them, norm [hidden], eps,
 /// head (a `Weight`), heads, head_dim, kv_heads, cos, sin [positions, head_dim], scale);
 /// k_caches, v_caches one [num_blocks, block_size, kv_heads, head_dim] array a layer;
 /// block_tables [requests, width] int32. ValueError names what is at fault, before any write.
