@@ -186,6 +186,7 @@ class AsyncEngine:
         the field when it can never be served (a GrammarError for a constraint that does not
         compile)."""
         self.system.check_alive()
+        prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
         if not -(2**31) <= priority < 2**31:  # the scheduler's i32: past it, the step would fail
             raise ValueError(f"priority: {priority} is outside [-2**31, 2**31)")
         vocab = self.model_config.vocab_size

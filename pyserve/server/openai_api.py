@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from pyserve.actors import EngineDeadError
 from pyserve.embeddings.encoder import embed_texts
-from pyserve.step.sampling_params import SamplingParams
+from pyserve.step.sampling_params import SamplingParams, truncate_prompt
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.model_choice.classifier import routed_text
@@ -195,6 +195,7 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
             stop_token_ids=_stop_token_ids(req, vocab), skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req, vocab),
             structured_outputs=constraint, prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except ValueError as e:
         raise BadRequest(str(e), param=_field_of(str(e))) from e
@@ -222,6 +223,15 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
     `echo`: the prompts go before each completion (with logprobs: the prompts' logprobs too);
     `echo_only` (max_tokens 0): nothing generated is returned."""
     engine = model.engine
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        if keep == 0:
+            raise BadRequest("truncate_prompt_tokens: must be -1 (the model's length) or at least 1, got 0",
+                             param="truncate_prompt_tokens")
+        if echo:
+            raise BadRequest("truncate_prompt_tokens: not served with echo (the prompt echoed would not be the "
+                             "prompt the model was given)", param="truncate_prompt_tokens")
+        prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
     constraint, constraint_field = _constraint(req)
     if tools_constraint is not None:
         if constraint is not None:

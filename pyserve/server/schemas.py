@@ -31,7 +31,7 @@ NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prom
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "prompt_logprobs": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "continue_final_message": (None, False),
+    "logits_processors": (None, []), "continue_final_message": (None, False),
     "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "guided_whitespace_pattern": (None,),
@@ -116,6 +116,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, bounded("repetition_penalty")] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, bounded("min_tokens")] = 0
+    truncate_prompt_tokens: Annotated[int, bounded("truncate_prompt_tokens")] | None = None
     stop_token_ids: Annotated[list[Annotated[int, bounded(TOKEN_ID)]], Field(max_length=MAX_STOP)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -60,10 +60,20 @@ BOUNDS: dict[str, Bounds] = {
     "presence_penalty": Bounds(float, -2.0, 2.0),
     "frequency_penalty": Bounds(float, -2.0, 2.0),
     "repetition_penalty": Bounds(float, 0.0, 10.0, low_open=True),  # 1: off
+    "truncate_prompt_tokens": Bounds(int, -1, INT32_MAX),  # -1: the model's length; 0 is refused
 }
-NONE_MEANS_OFF = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # fields of BOUNDS that may be None
+NONE_MEANS_OFF = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")  # may be None
 TOKEN_ID = Bounds(int, 0, INT32_MAX)  # each of stop_token_ids, each key of logit_bias
 LOGIT_BIAS = Bounds(float, -100.0, 100.0)  # each token's bias
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (-1: the model's length; None: the whole prompt), as vLLM's
+    `truncate_prompt_tokens` keeps them."""
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
 
 @dataclass(slots=True)
@@ -98,6 +108,9 @@ class SamplingParams:
     detokenize: bool = True  # False: outputs carry token ids only (no text, no stop strings)
     # The output must match this constraint (a dict is read as StructuredOutputsParams' fields).
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the prompt's last this many tokens (-1: as many as the model's length), vLLM's
+    # left truncation; None keeps it whole.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +125,8 @@ class SamplingParams:
             self.temperature = 0.0  # the sampler's rows: 0 = greedy
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1, got 0")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
@@ -144,6 +159,10 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError("min_tokens: not supported with structured_outputs (the grammar decides "
                                  "where the output may end)")
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt the model is given (truncate_prompt)."""
+        return truncate_prompt(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def greedy(self) -> bool:

@@ -119,6 +119,23 @@ def test_max_tokens_gives_exactly_that_many_tokens_and_length(llm, ref):
     assert (out.finish_reason, out.stop_reason) == ("length", None)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    ids = list(range(5, 35))
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=7, **greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-7:]
+    assert cut.outputs[0].token_ids == llm.generate([ids[-7:]], SamplingParams(**greedy), use_tqdm=False)[0] \
+        .outputs[0].token_ids
+    whole = llm.generate([ids], SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids  # -1: the model's length, which these fit
+    assert llm.generate([ids[:3]], SamplingParams(truncate_prompt_tokens=7, **greedy), use_tqdm=False)[0] \
+        .prompt_token_ids == ids[:3]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=-2)
+
+
 def test_stop_token_id_ends_the_output_including_the_token(llm, ref):
     # the first token from step 3 on that is new in the output and decodes to whole characters
     k = next(i for i in range(3, MAX) if ref.index(ref[i]) == i and "\ufffd" not in llm.tokenizer.decode([ref[i]]))

@@ -15,7 +15,7 @@ from pyserve.testing import start_server, stop_server
 # A value of each refused field that is not its "off" value.
 REFUSED_VALUES = {
     "suffix": "tail", "prompt_logprobs": 1, "use_beam_search": True, "length_penalty": 0.5,
-    "allowed_token_ids": [5, 6], "bad_words": ["x"], "logits_processors": ["m.f"], "truncate_prompt_tokens": 8,
+    "allowed_token_ids": [5, 6], "bad_words": ["x"], "logits_processors": ["m.f"],
     "continue_final_message": True, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
     "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "alloy"}, "modalities": ["audio"],
     "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "guided_whitespace_pattern": " ",
@@ -183,3 +183,29 @@ def test_include_stop_str_in_output(client):
     kept = client.completions.create(model="tiny", prompt="import os\n", temperature=0, max_tokens=16, stop=[stop],
                                      extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert kept.choices[0].text == cut + stop
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, endpoint, tok):
+    """vLLM's left truncation: usage counts the tokens kept, and the answer is the answer to them."""
+    long = "def add(a, b):\n    return a + b\n" * 6
+    full = _post(server, endpoint, **({"prompt": long} if endpoint == "completions" else
+                                      {"messages": [{"role": "user", "content": long}]})).json()
+    body = {"temperature": 0, "max_tokens": 5, "ignore_eos": True, "truncate_prompt_tokens": 9}
+    if endpoint == "completions":
+        cut = _post(server, endpoint, prompt=long, **body).json()
+        ids = tok.encode(long)[-9:]
+        alone = _post(server, endpoint, prompt=ids, **{k: v for k, v in body.items() if k != "truncate_prompt_tokens"})
+        assert cut["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    else:
+        cut = _post(server, endpoint, messages=[{"role": "user", "content": long}], **body).json()
+    assert full["usage"]["prompt_tokens"] > 9 and cut["usage"]["prompt_tokens"] == 9
+    for bad, words in ((0, "at least 1"), (-2, "truncate_prompt_tokens")):
+        r = _post(server, endpoint, truncate_prompt_tokens=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert words in r.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_is_refused_with_echo(server):
+    r = _post(server, "completions", echo=True, truncate_prompt_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
