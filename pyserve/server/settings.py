@@ -16,6 +16,12 @@ class ServerSettings:
     max_waiting: int | None = option(None, "429 when a request would make more than this many sequences wait",
                                      type=int)
     max_body_bytes: int = option(1 << 20, "largest request body accepted (413 beyond)")
+    default_max_tokens: int | None = option(
+        None, "output tokens a generation request that names no max_tokens may take (default: the room left in "
+        "the model's length)", type=int)
+    max_tokens_limit: int | None = option(
+        None, "the largest max_tokens a generation request may ask (a 400 naming max_tokens beyond); a request "
+        "naming none is held to it too", type=int)
     public_metrics: bool = option(False, "serve /metrics without the API key")
     allowed_origins: list[str] = option(
         help="ORIGIN (e.g. https://app.example, or *) whose browser pages may call the API: CORS, preflights "
@@ -67,6 +73,13 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if None not in (self.default_max_tokens, self.max_tokens_limit) and \
+                self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens_limit "
+                             f"({self.max_tokens_limit})")
         if self.max_waiting is not None and self.max_waiting < 1:  # the request asking counts: 0 would refuse all
             raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
         for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):

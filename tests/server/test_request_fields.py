@@ -209,3 +209,35 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, endpoint, 
 def test_truncate_prompt_tokens_is_refused_with_echo(server):
     r = _post(server, "completions", echo=True, truncate_prompt_tokens=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    proc, base = start_server(None, "--served-model-name", "tiny", "--default-max-tokens", "3",
+                              "--max-tokens-limit", "6", workdir=tmp_path_factory.mktemp("capped"))
+    yield base
+    stop_server(proc)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_output_caps_hold_a_request_to_the_default_and_refuse_more_than_the_limit(capped, endpoint):
+    body = {"max_tokens": None, "temperature": 0, "ignore_eos": True}
+    r = _post(capped, endpoint, **body).json()
+    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"
+    r = _post(capped, endpoint, **{**body, "max_tokens": 6}).json()
+    assert r["usage"]["completion_tokens"] == 6
+    r = _post(capped, endpoint, **{**body, "max_tokens": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "limit of 6" in r.json()["error"]["message"]
+    if endpoint == "chat":
+        r = _post(capped, endpoint, **{**body, "max_completion_tokens": 7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
+def test_output_caps_are_checked_at_start():
+    from pyserve.server.settings import ServerSettings
+
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        ServerSettings("m", default_max_tokens=0)
+    with pytest.raises(ValueError, match=r"default_max_tokens \(9\) must not exceed max_tokens_limit \(4\)"):
+        ServerSettings("m", default_max_tokens=9, max_tokens_limit=4)
