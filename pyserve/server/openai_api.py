@@ -160,16 +160,16 @@ async def _completion_on(state: ServerState, model: ServedModel, lora: LoRAReque
                         echo_only=echo_only)
 
 
-def _output_cap(settings, req: SamplingFields, max_tokens: int | None) -> int | None:
-    """The server's output cap on a request naming no max_tokens (--default-max-tokens, else
-    --max-tokens-limit; None: the room left in the model's length); a max_tokens past
-    --max-tokens-limit is a 400 naming the field it came in."""
-    limit = settings.max_tokens_limit
+def _output_cap(model: ServedModel, req: SamplingFields, max_tokens: int | None) -> int | None:
+    """The model's output cap on a request naming no max_tokens (its default_max_tokens, else its
+    max_tokens_limit; None: the room left in its length); a max_tokens past the limit is a 400
+    naming the field it came in."""
+    limit = model.caps.max_tokens_limit
     if max_tokens is not None and limit is not None and max_tokens > limit:
         field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-        raise BadRequest(f"{field}: {max_tokens} is more than this server's limit of {limit} "
-                         "(--max-tokens-limit)", param=field)
-    return settings.default_max_tokens or limit
+        raise BadRequest(f"{field}: {max_tokens} is more than the limit of {limit} for {model.name!r} "
+                         "(--max-tokens-limit, or its models file entry)", param=field)
+    return model.caps.default_max_tokens or limit
 
 
 def _within(cap: int | None, room: int) -> int | None:
@@ -258,7 +258,7 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
                              param=constraint_field)
         constraint, constraint_field = tools_constraint, tools_field
     prompt_logprobs = logprobs if echo else None
-    cap = _output_cap(state.settings, req, max_tokens)
+    cap = _output_cap(model, req, max_tokens)
     engine_max = 1 if max_tokens == 0 else max_tokens  # echo of the prompt alone: one token, not returned
     params = [_params(req, len(p), engine_max or _within(cap, engine.max_model_len - len(p)), logprobs,
                       engine.max_model_len, engine.vocab_size, constraint, prompt_logprobs) for p in prompts]

@@ -7,6 +7,25 @@ from dataclasses import dataclass, field
 from pyserve.options import option
 
 
+@dataclass(slots=True, frozen=True)
+class OutputCaps:
+    """Caps on a generation request's max_tokens (server.openai_api): `default_max_tokens` for a
+    request naming none, `max_tokens_limit` the most one may ask (None: no cap of that kind)."""
+
+    default_max_tokens: int | None = None
+    max_tokens_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
+        if None not in (self.default_max_tokens, self.max_tokens_limit) and \
+                self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens_limit "
+                             f"({self.max_tokens_limit})")
+
+
 @dataclass(slots=True)
 class ServerSettings:
     """The server's knobs, spelled once: `pyserve serve` derives its flags from them."""
@@ -65,6 +84,11 @@ class ServerSettings:
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
+    def output_caps(self, own: dict[str, int] | None = None) -> OutputCaps:
+        """A served model's output caps: its `own` (its models file entry's keys) over the flags'."""
+        flags = {"default_max_tokens": self.default_max_tokens, "max_tokens_limit": self.max_tokens_limit}
+        return OutputCaps(**(flags | (own or {})))
+
     def __post_init__(self) -> None:
         for name in ("stream_timeout", "chat_template_timeout"):
             if not getattr(self, name) > 0:
@@ -73,13 +97,7 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
-        for name in ("default_max_tokens", "max_tokens_limit"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if None not in (self.default_max_tokens, self.max_tokens_limit) and \
-                self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens_limit "
-                             f"({self.max_tokens_limit})")
+        self.output_caps()  # checked at start
         if self.max_waiting is not None and self.max_waiting < 1:  # the request asking counts: 0 would refuse all
             raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
         for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):

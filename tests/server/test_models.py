@@ -66,6 +66,24 @@ async def test_each_name_is_answered_by_its_own_model(model_dirs, want):
         assert r.json()["tokens"] == engines["b"].tokenizer.encode("x y")
 
 
+@pytest.mark.asyncio
+async def test_a_models_own_output_caps_replace_the_flags_key_by_key(model_dirs):
+    models = {"a": {"model": str(model_dirs["llama"]), "block_size": 4, "num_kv_blocks": 64},
+              "b": {"model": str(model_dirs["qwen2"]), "block_size": 4, "num_kv_blocks": 32}}
+    async with serving_models(models, caps={"a": {"default_max_tokens": 2, "max_tokens_limit": 4}},
+                              default_max_tokens=3) as (_, client):
+        async def ask(name, **body):
+            return await client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "temperature": 0,
+                                                              "ignore_eos": True, **body})
+        for name, want in (("a", 2), ("b", 3)):
+            r = (await ask(name)).json()
+            assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (want, "length")
+        r = await ask("a", max_tokens=5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "limit of 4 for 'a'" in r.json()["error"]["message"]
+        assert (await ask("b", max_tokens=5)).json()["usage"]["completion_tokens"] == 5  # b has no limit
+
+
 def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path):
     configs = engine_configs([ModelEntry("big", "/m/big", kv_share=3), ModelEntry("small", "/m/small")],
                              {"max_num_seqs": 8})
@@ -75,10 +93,12 @@ def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path
     whole = auto_num_blocks(cfg, 16, torch.float32, torch.device("cpu"), 0.85)
     assert auto_num_blocks(cfg, 16, torch.float32, torch.device("cpu"), 0.85, 0.25) == whole // 4
     path = tmp_path / "models.yaml"
-    path.write_text("models:\n  - {name: x, model: /m/x, max_num_seqs: 4, lora_modules: {sql: /a/sql}}\n")
+    path.write_text("models:\n  - {name: x, model: /m/x, max_num_seqs: 4, lora_modules: {sql: /a/sql},"
+                    " max_tokens_limit: 64}\n")
     (entry,) = load_models_file(path)
     config, loras = engine_configs([entry], {"max_num_seqs": 8})["x"]
     assert (config.max_num_seqs, config.enable_lora, config.kv_cache_share, loras) == (4, True, 1.0, {"sql": "/a/sql"})
+    assert entry.caps == {"max_tokens_limit": 64}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -86,6 +106,9 @@ def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path
     ("models:\n  - {model: /m}\n", "models[0]: name must be a non-empty string"),
     ("models:\n  - {name: x, model: /m, kv_share: 0}\n", "models[0]: kv_share must be a positive number"),
     ("routes: []\n", "must be a mapping with one key, models"),
+    ("models:\n  - {name: x, model: /m, max_tokens_limit: 0}\n", "models[0]: max_tokens_limit must be an int of at"),
+    ("models:\n  - {name: x, model: /m, default_max_tokens: 9, max_tokens_limit: 4}\n",
+     "models[0]: default_max_tokens .9. must not exceed max_tokens_limit .4."),
 ])
 def test_a_bad_models_file_is_refused_naming_the_entry_and_key(tmp_path, text, message):
     path = tmp_path / "models.yaml"
