@@ -1,10 +1,10 @@
 """A linear layer over a GGUF file's Q4_K or Q6_K rows as the file holds them (4.5 and 6.56 bits a
 weight), served in place on a CPU: `_core.linear_kquant` reads the blocks with x quantized to
 int8 per 256 inputs, llama.cpp's arithmetic for these types
-(rust/cpu_kernels/src/linear_kquant.rs). Converting them to the 4-bit groups of Int4Linear (5
-bits) or the int8 rows of Int8Linear (8) made every decode step read more bytes, and the load
-convert them. Elsewhere (CUDA, half precision) the GGUF loader converts instead; `forward` on
-other inputs multiplies the widened weight, the reference the kernel is tested against."""
+(rust/cpu_kernels/src/linear_kquant.rs). Held as Int4Linear's groups (5 bits) or Int8Linear's
+rows (8 bits) instead, every decode step would read more bytes and the load would convert them.
+Off the CPU (CUDA) the GGUF loader converts them for the Triton kernels; `forward` on inputs
+other than f32 on a CPU multiplies the widened weight, the reference the kernel is tested against."""
 
 from __future__ import annotations
 
