@@ -11,7 +11,8 @@ and adapter list per served name (no torch here: a bad entry is refused before a
           lora_modules: {sql: /adapters/sql}
           max_num_seqs: 64           # any engine flag, by its field name, overrides the command line's
           default_max_tokens: 256    # its output caps, each in place of --default-max-tokens /
-          max_tokens_limit: 1024     #   --max-tokens-limit
+          max_tokens_limit: 1024     #   --max-tokens-limit /
+          concise: true              #   --concise
 
 - with none of them, the embedded target and draft are served as `pyserve-default` and
   `pyserve-default-draft`, a large/small pair (the draft without a speculative config).
@@ -34,7 +35,7 @@ from pyserve.config import EngineConfig
 from pyserve.server.settings import OutputCaps
 
 DRAFT_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-draft"
-CAPS_KEYS = ("default_max_tokens", "max_tokens_limit")
+CAPS_KEYS = ("default_max_tokens", "max_tokens_limit", "concise")
 ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules", *CAPS_KEYS}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "kv_cache_share"}
 

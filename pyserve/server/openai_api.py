@@ -91,7 +91,10 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
                          "(start it with --trust-request-chat-template to accept one per request)", param=param)
     plan = plan_tools(req, _tool_format(settings, req.chat_template or tok.chat_template))
     try:  # in a thread, under a deadline: the event loop keeps serving while a template renders
-        text = await run_with_deadline(tok.apply_chat_template, req.template_messages(), req.add_generation_prompt,
+        messages = req.template_messages()
+        if model.caps.concise:
+            messages = _with_instruction(messages, settings.concise_instruction)
+        text = await run_with_deadline(tok.apply_chat_template, messages, req.add_generation_prompt,
                                        req.chat_template, plan.template_tools, timeout=settings.chat_template_timeout)
     except ChatTemplateError as e:
         raise BadRequest(str(e), param=param) from e
@@ -103,6 +106,15 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
     shape = ChatBody(tok, req.top_logprobs or 0, plan)
     return await _serve(state, model, shape, req, [prompt], max_tokens, req.num_logprobs(), lora,
                         plan.constraint, plan.field, cache_plan=cache_plan)
+
+
+def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:
+    """`messages` (as templates take them: text content) with `instruction` after their first
+    system (or developer) message's text, or in a system message of its own before them."""
+    if not messages or messages[0]["role"] not in ("system", "developer"):
+        return [{"role": "system", "content": instruction}, *messages]
+    content = messages[0]["content"]
+    return [{**messages[0], "content": f"{content}\n\n{instruction}" if content else instruction}, *messages[1:]]
 
 
 def _cache_hit(state: ServerState, req: ChatCompletionRequest, model: ServedModel, entry) -> Response:

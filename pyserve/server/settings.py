@@ -9,13 +9,17 @@ from pyserve.options import option
 
 @dataclass(slots=True, frozen=True)
 class OutputCaps:
-    """Caps on a generation request's max_tokens (server.openai_api): `default_max_tokens` for a
-    request naming none, `max_tokens_limit` the most one may ask (None: no cap of that kind)."""
+    """Caps on a generation request's output (server.openai_api): `default_max_tokens` for a
+    request naming none, `max_tokens_limit` the most one may ask (None: no cap of that kind);
+    `concise`: chat requests get the concise instruction in their system prompt."""
 
     default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
+    concise: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.concise, bool):
+            raise ValueError(f"concise must be true or false, got {self.concise!r}")
         for name in ("default_max_tokens", "max_tokens_limit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -41,6 +45,10 @@ class ServerSettings:
     max_tokens_limit: int | None = option(
         None, "the largest max_tokens a generation request may ask (a 400 naming max_tokens beyond); a request "
         "naming none is held to it too", type=int)
+    concise: bool = option(False, "add --concise-instruction to every chat request's system prompt (a system "
+                           "message first where it has none)")
+    concise_instruction: str = option("Answer as briefly as the question allows: no preamble, no recap.",
+                                      "the instruction --concise (or a models file entry's concise) adds")
     public_metrics: bool = option(False, "serve /metrics without the API key")
     allowed_origins: list[str] = option(
         help="ORIGIN (e.g. https://app.example, or *) whose browser pages may call the API: CORS, preflights "
@@ -86,7 +94,8 @@ class ServerSettings:
 
     def output_caps(self, own: dict[str, int] | None = None) -> OutputCaps:
         """A served model's output caps: its `own` (its models file entry's keys) over the flags'."""
-        flags = {"default_max_tokens": self.default_max_tokens, "max_tokens_limit": self.max_tokens_limit}
+        flags = {"default_max_tokens": self.default_max_tokens, "max_tokens_limit": self.max_tokens_limit,
+                 "concise": self.concise}
         return OutputCaps(**(flags | (own or {})))
 
     def __post_init__(self) -> None:

@@ -107,6 +107,7 @@ def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path
     ("models:\n  - {name: x, model: /m, kv_share: 0}\n", "models[0]: kv_share must be a positive number"),
     ("routes: []\n", "must be a mapping with one key, models"),
     ("models:\n  - {name: x, model: /m, max_tokens_limit: 0}\n", "models[0]: max_tokens_limit must be an int of at"),
+    ("models:\n  - {name: x, model: /m, concise: 1}\n", "models[0]: concise must be true or false"),
     ("models:\n  - {name: x, model: /m, default_max_tokens: 9, max_tokens_limit: 4}\n",
      "models[0]: default_max_tokens .9. must not exceed max_tokens_limit .4."),
 ])

@@ -241,3 +241,28 @@ def test_output_caps_are_checked_at_start():
         ServerSettings("m", default_max_tokens=0)
     with pytest.raises(ValueError, match=r"default_max_tokens \(9\) must not exceed max_tokens_limit \(4\)"):
         ServerSettings("m", default_max_tokens=9, max_tokens_limit=4)
+
+
+@pytest.fixture(scope="module")
+def concise(tmp_path_factory):
+    proc, base = start_server(None, "--served-model-name", "tiny", "--concise", "--concise-instruction",
+                              "Be brief.", workdir=tmp_path_factory.mktemp("concise"))
+    yield base
+    stop_server(proc)
+
+
+def _prompt_tokens(tok, messages) -> int:
+    return len(tok.encode(tok.apply_chat_template(messages, True), add_special_tokens=False))
+
+
+def test_concise_puts_its_instruction_in_the_system_prompt(concise, tok):
+    """The prompt the model is given is the conversation with the instruction after the system
+    message's text, or in a system message of its own; completions are left as they are."""
+    user = {"role": "user", "content": "hi"}
+    alone = _post(concise, "chat", messages=[user]).json()
+    assert alone["usage"]["prompt_tokens"] == _prompt_tokens(tok, [{"role": "system", "content": "Be brief."}, user])
+    system = {"role": "system", "content": "You write Python."}
+    both = _post(concise, "chat", messages=[system, user]).json()
+    want = _prompt_tokens(tok, [{"role": "system", "content": "You write Python.\n\nBe brief."}, user])
+    assert both["usage"]["prompt_tokens"] == want
+    assert _post(concise, "completions", prompt="hi").json()["usage"]["prompt_tokens"] == len(tok.encode("hi"))
