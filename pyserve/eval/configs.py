@@ -11,6 +11,8 @@
         lora: docstrings        # an adapter (embedded name or NAME=PATH) the requests use
         temperature: 0.0        # sampling: temperature, top_p, seed
         max_tokens: 16          # the output cap: no item generates more (items ask for their own)
+        concise: true           # the server's concise policy (chat items; any local configuration),
+        concise_instruction: "Be brief."   # with its instruction (default: the server's)
         system_prompt: "..."    # chat items: a system message first
         prompt_template: "{prompt}"   # completion items: the prompt as sent
       - name: elsewhere
@@ -77,6 +79,8 @@ class EvalConfig(BaseModel):
     route: str | None = None
     cascade: CascadeConfig | None = None
     semantic_cache: bool = False
+    concise: bool = False
+    concise_instruction: Annotated[str, Field(min_length=1)] | None = None
     engine: dict[str, Any] = Field(default_factory=dict)  # the engine settings, gathered below
 
     @model_validator(mode="before")
@@ -128,9 +132,11 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _local_or_remote(self):
         if self.url is not None and (self.model is not None or self.models or self.engine or self.lora is not None
-                                     or self.decides or self.semantic_cache):
+                                     or self.decides or self.semantic_cache or self.concise):
             raise ValueError("a url configuration is already running: model, models, lora, engine settings, "
-                             "routes and the cache do not apply")
+                             "routes, the cache and concise do not apply")
+        if self.concise_instruction is not None and not self.concise:
+            raise ValueError("concise_instruction: given without concise: true")
         if self.api_key_env is not None:
             if self.url is None:
                 raise ValueError("api_key_env: only a url configuration takes a key (a local server has none)")
@@ -188,6 +194,10 @@ class EvalConfig(BaseModel):
             flags += ["--cascade", f"eval={c.small},{c.large},{c.min_logprob}"]
         if self.semantic_cache:
             flags.append("--semantic-cache")
+        if self.concise:
+            flags.append("--concise")
+        if self.concise_instruction is not None:
+            flags += ["--concise-instruction", self.concise_instruction]
         return flags
 
     @property

@@ -74,6 +74,18 @@ def test_decision_keys_become_serve_flags(tmp_path):
     assert cascade.serve_flags() == ["--cascade", "eval=pyserve-default-draft,pyserve-default,-1.5"]
 
 
+def test_the_concise_keys_become_serve_flags_and_are_refused_where_they_cannot_apply():
+    from pyserve.eval.configs import EvalConfig
+
+    assert EvalConfig(name="c", concise=True, concise_instruction="Be brief.").serve_flags() == [
+        "--concise", "--concise-instruction", "Be brief."]
+    assert EvalConfig(name="d", concise=True).serve_flags() == ["--concise"]
+    with pytest.raises(ValueError, match="concise_instruction: given without concise: true"):
+        EvalConfig(name="e", concise_instruction="Be brief.")
+    with pytest.raises(ValueError, match="concise do not apply"):
+        EvalConfig(name="f", url="http://127.0.0.1:1/v1", concise=True)
+
+
 def test_a_cascade_over_models_of_ones_own_serves_them_all_with_home_paths_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     path = tmp_path / "c.yaml"
