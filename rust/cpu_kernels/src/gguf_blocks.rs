@@ -65,6 +65,12 @@ impl BlockKind {
         }
     }
 
+    /// Bytes of a row of `fan_in` weights (None: not a whole number of blocks, or none).
+    pub fn row_bytes(self, fan_in: usize) -> Option<usize> {
+        let (weights, bytes) = self.weights_and_bytes();
+        (fan_in > 0 && fan_in.is_multiple_of(weights)).then(|| fan_in / weights * bytes)
+    }
+
     fn is_q4(self) -> bool {
         matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q4K)
     }
@@ -77,13 +83,12 @@ pub struct BlocksError(String);
 
 /// Rows of `blocks` [rows, row bytes] with `fan_in` weights each, checked.
 fn check(kind: BlockKind, blocks: &[u8], rows: usize, fan_in: usize) -> Result<usize, BlocksError> {
-    let (weights, bytes) = kind.weights_and_bytes();
-    if fan_in == 0 || !fan_in.is_multiple_of(weights) {
+    let Some(row_bytes) = kind.row_bytes(fan_in) else {
+        let weights = kind.weights_and_bytes().0;
         return Err(BlocksError(format!(
             "fan_in: {fan_in} is not a whole number of {kind:?}'s {weights}-weight blocks"
         )));
-    }
-    let row_bytes = fan_in / weights * bytes;
+    };
     if blocks.len() != rows * row_bytes {
         return Err(BlocksError(format!(
             "blocks: {} bytes for {rows} rows of {fan_in} {kind:?} weights ({row_bytes} bytes a row)",
@@ -93,7 +98,7 @@ fn check(kind: BlockKind, blocks: &[u8], rows: usize, fan_in: usize) -> Result<u
     Ok(row_bytes)
 }
 
-fn f16_at(b: &[u8], at: usize) -> f16 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f16 {
     f16::from_le_bytes([b[at], b[at + 1]])
 }
 
@@ -220,6 +225,22 @@ pub(crate) fn q4_k_scale_min(b: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
+/// The nibbles (0..16) of sub-block j (0..8, 32 weights) of a Q4_K block, in weight order.
+#[inline(always)]
+pub(crate) fn q4_k_nibbles(block: &[u8], j: usize) -> [u8; 32] {
+    let (qs, shift) = (&block[16 + 32 * (j / 2)..][..32], 4 * (j % 2));
+    std::array::from_fn(|b| (qs[b] >> shift) & 0xF)
+}
+
+/// The 6-bit q (0..64) of run `run` (0..8, 32 weights) of a Q6_K block, in weight order (the
+/// layout above: the run is quarter run % 4 of half run / 4).
+#[inline(always)]
+pub(crate) fn q6_k_run(block: &[u8], run: usize) -> [u8; 32] {
+    let (h, t) = (run / 4, run % 4);
+    let (low, high) = (&block[64 * h + 32 * (t % 2)..][..32], &block[128 + 32 * h..][..32]);
+    std::array::from_fn(|b| ((low[b] >> (4 * (t / 2))) & 0xF) | (((high[b] >> (2 * t)) & 3) << 4))
+}
+
 fn q4_k_row(row: &[u8], packed: &mut [u8], scales: &mut [f16], offsets: &mut [f16]) {
     for (blk, block) in row.chunks_exact(144).enumerate() {
         let (d, dmin) = (f16_at(block, 0).to_f32(), f16_at(block, 2).to_f32());
@@ -332,9 +353,8 @@ pub(crate) fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
                 for (g, out) in out.chunks_exact_mut(32).enumerate() {
                     let (sc, m) = q4_k_scale_min(&block[4..16], g);
                     let (scale, min) = (d * sc as f32, dmin * m as f32);
-                    let (qs, shift) = (&block[16 + 32 * (g / 2)..][..32], 4 * (g % 2));
-                    for (o, &b) in out.iter_mut().zip(qs) {
-                        *o = scale * ((b >> shift) & 0xF) as f32 - min;
+                    for (o, q) in out.iter_mut().zip(q4_k_nibbles(block, g)) {
+                        *o = scale * q as f32 - min;
                     }
                 }
             }
@@ -361,16 +381,11 @@ pub(crate) fn widen_row(kind: BlockKind, row: &[u8], w: &mut [f32]) {
         }
         BlockKind::Q6K => {
             for (block, out) in row.chunks_exact(210).zip(w.chunks_exact_mut(256)) {
-                let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
-                let d = f16_at(block, 208).to_f32();
-                // runs of 32 weights (i = 128h + 32t + b) share their bytes' shifts: the inner
-                // loop is straight-line over 32 lanes
+                let (sc, d) = (&block[192..208], f16_at(block, 208).to_f32());
+                // runs of 32 weights share their bytes' shifts: the inner loop is straight-line
                 for (run, out) in out.chunks_exact_mut(32).enumerate() {
-                    let (h, t) = (run / 4, run % 4);
-                    let (low, high) = (&ql[64 * h + 32 * (t % 2)..][..32], &qh[32 * h..][..32]);
                     let scales = [d * sc[2 * run] as i8 as f32, d * sc[2 * run + 1] as i8 as f32];
-                    for (b, o) in out.iter_mut().enumerate() {
-                        let q = ((low[b] >> (4 * (t / 2))) & 0xF) | (((high[b] >> (2 * t)) & 3) << 4);
+                    for (b, (o, q)) in out.iter_mut().zip(q6_k_run(block, run)).enumerate() {
                         *o = scales[b / 16] * (q as i32 - 32) as f32;
                     }
                 }

@@ -11,6 +11,7 @@
 //!   (q in 0..16; sc, m six bits), times the x scale;
 //! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
 //!   sc an int8), times the x scale.
+//!
 //! The same arithmetic as llama.cpp's on the same file, and the same bytes a step; the int16
 //! activations of `linear_q4` would cost these layers twice the multiplies (measured: the int16
 //! form of this kernel ran at ~15 GB/s, compute-bound on two AVX2 cores, against ~28 for the 4-bit
@@ -21,9 +22,7 @@
 
 use std::ops::Range;
 
-use half::f16;
-
-use crate::gguf_blocks::{q4_k_scale_min, BlockKind};
+use crate::gguf_blocks::{f16_at, q4_k_nibbles, q4_k_scale_min, q6_k_run, BlockKind};
 use crate::linear::{check_rows, for_output_ranges, LinearError, SharedOutputs, CHUNK_ROWS};
 use crate::parallel::{ForkJoin, OnCallingThread};
 use crate::vector::round_ties_even_small;
@@ -43,8 +42,9 @@ pub struct KQuantWeights<'a> {
 }
 
 impl KQuantWeights<'_> {
+    /// Bytes of a row (0 where fan_in is not a whole number of blocks: `check` refuses it).
     pub(crate) fn row_bytes(&self) -> usize {
-        self.fan_in / SUPER * self.kind.weights_and_bytes().1
+        self.kind.row_bytes(self.fan_in).unwrap_or(0)
     }
 
     fn check(&self) -> Result<(), LinearError> {
@@ -55,7 +55,7 @@ impl KQuantWeights<'_> {
                 self.kind
             )));
         }
-        if k == 0 || !k.is_multiple_of(SUPER) {
+        if self.kind.row_bytes(k).is_none() {
             return Err(LinearError::new(format!(
                 "fan_in: {k} is not a whole number of {SUPER}-weight super-blocks"
             )));
@@ -104,12 +104,11 @@ pub fn linear_kquant_on(
 
 /// Rows of x as the integer products take them, in input order: `values` [rows, fan_in] int8,
 /// each super-block of 256 with its scale in `scales` [rows, fan_in / 256], and the sums of its
-/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16]) and per 32 (`sums32`).
+/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16]).
 pub(crate) struct Int8Rows {
     pub values: Vec<i8>,
     pub scales: Vec<f32>,
     pub sums16: Vec<i16>,
-    pub sums32: Vec<i16>,
     pub rows: usize,
 }
 
@@ -126,9 +125,8 @@ impl Int8Rows {
             }
             scales.push(scale);
         }
-        let sums = |n: usize| values.chunks_exact(n).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
-        let (sums16, sums32) = (sums(16), sums(32));
-        Self { values, scales, sums16, sums32, rows }
+        let sums16 = values.chunks_exact(16).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
+        Self { values, scales, sums16, rows }
     }
 }
 
@@ -152,7 +150,7 @@ fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: 
                 let at = r * k + s * SUPER; // the super-block's first input
                 let xs = &x.values[at..][..SUPER];
                 let sum = match w.kind {
-                    BlockKind::Q4K => q4_k_plain(block, xs, &x.sums32[at / 32..][..8]),
+                    BlockKind::Q4K => q4_k_plain(block, xs, &x.sums16[at / 16..][..16]),
                     _ => q6_k_plain(block, xs, &x.sums16[at / 16..][..16]),
                 };
                 total += sum * x.scales[at / SUPER];
@@ -163,48 +161,38 @@ fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: 
     }
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
 /// A Q4_K super-block's sum against xq, before the x scale.
-fn q4_k_plain(block: &[u8], xs: &[i8], sums32: &[i16]) -> f32 {
+fn q4_k_plain(block: &[u8], xs: &[i8], sums16: &[i16]) -> f32 {
     let (mut scaled, mut mins) = (0i32, 0i32);
     for j in 0..8 {
         let (sc, m) = q4_k_scale_min(&block[4..16], j);
-        let (qs, shift) = (&block[16 + 32 * (j / 2)..][..32], 4 * (j % 2));
         let dot: i32 =
-            qs.iter().zip(&xs[32 * j..][..32]).map(|(&b, &v)| ((b >> shift) & 0xF) as i32 * v as i32).sum();
+            q4_k_nibbles(block, j).iter().zip(&xs[32 * j..][..32]).map(|(&q, &v)| q as i32 * v as i32).sum();
         scaled += sc as i32 * dot;
-        mins += m as i32 * sums32[j] as i32;
+        mins += m as i32 * (sums16[2 * j] as i32 + sums16[2 * j + 1] as i32);
     }
-    f16_at(block, 0) * scaled as f32 - f16_at(block, 2) * mins as f32
+    f16_at(block, 0).to_f32() * scaled as f32 - f16_at(block, 2).to_f32() * mins as f32
 }
 
 /// A Q6_K super-block's sum against xq, before the x scale.
 fn q6_k_plain(block: &[u8], xs: &[i8], sums16: &[i16]) -> f32 {
-    let (ql, qh, sc) = (&block[..128], &block[128..192], &block[192..208]);
+    let sc = &block[192..208];
     let mut scaled = 0i32;
     for run in 0..8 {
-        // weights 32 * run + b: half h = run / 4, quarter t = run % 4 of it (gguf_blocks' layout)
-        let (h, t) = (run / 4, run % 4);
-        let (low, high) = (&ql[64 * h + 32 * (t % 2)..][..32], &qh[32 * h..][..32]);
+        let q = q6_k_run(block, run);
         for g in 0..2 {
-            let dot: i32 = (16 * g..16 * g + 16)
-                .map(|b| {
-                    let q = ((low[b] >> (4 * (t / 2))) & 0xF) | (((high[b] >> (2 * t)) & 3) << 4);
-                    q as i32 * xs[32 * run + b] as i32
-                })
-                .sum();
+            let dot: i32 = (16 * g..16 * g + 16).map(|b| q[b] as i32 * xs[32 * run + b] as i32).sum();
             let group = 2 * run + g;
             scaled += sc[group] as i8 as i32 * (dot - 32 * sums16[group] as i32);
         }
     }
-    f16_at(block, 208) * scaled as f32
+    f16_at(block, 208).to_f32() * scaled as f32
 }
 
 #[cfg(test)]
 mod tests {
+    use half::f16;
+
     use super::*;
     use crate::gguf_blocks::widen;
     use crate::linear::tests::{values, TwoParts};

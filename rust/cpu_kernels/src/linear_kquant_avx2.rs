@@ -4,18 +4,20 @@
 //! - Q4_K: each 32-byte chunk (64 weights: sub-block 2j in the low nibbles, 2j + 1 in the high)
 //!   gives two vectors of 32 nibbles by a mask and a shift; `vpmaddubsw` multiplies each with 32
 //!   int8 inputs (pairs summed in i16, |.| <= 3810), `vpmaddwd` with the sub-block's scale sc
-//!   (sixteen i16 lanes of it) sums pairs again into i32. The minimums' term is m . sums32.
+//!   (sixteen i16 lanes of it) sums pairs again into i32. The minimums' term is m against the
+//!   x sums of the sub-blocks (pairs of the sums per 16 added by `vphaddw`).
 //! - Q6_K: a half (128 weights) is three 32-byte loads (ql's two runs, qh); byte masks and shifts
 //!   give four runs of 32 6-bit q; `vpmaddubsw` with the inputs (|.| <= 16002), `vpmaddwd` with
 //!   the run's two group scales (eight lanes each); the -32 offset is 32 sc . sums16.
+//!
 //! An i32 lane's sum over a super-block stays under 2^26.
 //!
 //! A tile's outputs take turns a part of a super-block at a time (a Q4_K chunk, a Q6_K half), so
 //! their sums are independent chains in registers. The next tile's rows are prefetched as one
 //! sequential run of lines, a share each super-block: prefetching each row's own next blocks
-//! streamed Q6_K at ~20 GB/s on the AMD EPYC here, the sequential run at ~30. Each output is summed in one fixed order
-//! (super-blocks and parts in turn, lane by lane, then `hsum`'s order) whatever the rows beside it
-//! or the tile.
+//! streamed Q6_K at ~20 GB/s on the AMD EPYC here, the sequential run at ~30. Each output is
+//! summed in one fixed order (super-blocks and parts in turn, lane by lane, then `hsum`'s order)
+//! whatever the rows beside it or the tile.
 //!
 //! Safety: every function here needs a CPU with AVX2, FMA and F16C, and the shapes and kind
 //! `linear_kquant` checked.
@@ -78,7 +80,6 @@ struct Rows<const X: usize> {
     values: [*const i8; X],
     scales: [*const f32; X],
     sums16: [*const i16; X],
-    sums32: [*const i16; X],
 }
 
 /// A super-block's scales as i16 lanes, shared by its parts: [sc0..sc7 | sc0..sc7] for Q4_K,
@@ -223,7 +224,9 @@ impl SuperBlock for Q4K {
         for (b, acc) in acc.iter_mut().enumerate() {
             let dx = _mm_mul_ps(d, _mm_broadcast_ss(&*x.scales[b].add(s))); // [d, dmin] times the x scale
             acc.main = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[b]), _mm256_broadcastss_ps(dx), acc.main);
-            let m = _mm_madd_epi16(mins, _mm_loadu_si128(x.sums32[b].add(s * 8) as *const __m128i));
+            let x16 = x.sums16[b].add(s * 16) as *const __m128i;
+            let x32 = _mm_hadd_epi16(_mm_loadu_si128(x16), _mm_loadu_si128(x16.add(1))); // |.| <= 4064
+            let m = _mm_madd_epi16(mins, x32);
             acc.mins = _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_permute_ps::<0b01_01_01_01>(dx), acc.mins);
         }
     }
@@ -324,20 +327,18 @@ unsafe fn tile<K: SuperBlock, const W: usize, const X: usize>(
         values: [std::ptr::null(); X],
         scales: [std::ptr::null(); X],
         sums16: [std::ptr::null(); X],
-        sums32: [std::ptr::null(); X],
     };
     for b in 0..X {
         rows.values[b] = x.values.as_ptr().add((r + b) * k);
         rows.scales[b] = x.scales.as_ptr().add((r + b) * k / SUPER);
         rows.sums16[b] = x.sums16.as_ptr().add((r + b) * k / 16);
-        rows.sums32[b] = x.sums32.as_ptr().add((r + b) * k / 32);
     }
     let mut acc = [[Sums { main: _mm256_setzero_ps(), mins: _mm_setzero_ps() }; X]; W];
     for s in 0..k / SUPER {
         if r == 0 {
             // the next tile's rows (contiguous), a share of their lines each super-block
             let (tile_bytes, supers) = (W * row_bytes, k / SUPER);
-            let mut line = s * tile_bytes / supers & !63;
+            let mut line = (s * tile_bytes / supers) & !63;
             while line < ((s + 1) * tile_bytes / supers).min(tile_bytes) {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
                 line += 64;

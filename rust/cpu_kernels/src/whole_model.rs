@@ -40,10 +40,8 @@ impl Embedding<'_> {
         match self {
             Embedding::F32(t) => t.len().is_multiple_of(hidden).then(|| t.len() / hidden),
             Embedding::Blocks { kind, blocks } => {
-                let (weights, bytes) = kind.weights_and_bytes();
-                let row_bytes = hidden / weights * bytes;
-                (hidden.is_multiple_of(weights) && blocks.len().is_multiple_of(row_bytes))
-                    .then(|| blocks.len() / row_bytes)
+                let row_bytes = kind.row_bytes(hidden)?;
+                blocks.len().is_multiple_of(row_bytes).then(|| blocks.len() / row_bytes)
             }
         }
     }
@@ -53,8 +51,7 @@ impl Embedding<'_> {
         match self {
             Embedding::F32(table) => x.extend_from_slice(&table[t * hidden..][..hidden]),
             Embedding::Blocks { kind, blocks } => {
-                let (weights, bytes) = kind.weights_and_bytes();
-                let row_bytes = hidden / weights * bytes;
+                let row_bytes = kind.row_bytes(hidden).unwrap_or(0); // `rows` checked it
                 let start = x.len();
                 x.resize(start + hidden, 0.0);
                 widen_row(*kind, &blocks[t * row_bytes..][..row_bytes], &mut x[start..]);
