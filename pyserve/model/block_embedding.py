@@ -6,20 +6,19 @@ kernel looks rows up from the blocks the same way (rust/cpu_kernels/src/whole_mo
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from pyserve import _core
+from pyserve.model.gguf.blocks import fan_in, widened
 
 
 class BlockEmbedding(nn.Module):
-    """`blocks` [num_embeddings, row bytes] uint8 of GGUF type `kind`, rows of `embedding_dim`."""
+    """`blocks` [num_embeddings, row bytes] uint8 of GGUF type `kind`."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str, embedding_dim: int):
+    def __init__(self, blocks: torch.Tensor, kind: str):
         super().__init__()
         self.kind = kind
-        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], fan_in(kind, blocks.shape[1])
         self.register_buffer("blocks", blocks.contiguous())
         self.view = (self.blocks.numpy(), kind)  # as `_core.model_forward` takes an embedding
 
@@ -27,15 +26,10 @@ class BlockEmbedding(nn.Module):
     def weight_bytes(self) -> int:
         return self.blocks.numel()
 
-    def _widen(self, rows: np.ndarray) -> torch.Tensor:
-        out = np.empty((rows.shape[0], self.embedding_dim), dtype=np.float32)
-        _core.gguf_widen(self.kind, np.ascontiguousarray(rows), out, 1)
-        return torch.from_numpy(out)
-
     def dequantized(self) -> torch.Tensor:
         """The whole table in f32 (what tensor parallelism shards)."""
-        return self._widen(self.blocks.numpy())
+        return torch.from_numpy(widened(self.blocks.numpy(), self.kind, torch.get_num_threads()))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, input_ids.reshape(-1))  # IndexError for an id out of range
-        return self._widen(rows.numpy()).reshape(*input_ids.shape, self.embedding_dim)
+        return torch.from_numpy(widened(rows.numpy(), self.kind, 1)).reshape(*input_ids.shape, self.embedding_dim)

@@ -8,15 +8,14 @@ other than f32 on a CPU multiplies the widened weight, the reference the kernel 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pyserve import _core
+from pyserve.model.gguf.blocks import fan_in, row_bytes, widened
 
-SUPER_BLOCK = 256  # weights of a K-quant block
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+KQUANT_TYPES = ("Q4_K", "Q6_K")
 
 
 class KQuantLinear(nn.Module):
@@ -24,13 +23,14 @@ class KQuantLinear(nn.Module):
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None):
         super().__init__()
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"kind: {kind} is not a K-quant type this layer serves ({', '.join(BLOCK_BYTES)})")
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES[kind]:
+        if kind not in KQUANT_TYPES:
+            raise ValueError(f"kind: {kind} is not a K-quant type this layer serves ({', '.join(KQUANT_TYPES)})")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
+                row_bytes(kind, fan_in(kind, blocks.shape[1])) != blocks.shape[1]:
             raise ValueError(f"blocks: {tuple(blocks.shape)} {blocks.dtype} is not rows of whole {kind} blocks (uint8)")
         self.kind = kind
         self.out_features = blocks.shape[0]
-        self.in_features = blocks.shape[1] // BLOCK_BYTES[kind] * SUPER_BLOCK
+        self.in_features = fan_in(kind, blocks.shape[1])
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.cpu = blocks.device.type == "cpu"
@@ -47,9 +47,8 @@ class KQuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in f32, widened with gguf's arithmetic."""
-        out = np.empty((self.out_features, self.in_features), dtype=np.float32)
-        _core.gguf_widen(self.kind, self.blocks.cpu().numpy(), out, torch.get_num_threads())
-        return torch.from_numpy(out).to(self.blocks.device)
+        weight = widened(self.blocks.cpu().numpy(), self.kind, torch.get_num_threads())
+        return torch.from_numpy(weight).to(self.blocks.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu and x.dtype == torch.float32:

@@ -35,9 +35,9 @@ from torch import nn
 
 from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.errors import WeightsError
+from pyserve.model.gguf.blocks import WIDENED_IN_RUST, fan_in, row_bytes, widened
 from pyserve.model.gguf.file import INT4_TYPES, INT8_TYPES, PLAIN_TYPES, GgufFile
-from pyserve.model.kquant_linear import BLOCK_BYTES as KQUANT_TYPES
-from pyserve.model.kquant_linear import KQuantLinear
+from pyserve.model.kquant_linear import KQUANT_TYPES, KQuantLinear
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -49,7 +49,6 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QK_PERMUTED = ("llama", "mistral")  # architectures whose converter permutes q/k rows
 ROWS_IN_RUST = ("Q8_0", "Q5_0", "Q6_K")  # INT8_TYPES rounded to int8 in Rust; the others through gguf's widening
-WIDENED_IN_RUST = INT4_TYPES + ROWS_IN_RUST  # widened to f32 in Rust; the others by gguf
 
 
 def hf_name(name: str) -> str | None:
@@ -114,7 +113,7 @@ class GgufWeights:
         if tuple(blocks.shape) != (table.num_embeddings, row_bytes(kind, dim)):
             raise WeightsError(f"GGUF token_embd.weight ({kind}) has {tuple(blocks.shape)} bytes, the config "
                                f"implies {(table.num_embeddings, row_bytes(kind, dim))}")
-        return BlockEmbedding(blocks, kind, dim)
+        return BlockEmbedding(blocks, kind)
 
     def layer(self, module_name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, dtype: torch.dtype,
               device: torch.device) -> nn.Module:
@@ -155,22 +154,6 @@ class GgufWeights:
         return data.reshape(heads, self.head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(data.shape)
 
 
-def fan_in(kind: str, bytes_per_row: int) -> int:
-    """Weights in a row of `bytes_per_row` bytes of a block type."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    return bytes_per_row // size * weights
-
-
-def row_bytes(kind: str, k: int) -> int:
-    """Bytes of a row of `k` weights of a block type; -1 where k is not a whole number of its blocks."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    return -1 if k % weights else k // weights * size
-
-
 def q4_blocks(blocks: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K / 2] in Int4Linear's order, scales [N, K / 32], offsets [N, K / 32] f16)
     of Q4_0 / Q4_1 / Q4_K blocks [N, row bytes], converted in Rust one row at a time
@@ -201,11 +184,7 @@ def _dequantize(blocks: np.ndarray, kind: str, name: str) -> np.ndarray:
     from gguf.quants import dequantize
 
     if kind in WIDENED_IN_RUST:  # gguf's arithmetic, bit for bit, a row at a time
-        from pyserve import _core
-
-        out = np.empty((blocks.shape[0], fan_in(kind, blocks.shape[1])), dtype=np.float32)
-        _core.gguf_widen(kind, np.ascontiguousarray(blocks), out, torch.get_num_threads())
-        return out
+        return widened(blocks, kind, torch.get_num_threads())
     try:
         return np.ascontiguousarray(dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32)
     except (ValueError, KeyError, NotImplementedError) as e:
