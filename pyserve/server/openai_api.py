@@ -255,13 +255,13 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
     engine = model.engine
     keep = req.truncate_prompt_tokens
     if keep is not None:
-        if keep == 0:
-            raise BadRequest("truncate_prompt_tokens: must be -1 (the model's length) or at least 1, got 0",
-                             param="truncate_prompt_tokens")
         if echo:
             raise BadRequest("truncate_prompt_tokens: not served with echo (the prompt echoed would not be the "
                              "prompt the model was given)", param="truncate_prompt_tokens")
-        prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
+        try:
+            prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
+        except ValueError as e:
+            raise BadRequest(str(e), param="truncate_prompt_tokens") from e
     constraint, constraint_field = _constraint(req)
     if tools_constraint is not None:
         if constraint is not None:

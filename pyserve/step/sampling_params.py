@@ -67,9 +67,16 @@ TOKEN_ID = Bounds(int, 0, INT32_MAX)  # each of stop_token_ids, each key of logi
 LOGIT_BIAS = Bounds(float, -100.0, 100.0)  # each token's bias
 
 
+def check_truncate_prompt_tokens(keep: int | None) -> None:
+    """ValueError where `keep` is 0 (BOUNDS takes -1 up; 0 would keep the whole prompt)."""
+    if keep == 0:
+        raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1, got 0")
+
+
 def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """The prompt's last `keep` tokens (-1: the model's length; None: the whole prompt), as vLLM's
     `truncate_prompt_tokens` keeps them."""
+    check_truncate_prompt_tokens(keep)
     if keep is None:
         return prompt_token_ids
     keep = max_model_len if keep == -1 else keep
@@ -125,8 +132,7 @@ class SamplingParams:
             self.temperature = 0.0  # the sampler's rows: 0 = greedy
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1, got 0")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
