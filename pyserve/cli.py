@@ -102,8 +102,8 @@ def _served_models(args: argparse.Namespace) -> dict:
         configs = engine_configs(entries, base)
     except ModelsConfigError as e:
         sys.exit(f"pyserve serve: {e}")
-    caps = {e.name: e.caps for e in entries}
-    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), caps[name])
+    policies = {e.name: e.policy for e in entries}
+    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name])
             for name, (config, loras) in configs.items()}
 
 

@@ -26,6 +26,7 @@ from pyserve.engine.outputs import RequestOutput
 from pyserve.step.sampling_params import SamplingParams
 from pyserve.engine.vllm_args import engine_keywords
 from pyserve.lora.request import LoRARequest
+from pyserve.prompt_budget import fit_chat
 
 Prompt = str | Sequence[int]
 
@@ -114,15 +115,28 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        max_prompt_tokens: int | None = None,
+        prompt_policy: str = "turns",
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates. `tools`
         (OpenAI's / Hugging Face's {"type": "function", "function": {...}} entries) go to the
-        template, as in vLLM; reading calls out of the text is the caller's (pyserve.tools)."""
+        template, as in vLLM; reading calls out of the text is the caller's (pyserve.tools).
+        `max_prompt_tokens`: each conversation is fitted to this budget by `prompt_policy`
+        (pyserve.prompt_budget: older turns dropped whole); an output's prompt_token_ids are
+        the prompt it was given."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        tok = self.tokenizer
+
+        def prompt_of(conv: list[dict[str, Any]]) -> list[int]:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
+            return tok.encode(text, add_special_tokens=False)
+
+        if max_prompt_tokens is None:
+            prompts = [prompt_of(conv) for conv in conversations]
+        else:
+            count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+            prompts = [fit_chat(conv, max_prompt_tokens, prompt_policy, prompt_of, count).token_ids
+                       for conv in conversations]
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def stats(self) -> dict[str, float | int]:

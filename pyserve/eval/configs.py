@@ -13,6 +13,8 @@
         max_tokens: 16          # the output cap: no item generates more (items ask for their own)
         concise: true           # the server's concise policy (chat items; any local configuration),
         concise_instruction: "Be brief."   # with its instruction (default: the server's)
+        max_prompt_tokens: 1024  # the server's prompt budget (chat items: older turns dropped; any
+        prompt_policy: turns     #   local configuration), with its policy (default: turns)
         system_prompt: "..."    # chat items: a system message first
         prompt_template: "{prompt}"   # completion items: the prompt as sent
       - name: elsewhere
@@ -37,9 +39,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pyserve.prompt_budget import POLICIES
 
 ENGINE_SETTINGS = ("quantization", "quantization_group_size", "speculative_config", "max_num_seqs",
                    "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "block_size", "dtype",
@@ -81,6 +85,8 @@ class EvalConfig(BaseModel):
     semantic_cache: bool = False
     concise: bool = False
     concise_instruction: Annotated[str, Field(min_length=1)] | None = None
+    max_prompt_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    prompt_policy: Literal[POLICIES] | None = None
     engine: dict[str, Any] = Field(default_factory=dict)  # the engine settings, gathered below
 
     @model_validator(mode="before")
@@ -132,11 +138,14 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _local_or_remote(self):
         if self.url is not None and (self.model is not None or self.models or self.engine or self.lora is not None
-                                     or self.decides or self.semantic_cache or self.concise):
+                                     or self.decides or self.semantic_cache or self.concise
+                                     or self.max_prompt_tokens is not None):
             raise ValueError("a url configuration is already running: model, models, lora, engine settings, "
-                             "routes, the cache and concise do not apply")
+                             "routes, the cache, concise and the prompt budget do not apply")
         if self.concise_instruction is not None and not self.concise:
             raise ValueError("concise_instruction: given without concise: true")
+        if self.prompt_policy is not None and self.max_prompt_tokens is None:
+            raise ValueError("prompt_policy: given without max_prompt_tokens")
         if self.api_key_env is not None:
             if self.url is None:
                 raise ValueError("api_key_env: only a url configuration takes a key (a local server has none)")
@@ -198,6 +207,10 @@ class EvalConfig(BaseModel):
             flags.append("--concise")
         if self.concise_instruction is not None:
             flags += ["--concise-instruction", self.concise_instruction]
+        if self.max_prompt_tokens is not None:
+            flags += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        if self.prompt_policy is not None:
+            flags += ["--prompt-policy", self.prompt_policy]
         return flags
 
     @property

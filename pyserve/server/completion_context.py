@@ -19,6 +19,7 @@ from pyserve.http import sse
 from pyserve.http.errors import APIError, BadRequest, Unavailable, error_body
 from pyserve.http.responses import json_response
 from pyserve.lora.request import LoRARequest
+from pyserve.prompt_budget import Diet
 from pyserve.server.chat_body import ChatBody
 from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ServedModel
@@ -35,11 +36,12 @@ class CompletionContext:
     def __init__(self, shape: ChatBody | TextBody, base_id: str, req: SamplingFields, prompts: list[list[int]],
                  state: ServerState, model: ServedModel, arrival: float, created: int, lora: LoRARequest | None,
                  echo_only: bool = False, cache_status: str | None = None,
-                 on_done: Callable[[CompletionResult], None] | None = None):
+                 on_done: Callable[[CompletionResult], None] | None = None, diet: Diet | None = None):
         """`model` (with `lora`, when an adapter serves it) answers the request; `shape` builds its
         chunks and body; `echo_only`: nothing generated is returned (nor counted in its usage);
         `cache_status`: the semantic cache's word on it (miss / bypass); `on_done`: told the
-        result of a request that finished."""
+        result of a request that finished; `diet`: what the prompt budget removed (its usage
+        and a header say)."""
         self.shape, self.id, self.req, self.prompts, self.state = shape, base_id, req, prompts, state
         self.model, self.engine = model, model.engine
         self.model_name = model.name if lora is None else lora.lora_name  # the response's `model`
@@ -57,9 +59,15 @@ class CompletionContext:
         self._logged = False
         self.cache_status = cache_status
         self.on_done = on_done
+        self.diet = diet
 
     def headers(self) -> dict[str, str]:
-        return {} if self.cache_status is None else {"x-pyserve-cache": self.cache_status}
+        out = {}
+        if self.cache_status is not None:
+            out["x-pyserve-cache"] = self.cache_status
+        if self.diet is not None:
+            out["x-pyserve-prompt-policy"] = self.diet.policy
+        return out
 
     def release_lora(self) -> None:
         """Tells the registry this request no longer uses its adapter (once)."""
@@ -244,6 +252,8 @@ class CompletionContext:
         cached = sum(s.output.num_cached_tokens for s in self.streams)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.diet is not None:  # the conversation's tokens the budget left out of prompt_tokens
+            usage["prompt_tokens_details"]["removed_tokens"] = self.diet.removed_tokens
         if self.cache_status is not None:
             usage["pyserve_cache"] = self.cache_status
         return usage

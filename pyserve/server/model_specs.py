@@ -10,9 +10,11 @@ and adapter list per served name (no torch here: a bad entry is refused before a
           kv_share: 2                # weight of its part of the KV budget (default 1)
           lora_modules: {sql: /adapters/sql}
           max_num_seqs: 64           # any engine flag, by its field name, overrides the command line's
-          default_max_tokens: 256    # its output caps, each in place of --default-max-tokens /
+          default_max_tokens: 256    # its request policy, each key in place of --default-max-tokens /
           max_tokens_limit: 1024     #   --max-tokens-limit /
-          concise: true              #   --concise
+          concise: true              #   --concise /
+          max_prompt_tokens: 2048    #   --max-prompt-tokens /
+          prompt_policy: turns       #   --prompt-policy
 
 - with none of them, the embedded target and draft are served as `pyserve-default` and
   `pyserve-default-draft`, a large/small pair (the draft without a speculative config).
@@ -32,11 +34,11 @@ from typing import Any
 
 from pyserve.default_model import DEFAULT_MODEL_NAME, DRAFT_DIR, TARGET_DIR
 from pyserve.config import EngineConfig
-from pyserve.server.settings import OutputCaps
+from pyserve.server.settings import RequestPolicy
 
 DRAFT_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-draft"
-CAPS_KEYS = ("default_max_tokens", "max_tokens_limit", "concise")
-ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules", *CAPS_KEYS}
+POLICY_KEYS = ("default_max_tokens", "max_tokens_limit", "concise", "max_prompt_tokens", "prompt_policy")
+ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules", *POLICY_KEYS}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "kv_cache_share"}
 
 
@@ -51,7 +53,7 @@ class ModelEntry:
     kv_share: float = 1.0
     lora_modules: dict[str, str] = field(default_factory=dict)
     overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
-    caps: dict[str, int] = field(default_factory=dict)  # OutputCaps fields in place of the server's flags
+    policy: dict[str, Any] = field(default_factory=dict)  # RequestPolicy fields in place of the server's flags
 
 
 def model_flag(item: str) -> tuple[str, str]:
@@ -91,13 +93,13 @@ def _entry(raw: Any, where: str) -> ModelEntry:
     loras = raw.get("lora_modules", {})
     if not isinstance(loras, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loras.items()):
         raise ModelsConfigError(f"{where}: lora_modules must map adapter names to directories")
-    caps = {k: raw[k] for k in CAPS_KEYS if k in raw}
+    policy = {k: raw[k] for k in POLICY_KEYS if k in raw}
     try:
-        OutputCaps(**caps)
+        RequestPolicy(**policy)
     except ValueError as e:
         raise ModelsConfigError(f"{where}: {e}") from e
     return ModelEntry(raw["name"], raw["model"], float(share), dict(loras),
-                      {k: v for k, v in raw.items() if k in ENGINE_KEYS}, caps)
+                      {k: v for k, v in raw.items() if k in ENGINE_KEYS}, policy)
 
 
 def default_pair() -> list[ModelEntry]:

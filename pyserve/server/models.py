@@ -11,13 +11,13 @@ import time
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pyserve import __version__
 from pyserve.lora.request import LoRARequest
 from pyserve.http.errors import NotFound
 from pyserve.server.lora_registry import LoraRegistry
-from pyserve.server.settings import OutputCaps
+from pyserve.server.settings import RequestPolicy
 
 if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
@@ -32,7 +32,7 @@ class ModelSpec:
     engine: AsyncEngine | Callable[[], AsyncEngine]
     lora_modules: dict[str, str] = field(default_factory=dict)
     download: Callable[[], object] | None = None  # fetches a hub id's files first (/health: "downloading")
-    caps: dict[str, int] = field(default_factory=dict)  # OutputCaps fields in place of the server's flags
+    policy: dict[str, Any] = field(default_factory=dict)  # RequestPolicy fields in place of the server's flags
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ class ServedModel:
     name: str
     engine: AsyncEngine
     loras: LoraRegistry
-    caps: OutputCaps = field(default_factory=OutputCaps)
+    policy: RequestPolicy = field(default_factory=RequestPolicy)
     # The responses' system_fingerprint: one per pyserve version, model directory and model
     # length (OpenAI's changes with the backend configuration that answers).
     fingerprint: str = field(init=False)

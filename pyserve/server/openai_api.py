@@ -20,6 +20,7 @@ from pyserve.step.sampling_params import SamplingParams, truncate_prompt
 from pyserve.lora.request import LoRARequest
 from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.model_choice.classifier import routed_text
+from pyserve.prompt_budget import Diet, PromptBudgetError, fit_chat
 from pyserve.http import sse
 from pyserve.http.responses import json_body, json_response
 from pyserve.server.body import check_token_ids, validate
@@ -90,22 +91,53 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
         raise BadRequest("chat_template: this server renders only the model's chat template "
                          "(start it with --trust-request-chat-template to accept one per request)", param=param)
     plan = plan_tools(req, _tool_format(settings, req.chat_template or tok.chat_template))
+    budget = _prompt_budget(model, req)
+
+    def prompt_of(messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, req.add_generation_prompt, req.chat_template, plan.template_tools)
+        return tok.encode(text, add_special_tokens=False)
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    diet = None
     try:  # in a thread, under a deadline: the event loop keeps serving while a template renders
         messages = req.template_messages()
-        if model.caps.concise:
+        if model.policy.concise:
             messages = _with_instruction(messages, settings.concise_instruction)
-        text = await run_with_deadline(tok.apply_chat_template, messages, req.add_generation_prompt,
-                                       req.chat_template, plan.template_tools, timeout=settings.chat_template_timeout)
+        if budget is None:
+            prompt = await run_with_deadline(prompt_of, messages, timeout=settings.chat_template_timeout)
+        else:
+            fitted = await run_with_deadline(fit_chat, messages, *budget, prompt_of, count,
+                                             timeout=settings.chat_template_timeout)
+            prompt, diet = fitted.token_ids, fitted.diet
     except ChatTemplateError as e:
         raise BadRequest(str(e), param=param) from e
+    except PromptBudgetError as e:
+        raise BadRequest(str(e), param="max_prompt_tokens") from e
     except DeadlineExceeded as e:
         raise BadRequest(f"the chat template did not render within {settings.chat_template_timeout} s",
                          param=param) from e
-    prompt = tok.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     shape = ChatBody(tok, req.top_logprobs or 0, plan)
     return await _serve(state, model, shape, req, [prompt], max_tokens, req.num_logprobs(), lora,
-                        plan.constraint, plan.field, cache_plan=cache_plan)
+                        plan.constraint, plan.field, cache_plan=cache_plan, diet=diet)
+
+
+def _prompt_budget(model: ServedModel, req: SamplingFields) -> tuple[int, str] | None:
+    """The request's prompt budget and chat policy: its own max_prompt_tokens (no more than the
+    model's) or the model's; None where neither gives one."""
+    own, asked = model.policy.max_prompt_tokens, req.max_prompt_tokens
+    if asked is not None and own is not None and asked > own:
+        raise BadRequest(f"max_prompt_tokens: {asked} is more than the prompt budget of {own} for {model.name!r} "
+                         "(--max-prompt-tokens, or its models file entry)", param="max_prompt_tokens")
+    policy = getattr(req, "prompt_policy", None)
+    if asked is None and own is None:
+        if policy is not None:
+            raise BadRequest("prompt_policy: needs a prompt budget (max_prompt_tokens, the request's or the "
+                             "model's)", param="prompt_policy")
+        return None
+    return asked or own, policy or model.policy.prompt_policy
 
 
 def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:
@@ -176,12 +208,12 @@ def _output_cap(model: ServedModel, req: SamplingFields, max_tokens: int | None)
     """The model's output cap on a request naming no max_tokens (its default_max_tokens, else its
     max_tokens_limit; None: the room left in its length); a max_tokens past the limit is a 400
     naming the field it came in."""
-    limit = model.caps.max_tokens_limit
+    limit = model.policy.max_tokens_limit
     if max_tokens is not None and limit is not None and max_tokens > limit:
         field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise BadRequest(f"{field}: {max_tokens} is more than the limit of {limit} for {model.name!r} "
                          "(--max-tokens-limit, or its models file entry)", param=field)
-    return model.caps.default_max_tokens or limit
+    return model.policy.default_max_tokens or limit
 
 
 def _within(cap: int | None, room: int) -> int | None:
@@ -247,11 +279,12 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
                  prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, lora: LoRARequest | None,
                  tools_constraint: StructuredOutputsParams | None = None, tools_field: str | None = None,
                  echo: bool = False, echo_only: bool = False,
-                 cache_plan: CachePlan | None = None) -> CompletionContext:
+                 cache_plan: CachePlan | None = None, diet: Diet | None = None) -> CompletionContext:
     """Queues the request's engine requests; returns its context, which answers it.
     `tools_constraint`: the output the tools force (`tools_field` names where they are);
     `echo`: the prompts go before each completion (with logprobs: the prompts' logprobs too);
-    `echo_only` (max_tokens 0): nothing generated is returned."""
+    `echo_only` (max_tokens 0): nothing generated is returned; `diet`: what the prompt budget
+    removed from a chat's prompt (None: a chat under no budget, or a completion)."""
     engine = model.engine
     keep = req.truncate_prompt_tokens
     if keep is not None:
@@ -262,6 +295,11 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
             prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
         except ValueError as e:
             raise BadRequest(str(e), param="truncate_prompt_tokens") from e
+    if diet is None and (budget := _prompt_budget(model, req)) is not None:  # a completion's prompts
+        longest = max(len(p) for p in prompts)
+        if longest > budget[0]:
+            raise BadRequest(f"prompt: {longest} tokens, over the prompt budget of {budget[0]} (max_prompt_tokens; "
+                             "truncate_prompt_tokens keeps a prompt's last tokens)", param="prompt")
     constraint, constraint_field = _constraint(req)
     if tools_constraint is not None:
         if constraint is not None:
@@ -293,7 +331,7 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
         cache_status = "miss" if cache_plan.read else "bypass"
         on_done = lambda result: state.cache.save(cache_plan, result)  # noqa: E731
     ctx = CompletionContext(shape, base_id, req, prompts, state, model, time.perf_counter(), int(time.time()), lora,
-                            echo_only=echo_only, cache_status=cache_status, on_done=on_done)
+                            echo_only=echo_only, cache_status=cache_status, on_done=on_done, diet=diet)
     streams = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pyserve.http.errors import BadRequest
+from pyserve.prompt_budget import POLICIES
 from pyserve.step.sampling_params import BOUNDS, LOGIT_BIAS, MAX_LOGIT_BIAS, TOKEN_ID, Bounds
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects
@@ -117,6 +118,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, bounded("min_tokens")] = 0
     truncate_prompt_tokens: Annotated[int, bounded("truncate_prompt_tokens")] | None = None
+    max_prompt_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None  # at most the model's budget
     stop_token_ids: Annotated[list[Annotated[int, bounded(TOKEN_ID)]], Field(max_length=MAX_STOP)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -306,6 +308,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     functions: Annotated[list[FunctionDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # legacy tools
     function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
+    prompt_policy: Literal[POLICIES] | None = None  # how the prompt budget fits the messages
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]

@@ -5,22 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pyserve.options import option
+from pyserve.prompt_budget import POLICIES, check_policy
 
 
 @dataclass(slots=True, frozen=True)
-class OutputCaps:
-    """Caps on a generation request's output (server.openai_api): `default_max_tokens` for a
-    request naming none, `max_tokens_limit` the most one may ask (None: no cap of that kind);
-    `concise`: chat requests get the concise instruction in their system prompt."""
+class RequestPolicy:
+    """What a served model does to the generation requests it gets (server.openai_api): output
+    caps (`default_max_tokens` for a request naming none, `max_tokens_limit` the most one may
+    ask; None: no cap of that kind); `concise`: chat requests get the concise instruction in
+    their system prompt; `max_prompt_tokens`: the prompt budget (chats are fitted to it by
+    `prompt_policy`, pyserve.prompt_budget; a longer completion prompt is refused)."""
 
     default_max_tokens: int | None = None
     max_tokens_limit: int | None = None
     concise: bool = False
+    max_prompt_tokens: int | None = None
+    prompt_policy: str = "turns"
 
     def __post_init__(self) -> None:
         if not isinstance(self.concise, bool):
             raise ValueError(f"concise must be true or false, got {self.concise!r}")
-        for name in ("default_max_tokens", "max_tokens_limit"):
+        check_policy(self.prompt_policy)
+        for name in ("default_max_tokens", "max_tokens_limit", "max_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
@@ -49,6 +55,12 @@ class ServerSettings:
                            "message first where it has none)")
     concise_instruction: str = option("Answer as briefly as the question allows: no preamble, no recap.",
                                       "the instruction --concise (or a models file entry's concise) adds")
+    max_prompt_tokens: int | None = option(
+        None, "the prompt budget: a chat's older turns are dropped to fit it (--prompt-policy), a longer completion "
+        "prompt is refused (a request may ask a lower budget with its own max_prompt_tokens)", type=int)
+    prompt_policy: str = option("turns", "how a chat is fitted to --max-prompt-tokens: 'turns' drops whole older "
+                                "turns, 'turns+repeats' also drops passages repeated verbatim from earlier messages",
+                                choices=list(POLICIES))
     public_metrics: bool = option(False, "serve /metrics without the API key")
     allowed_origins: list[str] = option(
         help="ORIGIN (e.g. https://app.example, or *) whose browser pages may call the API: CORS, preflights "
@@ -92,11 +104,12 @@ class ServerSettings:
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
-    def output_caps(self, own: dict[str, int] | None = None) -> OutputCaps:
+    def request_policy(self, own: dict[str, int] | None = None) -> RequestPolicy:
         """A served model's output caps: its `own` (its models file entry's keys) over the flags'."""
         flags = {"default_max_tokens": self.default_max_tokens, "max_tokens_limit": self.max_tokens_limit,
-                 "concise": self.concise}
-        return OutputCaps(**(flags | (own or {})))
+                 "concise": self.concise, "max_prompt_tokens": self.max_prompt_tokens,
+                 "prompt_policy": self.prompt_policy}
+        return RequestPolicy(**(flags | (own or {})))
 
     def __post_init__(self) -> None:
         for name in ("stream_timeout", "chat_template_timeout"):
@@ -106,7 +119,7 @@ class ServerSettings:
             raise ValueError(f"semantic_cache_error_bound must be in (0, 1), got {self.semantic_cache_error_bound}")
         if self.semantic_cache and self.embedding_model == "none":
             raise ValueError("semantic_cache needs an embedding model (embedding_model is 'none')")
-        self.output_caps()  # checked at start
+        self.request_policy()  # checked at start
         if self.max_waiting is not None and self.max_waiting < 1:  # the request asking counts: 0 would refuse all
             raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
         for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):

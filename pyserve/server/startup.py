@@ -29,7 +29,7 @@ from pyserve.server.decision import check_routes, load_route, parse_cascade
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
 from pyserve.http.errors import NotFound
-from pyserve.server.settings import OutputCaps, ServerSettings
+from pyserve.server.settings import RequestPolicy, ServerSettings
 from pyserve.server.state import ServerMetrics, ServerState
 
 if TYPE_CHECKING:
@@ -101,18 +101,18 @@ class Startup:
 
     def _state(self, engines: dict[str, AsyncEngine], encoder: Encoder | None, cache: ChatCache | None) -> ServerState:
         models = ModelTable([ServedModel(name, engine, LoraRegistry(engine, self._settings.lora_root),
-                                         self._caps(name)) for name, engine in engines.items()])
+                                         self._policy(name)) for name, engine in engines.items()])
         check_routes(self._routes, models, None if encoder is None else encoder.name)
         models.routes = {r.name: r for r in self._routes}
         if encoder is not None:
             models.elsewhere[encoder.name] = "an embedding model: use /v1/embeddings"
         return ServerState(models, self._settings, ServerMetrics.create(models, cache), encoder, cache)
 
-    def _caps(self, name: str) -> OutputCaps:
-        """A model's output caps: its models file entry's over the flags' (an inconsistent pair is
+    def _policy(self, name: str) -> RequestPolicy:
+        """A model's request policy: its models file entry's keys over the flags' (an inconsistent pair is
         an error naming the model)."""
         try:
-            return self._settings.output_caps(self._specs[name].caps)
+            return self._settings.request_policy(self._specs[name].policy)
         except ValueError as e:
             raise ValueError(f"model {name!r}: {e}") from e
 

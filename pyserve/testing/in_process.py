@@ -14,9 +14,9 @@ async def serving(model_dir, served_model_name: str = "tiny", **engine_settings)
 
 
 @contextlib.asynccontextmanager
-async def serving_models(models: dict[str, dict], caps: dict[str, dict] | None = None, **settings):
+async def serving_models(models: dict[str, dict], policies: dict[str, dict] | None = None, **settings):
     """(engines by name, client) for the app serving each name's EngineConfig fields, the first
-    as the primary; `caps`: a name's output caps as its models file entry gives them; `settings`
+    as the primary; `policies`: a name's request policy as its models file entry gives it; `settings`
     go to ServerSettings."""
     import httpx
 
@@ -27,7 +27,7 @@ async def serving_models(models: dict[str, dict], caps: dict[str, dict] | None =
     from pyserve.server.settings import ServerSettings
 
     engines = {name: AsyncEngine(EngineConfig(**fields)) for name, fields in models.items()}
-    app = build_app({name: ModelSpec(e, caps=(caps or {}).get(name, {})) for name, e in engines.items()},
+    app = build_app({name: ModelSpec(e, policy=(policies or {}).get(name, {})) for name, e in engines.items()},
                     ServerSettings(served_model_name=next(iter(models)), **settings))
     started = []
     try:

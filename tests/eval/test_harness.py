@@ -82,8 +82,22 @@ def test_the_concise_keys_become_serve_flags_and_are_refused_where_they_cannot_a
     assert EvalConfig(name="d", concise=True).serve_flags() == ["--concise"]
     with pytest.raises(ValueError, match="concise_instruction: given without concise: true"):
         EvalConfig(name="e", concise_instruction="Be brief.")
-    with pytest.raises(ValueError, match="concise do not apply"):
+    with pytest.raises(ValueError, match="concise and the prompt budget do not apply"):
         EvalConfig(name="f", url="http://127.0.0.1:1/v1", concise=True)
+
+
+def test_the_prompt_budget_keys_become_serve_flags_and_are_refused_where_they_cannot_apply():
+    from pyserve.eval.configs import EvalConfig
+
+    assert EvalConfig(name="b", max_prompt_tokens=1024, prompt_policy="turns+repeats").serve_flags() == [
+        "--max-prompt-tokens", "1024", "--prompt-policy", "turns+repeats"]
+    assert EvalConfig(name="c", max_prompt_tokens=512).serve_flags() == ["--max-prompt-tokens", "512"]
+    with pytest.raises(ValueError, match="prompt_policy: given without max_prompt_tokens"):
+        EvalConfig(name="d", prompt_policy="turns")
+    with pytest.raises(ValueError, match="prompt_policy"):
+        EvalConfig(name="e", max_prompt_tokens=512, prompt_policy="newest")
+    with pytest.raises(ValueError, match="the prompt budget do not apply"):
+        EvalConfig(name="f", url="http://127.0.0.1:1/v1", max_prompt_tokens=512)
 
 
 def test_a_cascade_over_models_of_ones_own_serves_them_all_with_home_paths_expanded(tmp_path, monkeypatch):

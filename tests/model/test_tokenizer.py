@@ -11,6 +11,7 @@ import pytest
 
 from pyserve import LLM, SamplingParams
 from pyserve.model.tokenizer import ChatTemplateError, Tokenizer
+from pyserve.prompt_budget import PromptBudgetError
 from pyserve.testing import CHAT_TEMPLATE, build_tokenizer
 
 CONVERSATION = [
@@ -151,6 +152,23 @@ def test_llm_chat_equals_generate_on_the_rendered_and_encoded_prompt(llm):
     assert two[0].outputs[0].token_ids == chat.outputs[0].token_ids
     assert two[1].prompt_token_ids == llm.tokenizer.encode(
         llm.tokenizer.apply_chat_template(CONVERSATION[:2]), add_special_tokens=False)
+
+
+def test_llm_chat_fits_a_conversation_to_max_prompt_tokens(llm):
+    """Offline, as served: older turns dropped whole, the system message and newest turn kept."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long = [CONVERSATION[0]] + [{"role": r, "content": f"{r} {i}"}
+                                for i in range(12) for r in ("user", "assistant")][:-1]
+    def prompt(messages):
+        return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    budget = len(prompt([long[0], *long[-9:]]))  # room for the newest five turns
+    assert len(prompt(long)) > budget
+    out = llm.chat(long, params, use_tqdm=False, max_prompt_tokens=budget)[0]
+    kept = [k for k in range(1, len(long)) if prompt([long[0], *long[k:]]) == out.prompt_token_ids]
+    assert len(kept) == 1 and long[kept[0]]["role"] == "user" and len(long) - 9 <= kept[0] < len(long) - 1
+    with pytest.raises(PromptBudgetError, match="over the budget of 3"):
+        llm.chat(long, params, use_tqdm=False, max_prompt_tokens=3)
 
 
 def test_llm_chat_with_a_bad_template_raises_before_generating(llm):

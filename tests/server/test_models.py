@@ -70,7 +70,7 @@ async def test_each_name_is_answered_by_its_own_model(model_dirs, want):
 async def test_a_models_own_output_caps_replace_the_flags_key_by_key(model_dirs):
     models = {"a": {"model": str(model_dirs["llama"]), "block_size": 4, "num_kv_blocks": 64},
               "b": {"model": str(model_dirs["qwen2"]), "block_size": 4, "num_kv_blocks": 32}}
-    async with serving_models(models, caps={"a": {"default_max_tokens": 2, "max_tokens_limit": 4}},
+    async with serving_models(models, policies={"a": {"default_max_tokens": 2, "max_tokens_limit": 4}},
                               default_max_tokens=3) as (_, client):
         async def ask(name, **body):
             return await client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "temperature": 0,
@@ -98,7 +98,7 @@ def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path
     (entry,) = load_models_file(path)
     config, loras = engine_configs([entry], {"max_num_seqs": 8})["x"]
     assert (config.max_num_seqs, config.enable_lora, config.kv_cache_share, loras) == (4, True, 1.0, {"sql": "/a/sql"})
-    assert entry.caps == {"max_tokens_limit": 64}
+    assert entry.policy == {"max_tokens_limit": 64}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -108,6 +108,8 @@ def test_the_kv_budget_is_split_by_share_and_flags_apply_to_every_model(tmp_path
     ("routes: []\n", "must be a mapping with one key, models"),
     ("models:\n  - {name: x, model: /m, max_tokens_limit: 0}\n", "models[0]: max_tokens_limit must be an int of at"),
     ("models:\n  - {name: x, model: /m, concise: 1}\n", "models[0]: concise must be true or false"),
+    ("models:\n  - {name: x, model: /m, max_prompt_tokens: 0}\n", "models[0]: max_prompt_tokens must be an int of"),
+    ("models:\n  - {name: x, model: /m, prompt_policy: newest}\n", "models[0]: prompt_policy must be one of turns,"),
     ("models:\n  - {name: x, model: /m, default_max_tokens: 9, max_tokens_limit: 4}\n",
      "models[0]: default_max_tokens .9. must not exceed max_tokens_limit .4."),
 ])
