@@ -48,6 +48,8 @@ def test_only_snippets_that_need_a_server_are_skipped():
     assert [(page, heading) for page, heading, _ in needs] == [
         ("README.md", "The server, with the openai client"),
         ("docs/batch.md", "The Batch API in the server"),
+        ("docs/responses.md", "The Responses API: `/v1/responses`"),
+        ("docs/responses.md", "Agents"),
     ]
     assert all(need.startswith("server") for _, _, need in needs)
     ran = {page for page, _, code in SNIPPETS if not NEEDS.match(code)}

@@ -27,6 +27,7 @@ from pyserve.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from pyserve.server.models import ModelSpec
 from pyserve.server.openai_api import chat_completions, completions
 from pyserve.server.openapi import openapi_document
+from pyserve.server.responses_api import create_response, delete_response, list_input_items, retrieve_response
 from pyserve.server.settings import ServerSettings
 from pyserve.server.startup import Startup
 from pyserve.server.state import ServerState
@@ -134,6 +135,10 @@ def build_app(models: AsyncEngine | Callable[[], AsyncEngine] | Mapping[str, Mod
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),

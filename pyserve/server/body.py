@@ -11,15 +11,16 @@ from pyserve.http.errors import BadRequest
 from pyserve.server.schemas import NO_EFFECT_FIELDS, REFUSED_FIELDS
 
 
-def validate(schema: type[BaseModel], data: dict[str, Any]):
+def validate(schema: type[BaseModel], data: dict[str, Any], no_effect: frozenset[str] = NO_EFFECT_FIELDS,
+             refused: dict[str, tuple[Any, ...]] = REFUSED_FIELDS):
     """`data` as `schema`; a field the schema does not serve is refused (see server.schemas),
-    unless it cannot change the output or holds the value that means "off". Types are strict, as
-    OpenAI's API has them: a string is never read as a number nor a boolean as an integer, an
-    integer field takes no 5.0; a number field takes an integer."""
+    unless it cannot change the output (`no_effect`) or holds a value that means "off" (`refused`
+    names them). Types are strict, as OpenAI's API has them: a string is never read as a number
+    nor a boolean as an integer, an integer field takes no 5.0; a number field takes an integer."""
     for key, value in data.items():
-        if key in schema.model_fields or key in NO_EFFECT_FIELDS:
+        if key in schema.model_fields or key in no_effect:
             continue
-        off = REFUSED_FIELDS.get(key)
+        off = refused.get(key)
         if off is None:
             raise BadRequest(f"{key}: unknown field (this server does not support it)", param=key)
         if not any(value == v and type(value) is type(v) or (value is None and v is None) for v in off):

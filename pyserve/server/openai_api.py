@@ -42,7 +42,12 @@ from pyserve.server.text_body import TextBody
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
-    req = validate(ChatCompletionRequest, await json_body(request))
+    return await serve_chat(request, state, validate(ChatCompletionRequest, await json_body(request)))
+
+
+async def serve_chat(request: Request, state: ServerState, req: ChatCompletionRequest) -> Response:
+    """A chat request's response (its SSE stream, or its body once finished), on whichever model,
+    adapter, route or cascade it names; the Responses API serves its requests through it."""
     route = state.models.routes.get(req.model)
     if route is not None:
         text = routed_text([(m.role, m.text()) for m in req.messages])

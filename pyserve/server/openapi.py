@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pyserve.server.embeddings_api import EmbeddingRequest
+from pyserve.server.responses_schemas import ResponsesRequest
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from pyserve.server.settings import ServerSettings
 from pyserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
@@ -77,6 +78,8 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": {"summary": "Chat completion", **_generation(chat, gen_errors)}},
         "/v1/completions": {"post": {"summary": "Text completion", **_generation(completion, gen_errors)}},
+        "/v1/responses": {"post": {"summary": "A response (OpenAI's Responses API), served as a chat completion",
+                                   **_generation(_model_schema(ResponsesRequest, components, served), gen_errors)}},
         "/v1/models": {"get": {"summary": "Served models and adapters",
                                "responses": {"200": {"description": "model list", "content": object_}, **_errors(*auth)}}},
         "/v1/models/{model_id}": {"get": {
@@ -154,6 +157,21 @@ def openapi_document(settings: ServerSettings, served: list[str], embedding_mode
             "get": {"summary": "The caller's batch jobs", "responses": {**done, **_errors("400", *auth)}}}
         paths["/v1/batches/{batch_id}"] = {"get": {"summary": "A batch job",
                                                    "responses": {**done, **_errors(*auth, "404")}}}
+        response_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+        paths["/v1/responses/{response_id}"] = {
+            "get": {"summary": "A stored response", "parameters": response_id,
+                    "responses": {**done, **_errors("400", *auth, "404")}},
+            "delete": {"summary": "Delete a stored response", "parameters": response_id,
+                       "responses": {**done, **_errors(*auth, "404")}}}
+        paths["/v1/responses/{response_id}/input_items"] = {"get": {
+            "summary": "A stored response's input items (earlier turns' included)",
+            "parameters": [*response_id,
+                           {"name": "limit", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                           {"name": "order", "in": "query", "required": False,
+                            "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                           {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}],
+            "responses": {**done, **_errors("400", *auth, "404")}}}
         paths["/v1/batches/{batch_id}/cancel"] = {"post": {"summary": "Cancel a batch job",
                                                            "responses": {**done, **_errors("400", *auth, "404")}}}
     if settings.semantic_cache:

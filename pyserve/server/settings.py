@@ -94,8 +94,10 @@ class ServerSettings:
         "logprob of the first line of its answer is below MIN_LOGPROB (repeatable)",
         default_factory=list, action="append", type=str)
     data_dir: str | None = option(
-        None, "directory for the Batch API's files and job state (SQLite); /v1/files and /v1/batches are off "
-        "without it", type=str)
+        None, "directory for the Batch API's files and job state and for stored responses (SQLite); /v1/files, "
+        "/v1/batches and stored responses are off without it", type=str)
+    responses_max_stored: int = option(10_000, "stored responses kept at most (--data-dir; the oldest go first)")
+    responses_max_age: float = option(30 * 86400.0, "seconds a stored response is kept (--data-dir)")
     batch_max_file_bytes: int = option(200 << 20, "largest file /v1/files accepts (413 beyond)")
     batch_max_lines: int = option(50_000, "most lines a batch input file may have")
     batch_max_in_flight: int = option(
@@ -122,7 +124,10 @@ class ServerSettings:
         self.request_policy()  # checked at start
         if self.max_waiting is not None and self.max_waiting < 1:  # the request asking counts: 0 would refuse all
             raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
-        for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight"):
+        if not self.responses_max_age > 0:
+            raise ValueError(f"responses_max_age must be positive, got {self.responses_max_age}")
+        for name in ("max_body_bytes", "batch_max_file_bytes", "batch_max_lines", "batch_max_in_flight",
+                     "responses_max_stored"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_stream_buffer < 1:

@@ -22,6 +22,7 @@ import structlog
 from pyserve.batches.runner import BatchRunner
 from pyserve.batches.service import BatchService
 from pyserve.batches.store import BatchStore
+from pyserve.server.response_store import ResponseStore
 from pyserve.embeddings.load import load_encoder
 from pyserve.semantic_cache.calibration import calibrate_encoder
 from pyserve.server.chat_cache import ChatCache
@@ -158,6 +159,8 @@ class Startup:
         if self._settings.data_dir is not None:
             state.batches = self._batch_service(state)
             state.batches.runner.start()
+            state.responses = ResponseStore(self._settings.data_dir, self._settings.responses_max_stored,
+                                            self._settings.responses_max_age)
         self._publish(state)
         log.info("server_ready", models=[m.name for m in state.models],
                  max_model_len={m.name: m.engine.max_model_len for m in state.models},
@@ -206,5 +209,7 @@ class Startup:
             if state.batches is not None:  # lines in flight run again after a restart
                 await state.batches.runner.stop()
                 state.batches.store.close()
+            if state.responses is not None:
+                state.responses.close()
         for engine in self._started:
             await engine.stop()

@@ -11,6 +11,7 @@ from pyserve.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from pyserve.batches.service import BatchService
+    from pyserve.server.response_store import ResponseStore
     from pyserve.embeddings.encoder import Encoder
     from pyserve.server.chat_cache import ChatCache
 
@@ -109,4 +110,5 @@ class ServerState:
     encoder: Encoder | None = None  # /v1/embeddings, the semantic cache, the router
     cache: ChatCache | None = None
     batches: BatchService | None = None  # the Batch API, with --data-dir
+    responses: ResponseStore | None = None  # stored responses (the Responses API), with --data-dir
     draining: bool = False

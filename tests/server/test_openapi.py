@@ -13,7 +13,7 @@ def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
                                  "/metrics", "/openapi.json", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/stats",
-                                 "/v1/models/{model_id}", "/tokenizer_info"}
+                                 "/v1/models/{model_id}", "/tokenizer_info", "/v1/responses"}
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["properties"]["model"]["enum"] == ["m", "adapter-a"]
@@ -36,6 +36,9 @@ def test_document_has_every_route_the_request_schemas_and_no_dangling_refs():
 
     targets = set(refs(doc))
     assert "#/components/schemas/ChatMessage" in targets
+    assert schemas["ResponsesRequest"]["properties"]["model"]["enum"] == ["m", "adapter-a"]
+    # no two request schemas share a component name (one would stand for the other)
+    assert schemas["TextPart"]["properties"]["type"] == {"const": "text", "title": "Type", "type": "string"}
     assert all(t.removeprefix("#/components/schemas/") in schemas for t in targets), targets
 
 
@@ -46,9 +49,11 @@ def test_lora_admin_routes_appear_only_with_a_lora_root():
     assert "security" not in doc
 
 
-def test_batch_routes_appear_only_with_a_data_dir():
-    assert "/v1/batches" not in openapi_document(ServerSettings(served_model_name="m"), ["m"], [])["paths"]
+def test_batch_and_stored_response_routes_appear_only_with_a_data_dir():
+    stored = {"/v1/batches", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"}
+    assert not stored & set(openapi_document(ServerSettings(served_model_name="m"), ["m"], [])["paths"])
     doc = openapi_document(ServerSettings(served_model_name="m", data_dir="/tmp/x"), ["m"], [])
     assert {"/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
-            "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"} <= set(doc["paths"])
+            "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", *stored} <= set(doc["paths"])
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
 
