@@ -14,12 +14,17 @@ header.
   the large model's), its prefix cache holding what it has seen before. Streaming trade:
   nothing is streamed until the small answer is decided; a kept small answer is then sent as
   SSE at once, an escalated request streams the large model's answer.
+
+A route's or cascade's policy (`--route-policy NAME=KEY:VALUE,...`: output caps, concise, the
+prompt budget) takes the place of the answering model's, key by key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 from starlette.responses import Response
@@ -29,6 +34,7 @@ from pyserve.model_choice.classifier import RouteClassifier
 from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.replay import replayed
+from pyserve.server.settings import RequestPolicy
 
 MODEL_HEADER = "x-pyserve-model"
 
@@ -54,14 +60,40 @@ def load_route(item: str) -> RouteSpec:
     return RouteSpec(name, classifier.small, classifier.large, classifier=classifier)
 
 
+def parse_route_policy(item: str) -> tuple[str, dict[str, Any]]:
+    """One --route-policy NAME=KEY:VALUE[,KEY:VALUE...] (RequestPolicy's keys; true/false and
+    integers read as such)."""
+    name, sep, rest = item.partition("=")
+    keys = [f.name for f in dataclasses.fields(RequestPolicy)]
+    policy: dict[str, Any] = {}
+    for pair in rest.split(",") if sep else []:
+        key, colon, value = pair.partition(":")
+        if not colon or key not in keys or not value:
+            policy = {}
+            break
+        policy[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    if not name or not policy:
+        raise ValueError(f"route_policy: {item!r}: use NAME=KEY:VALUE[,KEY:VALUE...] with keys of "
+                         f"{', '.join(keys)} (e.g. code=max_tokens_limit:512,concise:true)")
+    try:
+        RequestPolicy(**policy)
+    except ValueError as e:
+        raise ValueError(f"route_policy: {item!r}: {e}") from e
+    return name, policy
+
+
 def check_routes(routes: list[RouteSpec], models: ModelTable, encoder_name: str | None) -> None:
-    """ValueError naming the route whose models are not served or whose router was trained on
-    another embedding model."""
+    """ValueError naming the route whose models are not served, whose router was trained on
+    another embedding model, or whose policy makes an inconsistent one with a model's."""
     seen: set[str] = set()
     for r in routes:
         for which in (r.small, r.large):
             if models.get(which) is None:
                 raise ValueError(f"route {r.name!r}: model {which!r} is not served")
+            try:
+                r.serving(models.get(which))
+            except ValueError as e:
+                raise ValueError(f"route {r.name!r} on {which!r}: {e}") from e
         if models.is_taken(r.name):
             raise ValueError(f"route {r.name!r}: the name is already a served model or adapter")
         if r.name in seen:

@@ -6,6 +6,7 @@ of one; adapter names are unique across the server. The first model is the prima
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 
@@ -44,6 +45,14 @@ class RouteSpec:
     large: str
     classifier: RouteClassifier | None = None  # a route: the classifier decides
     min_logprob: float | None = None  # a cascade: the small model's confidence decides
+    policy: dict[str, Any] = field(default_factory=dict)  # RequestPolicy keys over the answering model's
+
+    def serving(self, model: ServedModel) -> ServedModel:
+        """`model` as this route serves it: its request policy with the route's keys in place (a
+        ValueError where the two make an inconsistent policy)."""
+        if not self.policy:
+            return model
+        return dataclasses.replace(model, policy=dataclasses.replace(model.policy, **self.policy))
 
     @property
     def kind(self) -> str:

@@ -78,10 +78,10 @@ async def _decided(request: Request, state: ServerState, route: RouteSpec, req: 
         return (await asyncio.to_thread(embed_texts, state.encoder, [t]))[0]
 
     async def answer_on(model: ServedModel, r: SamplingFields) -> Response:
-        return await _answer(request, state, await serve_on(state, model, None, r))
+        return await _answer(request, state, await serve_on(state, route.serving(model), None, r))
 
     async def result_on(model: ServedModel, r: SamplingFields):
-        return await (await serve_on(state, model, None, r)).result(request)
+        return await (await serve_on(state, route.serving(model), None, r)).result(request)
 
     return await serve_decided(route, state.models, req, lambda: text, embed, answer_on, result_on, state.metrics,
                                state.settings.stream_timeout)

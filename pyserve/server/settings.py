@@ -93,6 +93,10 @@ class ServerSettings:
         help="NAME=SMALL,LARGE,MIN_LOGPROB: a served name answered by SMALL, escalated to LARGE when the mean "
         "logprob of the first line of its answer is below MIN_LOGPROB (repeatable)",
         default_factory=list, action="append", type=str)
+    route_policy: list[str] = option(
+        help="NAME=KEY:VALUE[,KEY:VALUE...]: a route's or cascade's request policy (default_max_tokens, "
+        "max_tokens_limit, concise, max_prompt_tokens, prompt_policy) in place of the answering model's, key by key "
+        "(repeatable)", default_factory=list, action="append", type=str)
     data_dir: str | None = option(
         None, "directory for the Batch API's files and job state and for stored responses (SQLite); /v1/files, "
         "/v1/batches and stored responses are off without it", type=str)

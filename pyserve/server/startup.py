@@ -26,7 +26,7 @@ from pyserve.server.response_store import ResponseStore
 from pyserve.embeddings.load import load_encoder
 from pyserve.semantic_cache.calibration import calibrate_encoder
 from pyserve.server.chat_cache import ChatCache
-from pyserve.server.decision import check_routes, load_route, parse_cascade
+from pyserve.server.decision import check_routes, load_route, parse_cascade, parse_route_policy
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
 from pyserve.http.errors import NotFound
@@ -93,6 +93,11 @@ class Startup:
         self._task: asyncio.Task | None = None
         # read (router files loaded) before any model loads; checked against the models once built
         self._routes = [*map(load_route, settings.route), *map(parse_cascade, settings.cascade)]
+        for name, policy in map(parse_route_policy, settings.route_policy):
+            route = next((r for r in self._routes if r.name == name), None)
+            if route is None:
+                raise ValueError(f"route_policy: no --route or --cascade is named {name!r}")
+            route.policy.update(policy)
         if not self.in_background:
             self._publish(self._state({name: spec.engine for name, spec in models.items()}, *self._build_encoder()))
 

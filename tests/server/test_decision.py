@@ -121,7 +121,30 @@ def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line
     assert confidence(choice_tokens(chat["choices"][0])) == want
 
 
+async def test_a_route_policy_takes_the_place_of_the_answering_models(model_dirs):
+    """The cascade's own output cap and limit hold for its requests; the model asked by name keeps
+    its own (none here)."""
+    async with serving_models(_models(model_dirs), cascade=["keep=small,large,-1e9", "escalate=small,large,1"],
+                              route_policy=["keep=default_max_tokens:2,max_tokens_limit:3",
+                                            "escalate=default_max_tokens:4"]) as (_, http):
+        async def ask(model, **body):
+            return await http.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                "ignore_eos": True, **body})
+
+        for model, want in (("keep", 2), ("escalate", 4)):
+            r = await ask(model)
+            assert r.json()["usage"]["completion_tokens"] == want, r.text
+        r = await ask("keep", max_tokens=4)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        r = await ask("small", max_tokens=8)
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+
 @pytest.mark.parametrize("settings, message", [
+    ({"cascade": ["c=small,large,-1"], "route_policy": ["d=concise:true"]}, "no --route or --cascade is named 'd'"),
+    ({"cascade": ["c=small,large,-1"], "route_policy": ["c=colour:red"]}, "use NAME=KEY:VALUE"),
+    ({"cascade": ["c=small,large,-1"], "route_policy": ["c=max_prompt_tokens:0"]}, "max_prompt_tokens must be"),
     ({"cascade": ["c=small,nope,-1"]}, "route 'c': model 'nope' is not served"),
     ({"cascade": ["small=small,large,-1"]}, "route 'small': the name is already a served model"),
     ({"cascade": ["c=small,large"]}, "use NAME=SMALL,LARGE,MIN_LOGPROB"),
