@@ -55,12 +55,12 @@ def test_the_real_model_example_parses_and_serves_the_pair_it_names():
     assert configs["llama-server-1.5b"].url == "http://127.0.0.1:8091/v1"
 
 
-def test_the_levers_example_parses_into_caps_concise_and_a_budget():
+def test_the_levers_example_parses_into_caps_and_concise():
     plan = load_plan(DATA / "levers_configs.yaml")
     configs = {c.name: c for c in plan.configs}
     assert [configs[f"cap-{n}"].max_tokens for n in (512, 256, 128)] == [512, 256, 128]
     assert configs["no-cap"].serve_flags() == [] and configs["concise"].serve_flags() == ["--concise"]
-    assert configs["concise-budget-1024"].serve_flags() == ["--concise", "--max-prompt-tokens", "1024"]
+    assert len(configs) == 5
 
 
 def test_switches_become_flags_only_where_they_change_the_default():

@@ -121,6 +121,26 @@ def test_a_cascade_is_as_confident_as_the_mean_logprob_of_its_answers_first_line
     assert confidence(choice_tokens(chat["choices"][0])) == want
 
 
+async def test_the_responses_api_serves_a_cascade_as_chat_does(model_dirs):
+    """/v1/responses naming a cascade: the kept small answer or the escalated large one, streamed
+    or not, as /v1/chat/completions gives it, with its headers."""
+    async with serving_models(_models(model_dirs), cascade=["keep=small,large,-1e9", "escalate=small,large,1"]) \
+            as (_, http):
+        api = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http, max_retries=0)
+        for name, answerer in (("keep", "small"), ("escalate", "large")):
+            _, chat = await _chat(http, name, OTHER)
+            raw = await api.responses.with_raw_response.create(model=name, input=OTHER, max_output_tokens=6,
+                                                               temperature=0, store=False)
+            r = raw.parse()
+            assert (r.model, raw.headers["x-pyserve-model"]) == (answerer, answerer)
+            assert r.output_text == chat.choices[0].message.content
+            assert r.usage.output_tokens == chat.usage.completion_tokens
+            stream = await api.responses.create(model=name, input=OTHER, max_output_tokens=6, temperature=0,
+                                                store=False, stream=True)
+            text = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
+            assert text == r.output_text
+
+
 async def test_a_route_policy_takes_the_place_of_the_answering_models(model_dirs):
     """The cascade's own output cap and limit hold for its requests; the model asked by name keeps
     its own (none here)."""

@@ -31,7 +31,8 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, data_dir):
     proc, base = start_server(None, "--served-model-name", "tiny", "--data-dir", str(data_dir),
-                              "--responses-max-stored", "6", workdir=tmp_path_factory.mktemp("responses"))
+                              "--responses-max-stored", "6", "--lora-modules", "docstrings", "--max-lora-rank", "8",
+                              workdir=tmp_path_factory.mktemp("responses"))
     yield base
     stop_server(proc)
 
@@ -62,6 +63,15 @@ def test_a_response_is_the_chat_completion_it_amounts_to(client):
     short = client.responses.create(model="tiny", input=QUESTION, temperature=0, max_output_tokens=2, store=False)
     assert (short.status, short.incomplete_details.reason, short.usage.output_tokens) == (
         "incomplete", "max_output_tokens", 2)
+
+
+def test_an_adapter_answers_as_it_does_over_chat(client):
+    r = client.responses.create(model="docstrings", input=QUESTION, temperature=0, max_output_tokens=16, store=False)
+    chat = client.chat.completions.create(model="docstrings", messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=0, max_tokens=16)
+    base = _chat(client, [{"role": "user", "content": QUESTION}], max_tokens=16)
+    assert r.model == "docstrings" and r.output_text == chat.choices[0].message.content
+    assert chat.choices[0].message.content != base.choices[0].message.content  # the adapter changes the answer
 
 
 def test_streamed_events_add_up_to_the_non_streamed_output(client):
