@@ -109,12 +109,15 @@ def call_item(call_id: str, name: str, arguments: str, status: str, item_id: str
 
 
 def output_items(chat: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat body's answer as output items: its text (when it has some, or no calls), then its calls."""
+    """A chat body's answer as output items: its text (when it has some, or no calls), then its
+    calls; an answer cut at max_tokens leaves its last item incomplete (as a stream closes the
+    others when the next one starts)."""
     choice = chat["choices"][0]
-    message, status = choice["message"], item_status(choice["finish_reason"])
+    message = choice["message"]
     calls = message.get("tool_calls") or []
-    items = [message_item(message["content"], status)] if message.get("content") or not calls else []
-    items += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
+    items = [message_item(message["content"], "completed")] if message.get("content") or not calls else []
+    items += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
+    items[-1]["status"] = item_status(choice["finish_reason"])
     return items
 
 
