@@ -126,8 +126,8 @@ def item_status(finish_reason: str | None) -> str:
 
 
 def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
-    return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+    """A chat usage as the Responses API words it (the prompt budget's removed_tokens kept)."""
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": chat_usage["prompt_tokens_details"],
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 

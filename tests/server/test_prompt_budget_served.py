@@ -68,6 +68,13 @@ async def test_a_chat_over_the_budget_keeps_its_newest_turns_and_says_what_was_r
         r = await ask(client, msgs, stream=True, stream_options={"include_usage": True})
         chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert chunks[-1]["usage"]["prompt_tokens_details"]["removed_tokens"] == want.diet.removed_tokens
+        # the Responses API serves the same conversation the same way
+        r = await client.post("/v1/responses", json={"model": "tiny", "instructions": msgs[0]["content"],
+                                                     "input": msgs[1:], "max_output_tokens": 2, "temperature": 0})
+        assert r.headers["x-pyserve-prompt-policy"] == "turns", r.text
+        details = r.json()["usage"]["input_tokens_details"]
+        assert r.json()["usage"]["input_tokens"] == len(want.token_ids)
+        assert details["removed_tokens"] == want.diet.removed_tokens
         # a short chat is left whole: nothing removed, the policy still named
         r = await ask(client, chat(1))
         assert r.json()["usage"]["prompt_tokens_details"]["removed_tokens"] == 0
