@@ -12,7 +12,9 @@ with 128 out, 10% long with 64 out), with the long ones 384 tokens instead of 10
 newest turn always fits the smallest budget; the text is random words (no model was trained on
 it). Reported per budget: TTFT p50 / p99 (and of first turns alone: cold), tokens prefilled
 (prompt less cached), the hit rate (cached / prompt tokens), tokens removed, and the p50 TTFT
-ratio against no budget.
+ratio against no budget. With --together the conversations are users taking turns, their
+histories sharing the KV pool (--num-kv-blocks sizes it: a server under load holds a small share
+of each history), one budget after another.
 
   python bench/prompt_budget.py [--model smollm2-135m-instruct] [--conversations 4]
 """
@@ -97,6 +99,26 @@ async def replay(base: str, model: str, conv: list[tuple[str, int]], budget: int
     return results
 
 
+async def replay_together(base: str, model: str, convs: list[list[tuple[str, int]]], budget: int | None,
+                          salt: str) -> list[list[dict]]:
+    """The conversations as users in turn: every conversation's first turn, then every second
+    one, ... (one request at a time), so their histories share the KV pool."""
+    histories = [[{"role": "system", "content": "You are a helpful assistant."}] for _ in convs]
+    results: list[list[dict]] = [[] for _ in convs]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        for t in range(max(len(c) for c in convs)):
+            for i, conv in enumerate(convs):
+                if t >= len(conv) or (results[i] and "error" in results[i][-1]):
+                    continue
+                question, answer = conv[t]
+                histories[i].append({"role": "user", "content": question})
+                r = await turn(client, base, model, histories[i], answer, budget, f"{salt}-{i}")
+                results[i].append(r)
+                if "error" not in r:
+                    histories[i].append({"role": "assistant", "content": r["text"]})
+    return results
+
+
 def summary(turns: list[list[dict]]) -> dict:
     done = [t for conv in turns for t in conv if "error" not in t]
     ttfts = [t["ttft"] for t in done]
@@ -121,6 +143,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="serve with the prefix cache off (what a budget saves where no cache holds the history)")
+    ap.add_argument("--together", action="store_true",
+                    help="the conversations as users taking turns (their histories share the KV pool), one budget "
+                         "after another, instead of one conversation at a time with the budgets interleaved")
+    ap.add_argument("--num-kv-blocks", type=int, help="the server's KV pool, in blocks of 16 tokens (default: its own)")
     args = ap.parse_args()
     head = harness.header(__file__)
     harness.print_header(head)
@@ -129,19 +155,25 @@ def main() -> None:
     path = fetch(args.model)
     results: dict[str, list[list[dict]]] = {str(b): [] for b in budgets}
     with tempfile.TemporaryDirectory() as work:
-        proc, base = start_server(path, *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-                                  workdir=Path(work))
+        flags = [*(["--no-prefix-caching"] if args.no_prefix_caching else []),
+                 *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else [])]
+        proc, base = start_server(path, *flags, workdir=Path(work))
         try:
             model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             asyncio.run(replay(base, model, [("Hello there.", 8)], None, "warm-up"))  # not measured
-            for i, conv in enumerate(convs):
+            if args.together:
+                for b in budgets:
+                    results[str(b)] = asyncio.run(replay_together(base, model, convs, b, f"budget-{b}"))
+                    print(f"  budget {b}: done", flush=True)
+            for i, conv in enumerate(convs if not args.together else []):
                 for b in budgets:
                     results[str(b)].append(asyncio.run(replay(base, model, conv, b, f"budget-{b}-{i}")))
                 print(f"  conversation {i + 1}/{len(convs)}: {len(conv)} turns", flush=True)
         finally:
             stop_server(proc)
-    report = {**head, "model": args.model, "prefix_caching": not args.no_prefix_caching,
-              "conversations": len(convs), "turns": [len(c) for c in convs], "budgets": {}}
+    report = {**head, "model": args.model, "prefix_caching": not args.no_prefix_caching, "together": args.together,
+              "num_kv_blocks": args.num_kv_blocks, "conversations": len(convs), "turns": [len(c) for c in convs],
+              "budgets": {}}
     base_p50 = summary(results["None"])["ttft_p50_s"]
     print(f"{'budget':>7} {'turns':>5} {'refused':>7} {'TTFT p50':>9} {'p99':>7} {'cold p50':>9} {'prefilled':>9} "
           f"{'hit rate':>8} {'removed':>8} {'x none':>7}")
