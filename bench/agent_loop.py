@@ -14,8 +14,9 @@ frameworks send hundreds to thousands of tokens of them). Every loop has a task 
 loop reads another's cached prefix but the instructions', which a warm-up loop caches first, as
 a server's steady state holds them. The four ways are interleaved loop by loop. Reported per
 way: total time of a loop (median over loops), step TTFT p50 (the first streamed delta; an
-empty answer's end), and the share of each step's input tokens that were cached (steps after
-the first). Ratios: each way's total time against chat's and against chat-no-cache's.
+empty answer's end), the share of each step's input tokens that were cached (steps after the
+first), and the least share of the previous step's prompt (its whole blocks of 16) that a step
+found cached. Ratios: each way's total time against chat's and against chat-no-cache's.
 
   python bench/agent_loop.py [--model smollm2-135m-instruct] [--steps 8] [--loops 3]
 """
@@ -41,6 +42,7 @@ SYSTEM = "You are a research agent. Call lookup for each key you need, then answ
 LOOKUP = {"type": "object", "properties": {"key": {"type": "string", "maxLength": 24}}, "required": ["key"],
           "additionalProperties": False}
 ANSWER_TOKENS, CALL_TOKENS = 48, 48
+BLOCK = 16  # the server's default KV block: the prefix cache's unit
 WAYS = ("responses-stored", "responses-resent", "chat", "chat-no-cache")
 
 
@@ -157,7 +159,11 @@ def run_chat(base: str, model: str, system: str, task: str, steps: int, seed: in
 
 def summary(loops: list[tuple[float, list[dict]]]) -> dict:
     later = [s for _, steps in loops for s in steps[1:]]
+    # A step's prompt starts with the previous step's (the history re-rendered the same way); the
+    # cache can hold that prompt's whole blocks of 16 tokens: what it held of them.
+    held = [s["cached"] / (p["input"] // BLOCK * BLOCK) for _, steps in loops for p, s in zip(steps, steps[1:])]
     return {"total_s_p50": round(statistics.median(t for t, _ in loops), 3),
+            "min_step_cached_of_previous_prompt": round(min(held), 4),
             "step_ttft_p50_s": round(statistics.median(s["ttft"] for _, steps in loops for s in steps), 4),
             "cached_share_after_first": round(sum(s["cached"] for s in later) / sum(s["input"] for s in later), 4),
             "min_step_cached_share_after_first": round(min(s["cached"] / s["input"] for s in later), 4),
@@ -202,8 +208,8 @@ def main() -> None:
             stop_server(plain_proc)
     report = {**head, "model": args.model, "steps": args.steps, "loops": args.loops,
               "system_words": args.system_words, "ways": {}}
-    print(f"{'way':>17} {'total p50':>9} {'step TTFT p50':>13} {'cached share':>12} {'min':>6} {'x chat':>7} "
-          f"{'x no-cache':>10}")
+    print(f"{'way':>17} {'total p50':>9} {'step TTFT p50':>13} {'cached share':>12} {'min':>6} {'of prev':>7} "
+          f"{'x chat':>7} {'x no-cache':>10}")
     for way in WAYS:
         s = summary(results[way])
         s["total_vs_chat"] = round(s["total_s_p50"] / summary(results["chat"])["total_s_p50"], 3)
@@ -211,6 +217,7 @@ def main() -> None:
         report["ways"][way] = s
         print(f"{way:>17} {s['total_s_p50']:>9.3f} {s['step_ttft_p50_s']:>13.4f} "
               f"{s['cached_share_after_first']:>12.3f} {s['min_step_cached_share_after_first']:>6.3f} "
+              f"{s['min_step_cached_of_previous_prompt']:>7.3f} "
               f"{s['total_vs_chat']:>7.3f} {s['speedup_vs_chat_no_cache']:>10.3f}")
     harness.write_report(args.out, report)
 
