@@ -36,7 +36,8 @@ from pyserve.server.tenants import tenant_of
 
 # A chat body's field -> the Responses field it came from (for the errors the chat checks raise).
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                     "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
+                     "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice",
+                     "max_prompt_tokens": "input"}
 NOT_STORED = "responses are not stored on this server (start it with --data-dir DIR to keep them)"
 
 
@@ -54,8 +55,9 @@ async def create_response(request: Request) -> Response:
                              param="previous_response_id")
         earlier = found
     items = earlier + item_dicts(req)
+    budget = _auto_budget(state, req) if req.truncation == "auto" else None
     try:
-        chat = validate(ChatCompletionRequest, chat_body(req, items))
+        chat = validate(ChatCompletionRequest, chat_body(req, items, budget))
     except BadRequest as e:
         raise _as_responses_error(e) from e
     response_id, created = new_id("resp"), int(time.time())
@@ -120,6 +122,22 @@ async def _events(chunks: AsyncIterator[bytes], model: str, shell: Callable[[str
                     yield event_bytes(e)
     finally:
         await chunks.aclose()
+
+
+def _auto_budget(state: ServerState, req: ResponsesRequest) -> int:
+    """The prompt budget truncation auto asks: the length of the model (of either model of a
+    route) less the output asked (max_output_tokens, else one token), no more than a model's own
+    budget."""
+    route = state.models.routes.get(req.model)
+    models = [route.serving(state.models.get(n)) for n in (route.small, route.large)] if route is not None \
+        else [state.models.resolve(req.model)[0]]
+    room = req.max_output_tokens or 1
+    budget = min(min(m.engine.max_model_len - room, m.policy.max_prompt_tokens or m.engine.max_model_len)
+                 for m in models)
+    if budget < 1:
+        raise BadRequest(f"max_output_tokens: {room} leaves no room for the input in the model's length",
+                         param="max_output_tokens")
+    return budget
 
 
 def _as_responses_error(e: BadRequest) -> BadRequest:

@@ -65,13 +65,17 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]],
+              prompt_budget: int | None = None) -> dict[str, Any]:
     """The /v1/chat/completions body that answers `req` over `conversation` (earlier items, then
-    the request's own); `instructions` come first as a system message."""
+    the request's own); `instructions` come first as a system message; `prompt_budget`: the
+    chat's max_prompt_tokens (truncation auto)."""
     messages = chat_messages(conversation)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    if prompt_budget is not None:
+        body["max_prompt_tokens"] = prompt_budget
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     if req.tools:
@@ -151,7 +155,7 @@ def response_object(response_id: str, created_at: int, req: ResponsesRequest, mo
         "text": {"format": fmt}, "tool_choice": "auto" if choice is None else
         (choice if isinstance(choice, str) else choice.model_dump()),
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled", "usage": usage_,
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation, "usage": usage_,
         "user": req.user, "metadata": req.metadata or {}, "store": stored,
     }
 

@@ -4,7 +4,8 @@ body is (server.schemas' rules: a field is served, has no effect, or is refused 
 Served: `input` (a string, or items: messages with text parts, `function_call` and
 `function_call_output`), `instructions`, function `tools`, `tool_choice`, `parallel_tool_calls`,
 `text.format` (text, json_object, json_schema), `max_output_tokens`, `temperature`, `top_p`,
-`metadata` and `user` (kept with the response), `store`, `previous_response_id`, `stream`.
+`metadata` and `user` (kept with the response), `store`, `previous_response_id`, `stream`,
+`truncation` (auto: the prompt budget's `turns` policy at the model's length less the output).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ NO_EFFECT_FIELDS = frozenset({"service_tier", "prompt_cache_key", "safety_identi
 # Fields that would change the output and are not served, each with the values that mean "off".
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "include": (None, []), "reasoning": (None,), "background": (None, False), "max_tool_calls": (None,),
-    "conversation": (None,), "prompt": (None,), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
+    "conversation": (None,), "prompt": (None,), "top_logprobs": (None, 0),
     "stream_options": (None,), "context_management": (None,), "prompt_cache_retention": (None,),
     "prompt_cache_options": (None,),
 }
@@ -122,6 +123,8 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     store: bool = True
     previous_response_id: str | None = None
+    # auto: the conversation's oldest turns dropped to fit the model's length (the prompt budget's turns)
+    truncation: Literal["disabled", "auto"] = "disabled"
     stream: bool = False
 
     @field_validator("input", mode="before")

@@ -192,7 +192,7 @@ def test_a_stored_response_survives_a_restart(tmp_path):
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"include": ["file_search_call.results"]}, "include", "not supported"),
     ({"background": True}, "background", "not supported"),
-    ({"truncation": "auto"}, "truncation", "not supported"),
+    ({"truncation": "middle"}, "truncation", None),
     ({"frequency_penalty": 1}, "frequency_penalty", "unknown field"),
     ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
@@ -223,3 +223,25 @@ def test_without_a_data_dir_nothing_is_stored_and_continuing_says_how(tmp_path):
         assert httpx.get(f"{base}/v1/responses/resp_x", timeout=30).status_code == 404
     finally:
         stop_server(proc)
+
+
+@pytest.mark.asyncio
+async def test_truncation_auto_drops_the_oldest_turns_to_fit_the_models_length():
+    from pyserve.default_model import TARGET_DIR
+    from pyserve.testing.in_process import serving_models
+
+    turns = [{"role": r, "content": f"{r} message {i}: " + "word " * 12} for i in range(8) for r in ("user", "assistant")]
+    body = {"model": "tiny", "instructions": "You write Python.", "input": turns[:-1], "max_output_tokens": 8,
+            "temperature": 0, "store": False}
+    async with serving_models({"tiny": {"model": str(TARGET_DIR), "max_model_len": 160, "block_size": 4,
+                                        "num_kv_blocks": 256}}) as (_, client):
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text  # too long as it is
+        r = await client.post("/v1/responses", json={**body, "truncation": "auto"})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["truncation"] == "auto" and out["usage"]["input_tokens"] <= 160 - 8
+        assert out["usage"]["input_tokens_details"]["removed_tokens"] > 0
+        assert r.headers["x-pyserve-prompt-policy"] == "turns"
+        r = await client.post("/v1/responses", json={**body, "truncation": "auto", "max_output_tokens": 160})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
