@@ -44,7 +44,8 @@ def _run(base: str, api: str) -> tuple[object, list[tuple[int, int]]]:
     model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
     model = model_class(model=MODEL, openai_client=client)
     # one call a turn: asked for calls with parallel ones allowed, this small model repeats its call until max_tokens
-    forced = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=96)
+    forced = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=96,
+                           truncation="auto")  # the Responses API drops old turns past the length (chat: unsent)
     calculator = Agent(name="Calculator", instructions="Call multiply with the two numbers, then state the product.",
                        tools=[multiply], model=model, model_settings=forced)
     triage = Agent(name="Triage", instructions="Hand arithmetic questions to the Calculator.", handoffs=[calculator],
