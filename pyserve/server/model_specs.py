@@ -37,7 +37,7 @@ from pyserve.config import EngineConfig
 from pyserve.server.settings import RequestPolicy
 
 DRAFT_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-draft"
-POLICY_KEYS = ("default_max_tokens", "max_tokens_limit", "concise", "max_prompt_tokens", "prompt_policy")
+POLICY_KEYS = tuple(f.name for f in dataclasses.fields(RequestPolicy))
 ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules", *POLICY_KEYS}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "kv_cache_share"}
 
