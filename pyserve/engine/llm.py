@@ -128,8 +128,7 @@ class LLM:
         tok = self.tokenizer
 
         def prompt_of(conv: list[dict[str, Any]]) -> list[int]:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
-            return tok.encode(text, add_special_tokens=False)
+            return tok.chat_prompt(conv, add_generation_prompt, tools=tools)
 
         if max_prompt_tokens is None:
             prompts = [prompt_of(conv) for conv in conversations]

@@ -176,6 +176,13 @@ class Tokenizer:
         except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt a chat becomes: apply_chat_template's text, encoded without special tokens
+        (the template writes its own)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, template, tools),
+                           add_special_tokens=False)
+
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:

@@ -21,7 +21,6 @@ prompt budget) takes the place of the answering model's, key by key.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,7 +33,7 @@ from pyserve.model_choice.classifier import RouteClassifier
 from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.replay import replayed
-from pyserve.server.settings import RequestPolicy
+from pyserve.server.settings import POLICY_KEYS, RequestPolicy
 
 MODEL_HEADER = "x-pyserve-model"
 
@@ -64,17 +63,16 @@ def parse_route_policy(item: str) -> tuple[str, dict[str, Any]]:
     """One --route-policy NAME=KEY:VALUE[,KEY:VALUE...] (RequestPolicy's keys; true/false and
     integers read as such)."""
     name, sep, rest = item.partition("=")
-    keys = [f.name for f in dataclasses.fields(RequestPolicy)]
     policy: dict[str, Any] = {}
     for pair in rest.split(",") if sep else []:
         key, colon, value = pair.partition(":")
-        if not colon or key not in keys or not value:
+        if not colon or key not in POLICY_KEYS or not value:
             policy = {}
             break
         policy[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
     if not name or not policy:
         raise ValueError(f"route_policy: {item!r}: use NAME=KEY:VALUE[,KEY:VALUE...] with keys of "
-                         f"{', '.join(keys)} (e.g. code=max_tokens_limit:512,concise:true)")
+                         f"{', '.join(POLICY_KEYS)} (e.g. code=max_tokens_limit:512,concise:true)")
     try:
         RequestPolicy(**policy)
     except ValueError as e:

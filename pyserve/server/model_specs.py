@@ -34,10 +34,9 @@ from typing import Any
 
 from pyserve.default_model import DEFAULT_MODEL_NAME, DRAFT_DIR, TARGET_DIR
 from pyserve.config import EngineConfig
-from pyserve.server.settings import RequestPolicy
+from pyserve.server.settings import POLICY_KEYS, RequestPolicy
 
 DRAFT_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-draft"
-POLICY_KEYS = tuple(f.name for f in dataclasses.fields(RequestPolicy))
 ENTRY_KEYS = {"name", "model", "kv_share", "lora_modules", *POLICY_KEYS}
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "kv_cache_share"}
 

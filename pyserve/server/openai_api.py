@@ -99,8 +99,7 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
     budget = _prompt_budget(model, req)
 
     def prompt_of(messages: list[dict]) -> list[int]:
-        text = tok.apply_chat_template(messages, req.add_generation_prompt, req.chat_template, plan.template_tools)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.chat_prompt(messages, req.add_generation_prompt, req.chat_template, plan.template_tools)
 
     def count(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
@@ -300,7 +299,7 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
             prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
         except ValueError as e:
             raise BadRequest(str(e), param="truncate_prompt_tokens") from e
-    if diet is None and (budget := _prompt_budget(model, req)) is not None:  # a completion's prompts
+    if isinstance(shape, TextBody) and (budget := _prompt_budget(model, req)) is not None:  # a chat's was fitted
         longest = max(len(p) for p in prompts)
         if longest > budget[0]:
             raise BadRequest(f"prompt: {longest} tokens, over the prompt budget of {budget[0]} (max_prompt_tokens; "

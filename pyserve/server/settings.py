@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pyserve.options import option
 from pyserve.prompt_budget import POLICIES, check_policy
@@ -34,6 +35,9 @@ class RequestPolicy:
                 self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens_limit "
                              f"({self.max_tokens_limit})")
+
+
+POLICY_KEYS = tuple(f.name for f in fields(RequestPolicy))  # also ServerSettings' flags of a model's policy
 
 
 @dataclass(slots=True)
@@ -110,12 +114,10 @@ class ServerSettings:
     tool_call_parser: str = option("auto", "how the model writes tool calls: hermes, llama3_json, or auto (read "
                                    "from its chat template)", choices=["auto", "hermes", "llama3_json"])
 
-    def request_policy(self, own: dict[str, int] | None = None) -> RequestPolicy:
-        """A served model's output caps: its `own` (its models file entry's keys) over the flags'."""
-        flags = {"default_max_tokens": self.default_max_tokens, "max_tokens_limit": self.max_tokens_limit,
-                 "concise": self.concise, "max_prompt_tokens": self.max_prompt_tokens,
-                 "prompt_policy": self.prompt_policy}
-        return RequestPolicy(**(flags | (own or {})))
+    def request_policy(self, own: dict[str, Any] | None = None) -> RequestPolicy:
+        """A served model's request policy: its `own` keys (its models file entry's) over the flags'
+        of the same names."""
+        return RequestPolicy(**({key: getattr(self, key) for key in POLICY_KEYS} | (own or {})))
 
     def __post_init__(self) -> None:
         for name in ("stream_timeout", "chat_template_timeout"):
