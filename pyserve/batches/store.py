@@ -49,17 +49,24 @@ class FileRecord:
                 "status_details": None}
 
 
+def open_database(path: Path, schema: str) -> sqlite3.Connection:
+    """The SQLite database at `path` with `schema` applied, in autocommit mode (a transaction is
+    begun where one is needed), usable from any thread."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    # WAL with NORMAL: a committed row survives the process being killed (not a power cut, which
+    # may lose the last commits: a batch's lines then run again, a response is not stored).
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(schema)
+    return db
+
+
 class BatchStore:
     def __init__(self, data_dir: str | Path):
         self.root = Path(data_dir)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # WAL with NORMAL: a committed row survives the process being killed (not a power cut, which
-        # may lose the last commits: their lines then run again).
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+        self.db = open_database(self.root / "batches.sqlite3", SCHEMA)
 
     def close(self) -> None:
         self.db.close()

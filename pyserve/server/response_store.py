@@ -5,12 +5,13 @@ older than `max_age` seconds (the oldest go first when one is added)."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from pyserve.batches.store import open_database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -25,10 +26,7 @@ class ResponseStore:
         root = Path(data_dir)
         root.mkdir(parents=True, exist_ok=True)
         self.max_count, self.max_age = max_count, max_age
-        self.db = sqlite3.connect(root / "responses.sqlite3", isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+        self.db = open_database(root / "responses.sqlite3", SCHEMA)
 
     def close(self) -> None:
         self.db.close()
