@@ -210,10 +210,10 @@ def main() -> None:
               "system_words": args.system_words, "ways": {}}
     print(f"{'way':>17} {'total p50':>9} {'step TTFT p50':>13} {'cached share':>12} {'min':>6} {'of prev':>7} "
           f"{'x chat':>7} {'x no-cache':>10}")
-    for way in WAYS:
-        s = summary(results[way])
-        s["total_vs_chat"] = round(s["total_s_p50"] / summary(results["chat"])["total_s_p50"], 3)
-        s["speedup_vs_chat_no_cache"] = round(summary(results["chat-no-cache"])["total_s_p50"] / s["total_s_p50"], 3)
+    summaries = {way: summary(results[way]) for way in WAYS}
+    for way, s in summaries.items():
+        s["total_vs_chat"] = round(s["total_s_p50"] / summaries["chat"]["total_s_p50"], 3)
+        s["speedup_vs_chat_no_cache"] = round(summaries["chat-no-cache"]["total_s_p50"] / s["total_s_p50"], 3)
         report["ways"][way] = s
         print(f"{way:>17} {s['total_s_p50']:>9.3f} {s['step_ttft_p50_s']:>13.4f} "
               f"{s['cached_share_after_first']:>12.3f} {s['min_step_cached_share_after_first']:>6.3f} "

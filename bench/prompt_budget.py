@@ -174,11 +174,11 @@ def main() -> None:
     report = {**head, "model": args.model, "prefix_caching": not args.no_prefix_caching, "together": args.together,
               "num_kv_blocks": args.num_kv_blocks, "conversations": len(convs), "turns": [len(c) for c in convs],
               "budgets": {}}
-    base_p50 = summary(results["None"])["ttft_p50_s"]
+    summaries = {b: summary(results[str(b)]) for b in budgets}
+    base_p50 = summaries[None]["ttft_p50_s"]
     print(f"{'budget':>7} {'turns':>5} {'refused':>7} {'TTFT p50':>9} {'p99':>7} {'cold p50':>9} {'prefilled':>9} "
           f"{'hit rate':>8} {'removed':>8} {'x none':>7}")
-    for b in budgets:
-        s = summary(results[str(b)])
+    for b, s in summaries.items():
         s["ttft_p50_vs_none"] = round(base_p50 / s["ttft_p50_s"], 3)
         report["budgets"]["none" if b is None else str(b)] = s
         print(f"{'none' if b is None else b:>7} {s['turns']:>5} {s['refused']:>7} {s['ttft_p50_s']:>9.4f} "
