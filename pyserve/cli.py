@@ -283,6 +283,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pyserve.eagle_training.options import TrainOptions
     from pyserve.options import add_flags
     from pyserve.replicas.settings import RouterSettings
     from pyserve.server.settings import ServerSettings
@@ -339,7 +340,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--embedding-model", default="wordllama", help="as pyserve serve's --embedding-model")
     r.add_argument("--out", required=True, help="the router's JSON file (pyserve serve --route NAME=FILE)")
     r.set_defaults(func=route_train)
+    t = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on its own answers",
+                       formatter_class=DEFAULTS_SHOWN)
+    t.add_argument("model", help="the target: a model directory, a GGUF file or a hub id")
+    t.add_argument("--out", required=True, help="the head's folder (resumed from its checkpoint if there is one)")
+    add_flags(t, TrainOptions)
+    t.set_defaults(func=train_eagle)
     return parser
+
+
+def train_eagle(args: argparse.Namespace) -> None:
+    from pyserve.eagle_training.options import TrainOptions
+    from pyserve.eagle_training.train import train_eagle
+    from pyserve.model.hub import fetch_model
+    from pyserve.options import from_args
+
+    train_eagle(fetch_model(args.model, None, None), args.out, TrainOptions(**from_args(TrainOptions, args)))
 
 
 def route_train(args: argparse.Namespace) -> None:

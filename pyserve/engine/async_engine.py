@@ -14,32 +14,33 @@ from pathlib import Path
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
 from pyserve.actors.loop_thread import LoopThread, resolve
-from pyserve.engine.background import BackgroundLimit
 from pyserve.config import EngineConfig
+from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.core import EngineCore
 from pyserve.engine.output_processor import OutputProcessor, RequestStream
+from pyserve.engine.outputs import CompletionOutput, RequestOutput
 from pyserve.engine.participants.base import StepParticipant
 from pyserve.engine.participants.grammar import GrammarStep
 from pyserve.engine.participants.lora import LoraAdapters
 from pyserve.engine.participants.output_tokens import OutputTokens
 from pyserve.engine.participants.prompt_logprobs import PromptLogprobsGathering
 from pyserve.engine.participants.speculation import Speculation
-from pyserve.engine.outputs import CompletionOutput, RequestOutput
-from pyserve.step.request import Abort, Add, EngineRequest
-from pyserve.step.sampling_params import SamplingParams
 from pyserve.engine.step_budget import StepBudget
 from pyserve.engine.watchdog import Watchdog
 from pyserve.lora.request import LoRARequest
 from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import ModelConfig
 from pyserve.model.hub import fetch_model
-from pyserve.worker.model_worker import ModelWorker
 from pyserve.speculative.config import SpeculativeConfig
+from pyserve.speculative.eagle_config import HeadConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
 from pyserve.speculative.speculator import Speculator
+from pyserve.step.request import Abort, Add, EngineRequest
+from pyserve.step.sampling_params import SamplingParams
 from pyserve.structured.compiler import Grammar, GrammarCompiler
 from pyserve.structured.matchers import GrammarMatchers
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
+from pyserve.worker.model_worker import ModelWorker
 
 GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
@@ -85,8 +86,9 @@ class AsyncEngine:
         self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(self.model_path))
         spec = self.spec_config
         draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
+        head_config = HeadConfig.from_dir(spec.model, cfg) if spec is not None and spec.method == "eagle3" else None
         self.worker = ModelWorker.from_config(config, cfg, model_dir=self.model_path, max_model_len=self.max_model_len,
-                                              speculative=spec, draft_config=draft_config)
+                                              speculative=spec, draft_config=draft_config, head_config=head_config)
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
             block_size=config.block_size,

@@ -219,6 +219,11 @@ class CausalLM(nn.Module):
         self.checkpoint_quantization: str | None = None  # a pre-quantized checkpoint's method (the loader's)
         # Rank 0 of a tensor-parallel group: announces each call for the other ranks to replay.
         self.lockstep = None
+        # Layers whose input (the residual stream entering them: Hugging Face's hidden_states[i])
+        # each forward keeps, side by side, as `aux_hidden` [tokens, len(ids) * hidden] (an EAGLE
+        # head reads them).
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -236,19 +241,26 @@ class CausalLM(nn.Module):
         rope = self.model.rotary.tables(positions)
         fused = self.cpu_ops and x.shape[0] <= FEW_ROWS
         rows = backend.in_place_rows(meta, kv_caches[0][0]) if fused and self.layer_kernel else None
+        aux: list[torch.Tensor] = []
         if rows is not None:  # every layer in one kernel call
             x = x.contiguous()
             x_np, slots = x.numpy(), meta.slot_mapping.numpy()
             cos, sin = (t.numpy().reshape(len(x_np), -1) for t in rope)
             threads = torch.get_num_threads()
-            for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+                if i in self.aux_layer_ids:
+                    aux.append(x.clone())  # the kernel updates x in place
                 attn = layer.self_attn
                 _core.decoder_layer(x_np, *layer.kernel_weights, attn.num_heads, attn.head_dim, attn.num_kv_heads,
                                     k_cache.numpy(), v_cache.numpy(), slots, rows.block_tables, rows.seq_lens,
                                     cos, sin, attn.scale, threads=threads)
         else:
-            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+                if i in self.aux_layer_ids:
+                    aux.append(x.clone() if fused else x)  # the fused layers update x in place
                 x = layer(rope, x, kv, meta, backend, fused)
+        if self.aux_layer_ids:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         norm = self.model.norm
         return cpu_ops.rms_norm(x, norm.weight_view, norm.eps) if fused else norm(x)
 

@@ -12,7 +12,8 @@ from typing import Any
 from pyserve.model.gguf.file import gguf_path
 from pyserve.model.hub import fetch_model, is_hub_id
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -22,7 +23,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: the draft's directory or GGUF file (a hub id: downloaded)
+    # draft_model: the draft's directory or GGUF file; eagle3: the head's directory (a hub id: downloaded)
+    model: str | None = None
     # Choose the depth per step (0 = plain decoding) from measurements; by default only where
     # the user left num_speculative_tokens out (a depth the user fixed is honoured).
     adaptive: bool = True
@@ -60,19 +62,24 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.prompt_lookup_max must be >= prompt_lookup_min")
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
-        if method == "draft_model":
-            model = os.path.expanduser(fields["model"]) if fields["model"] else default_draft
+        if method in MODEL_METHODS:
+            model = os.path.expanduser(fields["model"]) if fields["model"] else None
+            if model is None and method == "draft_model":
+                model = default_draft
             if model is None:
-                raise ValueError("speculative_config.model: a draft_model needs the draft's model directory")
+                what = "the draft's model directory" if method == "draft_model" else "the EAGLE-3 head's directory"
+                raise ValueError(f"speculative_config.model: {method} needs {what}")
             if is_hub_id(str(model)):  # ORG/NAME or ORG/NAME:FILE.gguf, as the target takes them
                 try:
                     model = fetch_model(str(model), None, None)
                 except ValueError as e:
                     raise ValueError(f"speculative_config.model: {e}") from None
+            if method == "eagle3" and not (Path(model) / "config.json").is_file():
+                raise ValueError(f"speculative_config.model: {model} is not a head directory (config.json)")
             if not (Path(model) / "config.json").is_file() and gguf_path(model) is None:
                 raise ValueError(f"speculative_config.model: {model} is neither a model directory (config.json), "
                                  "a GGUF file nor a hub id (ORG/NAME)")
             fields["model"] = str(model)
         elif fields["model"] is not None:
-            raise ValueError("speculative_config.model is only for method 'draft_model'")
+            raise ValueError(f"speculative_config.model is only for the methods {list(MODEL_METHODS)}")
         return cls(**fields)

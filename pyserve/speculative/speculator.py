@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pyserve.step.request import EngineRequest
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
 from pyserve.speculative.proposer import ProposalBatch, Proposer
+from pyserve.step.request import EngineRequest
 from pyserve.structured.matchers import GrammarMatchers
 
 
@@ -31,7 +31,7 @@ class Speculator:
         self.grammar = grammar  # the EngineCore's matchers: drafts of constrained requests are cut to what they allow
         self.forced_tokens = forced_tokens  # and replaced by the grammar's forced tokens when those go further
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
-                                     has_draft_cost=config.method == "draft_model")
+                                     has_draft_cost=config.method != "ngram")
         self.num_drafts = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

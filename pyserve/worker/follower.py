@@ -19,12 +19,11 @@ from pyserve.model.attention import make_backend
 from pyserve.model.checkpoint import load_config
 from pyserve.model.kv_cache import allocate_kv_cache
 from pyserve.model.loader import load_model
-from pyserve.worker.model_worker import (DTYPES, attention_backend, finish_model, rank_spec, resolve_device,
-                                         resolve_dtype)
 from pyserve.parallel.group import TensorParallelGroup, torchrun_rank
 from pyserve.parallel.launch import RankSpec
 from pyserve.parallel.layers import local_config, shard_model
 from pyserve.worker.lockstep import Lockstep
+from pyserve.worker.rank_setup import DTYPES, attention_backend, finish_model, rank_spec, resolve_device, resolve_dtype
 
 # A follower waits on rank 0 for as long as the server is idle; rank 0's own timeout bounds every
 # collective of a step, and rank 0 kills the group when it gives up.

@@ -12,104 +12,41 @@ it (the layers, the kernels, the verifier, the draft model, the LoRA slots).
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pyserve.config import EngineConfig
-from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.lora.adapter import LoraError, load_adapter
 from pyserve.lora.slots import LoraSlots
 from pyserve.model.attention import AttentionMetadata, TorchBackend, make_backend
 from pyserve.model.config import ModelConfig
+from pyserve.model.cpu_linear import FEW_ROWS
 from pyserve.model.decode_graphs import DecodeGraphs
 from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
-from pyserve.model.quantized_linear import check_device, check_method, quantize_linears, weight_bytes
-from pyserve.model.cpu_linear import FEW_ROWS, can_use, use_cpu_linears
+from pyserve.model.quantized_linear import check_device, check_method, weight_bytes
 from pyserve.model.sampler import Sampler, SamplingRows, token_logprobs
 from pyserve.model.step_buffers import StepBuffers
 from pyserve.model.token_masks import apply_token_masks
 from pyserve.model.whole_model import WholeModel
 from pyserve.parallel.group import torchrun_rank
-from pyserve.parallel.launch import Followers, RankSpec
-from pyserve.parallel.layers import check_divisible, local_config, shard_model
-from pyserve.worker.lockstep import Lockstep
-from pyserve.speculative.draft_model import DraftModelProposer
+from pyserve.parallel.launch import Followers
+from pyserve.parallel.layers import local_config, shard_model
 from pyserve.speculative.config import SpeculativeConfig
+from pyserve.speculative.draft_model import DraftModelProposer
+from pyserve.speculative.eagle import EagleProposer
+from pyserve.speculative.eagle_config import HeadConfig
+from pyserve.speculative.eagle_head import load_head
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
+from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
+from pyserve.worker.lockstep import Lockstep
+from pyserve.worker.rank_setup import (attention_backend, check_parallel, finish_model, lora_slots, rank_spec,
+                                       resolve_device, resolve_dtype)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def check_parallel(cfg: ModelConfig, size: int, device: torch.device, quantization: str | None) -> None:
-    """ValueError naming the field when the model cannot be served over `size` ranks here."""
-    check_divisible(cfg, size)
-    if quantization == "w8a8":  # a rank's slice of x would be quantized by a scale of its own
-        raise ValueError("quantization: w8a8 is not split over ranks (tensor_parallel_size 1, or int8)")
-    if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size {size} is more ranks than this machine's "
-                         f"{torch.cuda.device_count()} CUDA devices")
-    if torch.distributed.is_initialized():
-        raise ValueError("tensor_parallel_size: this process already belongs to a torch.distributed group "
-                         "(one tensor-parallel model per process)")
 PROMPT_LOGPROB_ROWS = 256  # prompt rows scored at once: a [rows, vocab] f32 block at a time
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32  # half precision matmuls are slow on CPUs
-        return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def attention_backend(config: EngineConfig, device: torch.device) -> str:
-    """The backend `config` names, else Triton on CUDA and torch's (with the CPU kernels) elsewhere."""
-    return config.attention_backend or ("triton" if device.type == "cuda" else "torch")
-
-
-def lora_slots(config: EngineConfig) -> int:
-    """Adapters resident per step: `max_loras` where LoRA is enabled, else none."""
-    return config.max_loras if config.enable_lora else 0
-
-
-def rank_spec(config: EngineConfig, model_dir: str, max_model_len: int, dtype: torch.dtype, backend: str) -> RankSpec:
-    """What a follower rank builds its shard from: `config` as rank 0 resolved it."""
-    return RankSpec(str(Path(model_dir).resolve()), next(k for k, v in DTYPES.items() if v == dtype),
-                    config.block_size, max_model_len, config.seed, config.quantization,
-                    config.quantization_group_size, config.gguf_dequantize, backend, lora_slots(config),
-                    config.max_lora_rank)
-
-
-def finish_model(model, device: torch.device, dtype: torch.dtype, *, fuse: bool, quantization: str | None,
-                 group_size: int) -> None:
-    """A loaded model made ready to serve, in place: q/k/v and gate/up fused (`fuse`: no LoRA
-    wraps them), quantized (after LoRA wrapped its base projections: those are quantized too),
-    and on fp32 CPUs given the CPU kernels (after both: every projection is replaced)."""
-    if fuse:
-        model.fuse_projections()
-    if quantization is not None:
-        quantize_linears(model, quantization, group_size)
-    if can_use(device, dtype):
-        use_cpu_linears(model)
-        model.use_cpu_ops()
 
 
 class ModelWorker:
@@ -118,13 +55,19 @@ class ModelWorker:
 
     @classmethod
     def from_config(cls, config: EngineConfig, model_config: ModelConfig, *, model_dir: str, max_model_len: int,
-                    speculative: SpeculativeConfig | None, draft_config: ModelConfig | None) -> ModelWorker:
+                    speculative: SpeculativeConfig | None, draft_config: ModelConfig | None,
+                    head_config: HeadConfig | None) -> ModelWorker:
         """The worker `config` asks for, serving the model at `model_dir` (`config.model` as the
         engine found it: a hub id is downloaded first) up to `max_model_len` tokens; with
         `speculative`, its verifier, and for a draft model the draft's `draft_config` (checked by
-        the engine against the target's tokenizer). The build steps run in this order, each on
-        what the ones before it set; a worker that fails to build leaves no rank behind."""
+        the engine against the target's tokenizer), for an EAGLE-3 head its `head_config`
+        (checked against the target). The build steps run in this order, each on what the ones
+        before it set; a worker that fails to build leaves no rank behind."""
         worker = cls(config, model_config, max_model_len)
+        if head_config is not None:
+            if config.tensor_parallel_size > 1:
+                raise ValueError("speculative_config.method: eagle3 is not served over tensor-parallel ranks")
+            worker.head_config = head_config  # every target forward keeps the layers' inputs it reads
         with contextlib.ExitStack() as undo:
             worker._join_group(model_dir, undo)
             worker._load_weights(model_dir)
@@ -157,6 +100,8 @@ class ModelWorker:
         self.lora: LoraSlots | None = None
         self.decode_graphs: DecodeGraphs | None = None  # where decode steps replay CUDA graphs
         self.proposer: ModelProposer | None = None
+        self.head_config: HeadConfig | None = None  # an EAGLE-3 head's (set by from_config)
+        self.eagle: EagleProposer | None = None  # the head's proposer, fed after every step
 
     def _join_group(self, model_dir: str, undo: contextlib.ExitStack) -> None:
         """With tensor_parallel_size > 1: this process becomes rank 0 of a group whose other ranks
@@ -237,8 +182,9 @@ class ModelWorker:
     def _warm_up(self) -> None:
         """Steps of a few rows run the whole model in one call where every op has a CPU kernel;
         on CUDA's Triton path every kernel variant is compiled now, not in the first steps."""
+        # NOTE: the whole-model kernel returns no layer inputs: steps an EAGLE head reads run layer by layer.
         self.whole_model = WholeModel.of(self.model, self.kv_caches) \
-            if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel else None
+            if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel and self.head_config is None else None
         if self.backend_name == "triton" and self.device.type == "cuda":
             self.backend.warm_up(*self.kv_caches[0], self.kv_config.num_heads)
             if self.lora is not None:
@@ -246,15 +192,18 @@ class ModelWorker:
 
     def _capture_decode_graphs(self) -> None:
         """Decode steps replay CUDA graphs, except on rank 0 of a tensor-parallel group (each step
-        is announced to the other ranks) and in an engine serving LoRA (its steps run op by op)."""
+        is announced to the other ranks), in an engine serving LoRA (its steps run op by op) and
+        under an EAGLE head (NOTE: the graphs do not keep the layer inputs it reads)."""
         if (self.step_buffers is not None and self.device.type == "cuda" and not self.engine_config.enforce_eager
-                and self.group is None and self.lora is None):
+                and self.group is None and self.lora is None and self.head_config is None):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.step_buffers,
                                               -(-self.max_model_len // self.engine_config.block_size))
 
     def _build_speculation(self, speculative: SpeculativeConfig | None, draft_config: ModelConfig | None) -> None:
-        """The draft model (its KV blocks addressed as the target's), the verifier, and the
-        target's served weight bytes (quantized or not)."""
+        """The draft model or EAGLE head (their KV blocks addressed as the target's), the
+        verifier, and the target's served weight bytes (quantized or not)."""
+        if self.head_config is not None:
+            self.proposer = self.eagle = self._build_head(speculative.model)
         if draft_config is not None:
             self.proposer = DraftModelProposer(
                 speculative.model, draft_config, dtype=self.dtype, device=self.device, num_blocks=self.num_kv_blocks,
@@ -267,6 +216,15 @@ class ModelWorker:
         self.weight_bytes = weight_bytes(self.model)
         if speculative is not None and self.device.type == "cuda":  # the rejection kernel's compile, now
             self.verifier.warm_up()
+
+    def _build_head(self, path: str) -> EagleProposer:
+        """The EAGLE-3 head at `path` (its own one-layer KV blocks addressed as the target's);
+        every target forward from now on keeps the layer inputs it reads."""
+        head, embedding = load_head(path, self.head_config, self.model, self.dtype, self.device, self.max_model_len)
+        self.model.aux_layer_ids = self.head_config.aux_layer_ids
+        return EagleProposer(head, embedding, num_blocks=self.num_kv_blocks, block_size=self.engine_config.block_size,
+                             max_model_len=self.max_model_len, backend=self.backend, sampler=self.sampler,
+                             device=self.device, dtype=self.dtype)
 
     def on_failure(self, listener) -> None:
         """`listener(error)` is called (from another thread) if a tensor-parallel rank dies."""
@@ -325,6 +283,13 @@ class ModelWorker:
         requests with logits, in order; `adapter_ids` the LoRA adapter of every scheduled request
         (0 = the base model); `prompt_rows` the requests whose prompt tokens in this step get
         logprobs (StepResult.prompt_logprobs)."""
+        result = self._execute(out, rows, adapter_ids, prompt_rows)
+        if self.eagle is not None and out.num_reqs:
+            self.eagle.extend(out, self.model.aux_hidden, result.num_sampled, result.token_ids)
+        return result
+
+    def _execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None,
+                 prompt_rows: PromptRows | None) -> StepResult:
         if out.num_reqs == 0:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device

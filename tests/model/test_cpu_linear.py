@@ -85,7 +85,7 @@ def test_a_loaded_model_packs_only_its_large_projections(tmp_path, max_loras):
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64,
                           enable_lora=max_loras > 0, max_loras=max_loras)
     worker = ModelWorker.from_config(config, cfg, model_dir=str(model_dir), max_model_len=64, speculative=None,
-                                     draft_config=None)
+                                     draft_config=None, head_config=None)
     layers = {n: m for n, m in worker.model.named_modules() if isinstance(m, CpuLinear)}
     packed = sorted(n for n, m in layers.items() if m.packed is not None)
     layer = "model.layers.0"

@@ -1,0 +1,1 @@
+"""`pyserve train-eagle`: EAGLE-3 heads trained on a target's own answers (train.py)."""

@@ -1,0 +1,82 @@
+"""The prompts a target answers to make its head's training data: a file the user gives, or the
+built-in mix (requests composed from a fixed list of tasks and topics, and the openings of
+functions from the local Python standard library's modules the embedded model family trains on).
+Deterministic for a given seed and Python installation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from pyserve.default_model.training import corpus
+
+TASKS = (
+    "Explain {t} to a beginner in a few sentences.",
+    "Write a short story about {t}.",
+    "List five facts about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a haiku about {t}.",
+    "Summarize the history of {t} in one paragraph.",
+    "Give three tips for someone interested in {t}.",
+    "Write an email to a friend about {t}.",
+    "Describe {t} as if you were a tour guide.",
+    "What questions would a student ask about {t}? Answer two of them.",
+)
+TOPICS = (
+    "volcanoes", "the stock market", "photosynthesis", "chess openings", "the Roman Empire", "coffee",
+    "electric cars", "honeybees", "black holes", "the French Revolution", "sourdough bread", "jazz",
+    "climate change", "the human heart", "recycling", "the Olympic Games", "machine learning", "tides",
+    "the printing press", "gardening", "marathon training", "the moon landing", "vaccines", "origami",
+    "public libraries", "rainforests", "the internet", "penguins", "budget travel", "the piano",
+)
+CODE_REQUEST = "Complete this Python function:\n```python\n{code}```"
+
+
+def builtin_prompts(chat: bool, count: int, seed: int) -> list[str]:
+    """`count` prompts: half requests (tasks x topics; chat only), half function openings (the
+    first lines of a function, up to its docstring's end; as a request to complete it in chat)."""
+    rng = random.Random(seed)
+    requests = [task.format(t=topic) for task in TASKS for topic in TOPICS]
+    rng.shuffle(requests)
+    train, _ = corpus.source_files()
+    openings = [_opening(fn.source) for _, text in train for fn in corpus.functions(text)]
+    openings = [o for o in openings if 40 <= len(o) <= 600]
+    rng.shuffle(openings)
+    if not chat:
+        return openings[:count]
+    code = [CODE_REQUEST.format(code=o) for o in openings[: count - count // 2]]
+    return [p for pair in zip(requests[: count // 2], code) for p in pair] + code[count // 2 :]
+
+
+def _opening(source: str) -> str:
+    """A function's first lines: through its docstring where one follows the signature's first
+    line, else that line and the next."""
+    lines = source.splitlines(keepends=True)
+    if len(lines) > 1:
+        quote = next((q for q in ('"""', "'''") if q in lines[1]), None)
+        if quote is not None:
+            if lines[1].count(quote) >= 2:
+                return "".join(lines[:2])
+            end = next((k for k in range(2, len(lines)) if quote in lines[k]), None)
+            if end is not None:
+                return "".join(lines[: end + 1])
+    return "".join(lines[:2])
+
+
+def file_prompts(path: str | Path) -> list[str | list[dict]]:
+    """A user's prompts: a .jsonl file of {"messages": [...]} (a conversation to continue) or
+    {"prompt": "..."} lines, or a text file of prompts separated by blank lines."""
+    text = Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".jsonl"):
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if not isinstance(item, dict) or not ("messages" in item or "prompt" in item):
+                raise ValueError(f"--prompts: line {n} of {path} has neither 'messages' nor 'prompt'")
+            prompts.append(item["messages"] if "messages" in item else item["prompt"])
+        return prompts
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
