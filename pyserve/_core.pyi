@@ -260,11 +260,13 @@ def model_forward(
     feed_requests: np.ndarray,
     block_tables: np.ndarray,
     logits_rows: np.ndarray,
+    aux_layers: np.ndarray,
     threads: int = 1,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """A whole model over a few rows in one call: the embedding rows, every `decoder_layer`,
     the final RMSNorm and the head; returns the float32 logits [len(logits_rows), vocab] of the
-    rows `logits_rows`. `model` has the attributes of model.whole_model.ModelView (embed, layers,
+    rows `logits_rows`, and the residual stream entering each layer of `aux_layers` (int64,
+    increasing), side by side for every row ([rows, len(aux_layers) * hidden]; [rows, 0] for none). `model` has the attributes of model.whole_model.ModelView (embed, layers,
     norm, eps, head, heads, head_dim, kv_heads, cos, sin [positions, head_dim], scale); rows are
     feed_tokens int32, feed_positions int64 and feed_requests int64 (row i's request, whose block
     table is block_tables[feed_requests[i]]; a request's rows in position order); one cache pair

@@ -39,8 +39,9 @@ class WholeModel:
     them. Rows are (token, position, request): row i of a step is `tokens[i]` at `positions[i]`
     of request `requests[i]`, whose block table is `block_tables[requests[i]]`."""
 
-    def __init__(self, view: ModelView, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, view: ModelView, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], model):
         self.view = view
+        self.model = model  # its aux_layer_ids are kept as aux_hidden, as its own forward does
         self.k_caches = [k.numpy() for k, _ in kv_caches]
         self.v_caches = [v.numpy() for _, v in kv_caches]
 
@@ -61,14 +62,19 @@ class WholeModel:
         view = ModelView(embed, [layer.kernel_weights for layer in inner.layers],
                          inner.norm.weight_view, inner.norm.eps, head_weights, attn.num_heads, attn.head_dim,
                          attn.num_kv_heads, inner.rotary.cos.numpy(), inner.rotary.sin.numpy(), attn.scale)
-        return cls(view, kv_caches)
+        return cls(view, kv_caches, model)
 
     def forward(self, tokens, positions, requests, block_tables, logits_rows) -> torch.Tensor:
         """float32 [len(logits_rows), vocab]: the logits of rows `logits_rows` after one forward
-        over all the rows (their keys and values written to the cache)."""
-        logits = _core.model_forward(self.view, self.k_caches, self.v_caches, *_rows(tokens, positions, requests),
-                                     np.ascontiguousarray(block_tables, dtype=np.int32),
-                                     np.asarray(logits_rows, dtype=np.int64), threads=torch.get_num_threads())
+        over all the rows (their keys and values written to the cache); the inputs of the
+        model's `aux_layer_ids` become its `aux_hidden`."""
+        aux_layers = np.asarray(self.model.aux_layer_ids, dtype=np.int64)
+        logits, aux = _core.model_forward(self.view, self.k_caches, self.v_caches, *_rows(tokens, positions, requests),
+                                          np.ascontiguousarray(block_tables, dtype=np.int32),
+                                          np.asarray(logits_rows, dtype=np.int64), aux_layers,
+                                          threads=torch.get_num_threads())
+        if len(aux_layers):
+            self.model.aux_hidden = torch.from_numpy(aux)
         return torch.from_numpy(logits)
 
     def greedy(self, tokens, positions, requests, block_tables, depth) -> np.ndarray:

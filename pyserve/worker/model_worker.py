@@ -182,9 +182,8 @@ class ModelWorker:
     def _warm_up(self) -> None:
         """Steps of a few rows run the whole model in one call where every op has a CPU kernel;
         on CUDA's Triton path every kernel variant is compiled now, not in the first steps."""
-        # NOTE: the whole-model kernel returns no layer inputs: steps an EAGLE head reads run layer by layer.
         self.whole_model = WholeModel.of(self.model, self.kv_caches) \
-            if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel and self.head_config is None else None
+            if isinstance(self.backend, TorchBackend) and self.backend.cpu_kernel else None
         if self.backend_name == "triton" and self.device.type == "cuda":
             self.backend.warm_up(*self.kv_caches[0], self.kv_config.num_heads)
             if self.lora is not None:

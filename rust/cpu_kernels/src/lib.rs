@@ -50,4 +50,6 @@ pub use linear_w8a8::{linear_w8a8, linear_w8a8_on, W8A8Weights};
 pub use lora::{add_lora, add_lora_on, LoraError, LoraWeights};
 pub use parallel::{ForkJoin, OnCallingThread};
 pub use projection::{project_on, Projection};
-pub use whole_model::{greedy_decode_on, model_forward_on, BlockTables, Embedding, Feed, ModelWeights, RopeTables};
+pub use whole_model::{
+    greedy_decode_on, model_forward_on, BlockTables, Embedding, Feed, ForwardOutput, ModelWeights, RopeTables,
+};

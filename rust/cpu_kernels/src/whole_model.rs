@@ -2,7 +2,8 @@
 //! the embedding lookup, every `decoder_layer_on`, the final RMSNorm and the head (`project_on`).
 //! The ops are those the op-by-op path runs on a few rows, so the logits have its bits.
 //!
-//! - `model_forward_on`: one forward, the logits of chosen rows (a decode or verification step).
+//! - `model_forward_on`: one forward, the logits of chosen rows (a decode or verification step),
+//!   and, where asked, the residual stream entering chosen layers (what an EAGLE head reads).
 //! - `greedy_decode_on`: what a draft model does between two target steps. It first feeds each
 //!   request the tokens it has not computed yet (its `Feed` rows, in position order; they may be
 //!   several, and each attends to its own prefix), takes the argmax after the request's last fed
@@ -98,8 +99,16 @@ impl BlockTables<'_> {
     }
 }
 
-/// The logits ([logits_rows, vocab], row-major) of the rows `logits_rows` of `feed` after one
-/// forward over all of them. `caches` holds each layer's (keys, values),
+/// What one forward returns: the logits of the rows asked for (`[logits_rows, vocab]`,
+/// row-major) and the residual stream entering each of `aux_layers`, side by side for every row
+/// (`[rows, aux_layers.len() * hidden]`; empty when none was asked for).
+pub struct ForwardOutput {
+    pub logits: Vec<f32>,
+    pub aux: Vec<f32>,
+}
+
+/// The logits of the rows `logits_rows` of `feed` after one forward over all of them, and the
+/// inputs of the layers `aux_layers` (increasing). `caches` holds each layer's (keys, values),
 /// `[num_blocks, block_size, kv heads, dim]` each.
 #[allow(clippy::too_many_arguments)]
 pub fn model_forward_on(
@@ -112,12 +121,19 @@ pub fn model_forward_on(
     tables: &BlockTables<'_>,
     scale: f32,
     logits_rows: &[usize],
-) -> Result<Vec<f32>, LayerError> {
+    aux_layers: &[usize],
+) -> Result<ForwardOutput, LayerError> {
     check(model, heads, caches, rope, feed, tables, &vec![0; tables.requests()])?;
     if let Some(&row) = logits_rows.iter().find(|&&i| i >= feed.tokens.len()) {
         return Err(LayerError::Shape(format!("logits row {row} of {} rows", feed.tokens.len())));
     }
-    forward(pool, model, heads, caches, rope, tables, scale, &feed.rows(), logits_rows)
+    if !aux_layers.windows(2).all(|w| w[0] < w[1]) || aux_layers.iter().any(|&l| l >= model.layers.len()) {
+        return Err(LayerError::Shape(format!(
+            "aux layers {aux_layers:?}: not increasing layers of the model's {}",
+            model.layers.len()
+        )));
+    }
+    forward(pool, model, heads, caches, rope, tables, scale, &feed.rows(), logits_rows, aux_layers)
 }
 
 /// Runs the feed and the guesses; returns the guesses, `depth.max()` a request, row-major
@@ -157,7 +173,7 @@ pub fn greedy_decode_on(
         let guessing: Vec<(usize, usize)> =
             (0..num_requests).filter(|&r| depth[r] > j).filter_map(|r| last_row[r].map(|i| (r, i))).collect();
         let picked: Vec<usize> = guessing.iter().map(|&(_, i)| i).collect();
-        let logits = forward(pool, model, heads, caches, rope, tables, scale, &rows, &picked)?;
+        let logits = forward(pool, model, heads, caches, rope, tables, scale, &rows, &picked, &[])?.logits;
         let mut next = Vec::new();
         for (n, &(r, i)) in guessing.iter().enumerate() {
             let token = argmax(&logits[n * vocab..][..vocab]) as i32;
@@ -172,12 +188,13 @@ pub fn greedy_decode_on(
         rows = next;
     }
     if max_depth == 0 && !rows.is_empty() {
-        forward(pool, model, heads, caches, rope, tables, scale, &rows, &[])?;
+        forward(pool, model, heads, caches, rope, tables, scale, &rows, &[], &[])?;
     }
     Ok(guesses)
 }
 
-/// One forward over `rows` (token, position, request); the logits of `logits_rows`.
+/// One forward over `rows` (token, position, request); the logits of `logits_rows` and the
+/// inputs of `aux_layers`.
 #[allow(clippy::too_many_arguments)]
 fn forward(
     pool: &dyn ForkJoin,
@@ -189,7 +206,8 @@ fn forward(
     scale: f32,
     rows: &[(i32, i64, usize)],
     logits_rows: &[usize],
-) -> Result<Vec<f32>, LayerError> {
+    aux_layers: &[usize],
+) -> Result<ForwardOutput, LayerError> {
     let hidden = model.norm.len();
     let (dim, width, bs) = (heads.dim, tables.width, tables.block_size as i64);
     let n = rows.len();
@@ -217,7 +235,14 @@ fn forward(
         cos: &cos,
         sin: &sin,
     };
-    for (layer, (keys, values)) in model.layers.iter().zip(caches.iter_mut()) {
+    let width_aux = aux_layers.len() * hidden;
+    let mut aux = vec![0.0f32; n * width_aux];
+    for (l, (layer, (keys, values))) in model.layers.iter().zip(caches.iter_mut()).enumerate() {
+        if let Some(c) = aux_layers.iter().position(|&a| a == l) {
+            for r in 0..n {
+                aux[r * width_aux + c * hidden..][..hidden].copy_from_slice(&x[r * hidden..][..hidden]);
+            }
+        }
         let cache = PagedCacheMut { keys, values, block_size: tables.block_size };
         decoder_layer_on(pool, &mut x, layer, heads, cache, &layout, scale)?;
     }
@@ -229,7 +254,7 @@ fn forward(
     rms_norm(&h, model.norm, model.eps, &mut normed)?;
     let mut logits = vec![0.0f32; logits_rows.len() * model.head.fan_out()];
     project_on(pool, &normed, &model.head, &mut logits)?;
-    Ok(logits)
+    Ok(ForwardOutput { logits, aux })
 }
 
 /// The index of the first largest value (NaN never wins).

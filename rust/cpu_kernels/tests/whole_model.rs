@@ -194,12 +194,59 @@ fn the_forward_gives_the_logits_whose_argmax_is_the_guess() {
         &BlockTables { tables: &tables, width: 4, block_size: BLOCK },
         0.35,
         &[3, 5, 0],
+        &[],
     )
     .unwrap();
+    assert!(logits.aux.is_empty());
+    let logits = logits.logits;
     assert_eq!(logits.len(), 3 * VOCAB);
     let argmax = |row: &[f32]| (0..VOCAB).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i32;
     assert_eq!([argmax(&logits[..VOCAB]), argmax(&logits[VOCAB..2 * VOCAB])], [guesses[0], guesses[1]]);
     assert!(logits[2 * VOCAB..].iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn the_forward_keeps_the_inputs_of_the_layers_asked_for() {
+    // A third layer after the model's two: its input is what the two-layer model's final norm
+    // and head read, and the input of layer 0 is the embedding.
+    let p = params();
+    let (tokens, positions, requests) = ([3, 17, 5], [0, 1, 2], [0, 0, 0]);
+    let tables = tables(1);
+    let run = |weights: &ModelWeights<'_>, cache: &mut Vec<(Vec<f32>, Vec<f32>)>, aux: &[usize]| {
+        let mut views: Vec<(&mut [f32], &mut [f32])> =
+            cache.iter_mut().map(|(k, v)| (k.as_mut_slice(), v.as_mut_slice())).collect();
+        model_forward_on(
+            &OnCallingThread,
+            weights,
+            &HEADS,
+            &mut views,
+            &RopeTables { cos: &p.cos, sin: &p.sin },
+            &Feed { tokens: &tokens, positions: &positions, requests: &requests },
+            &BlockTables { tables: &tables, width: 4, block_size: BLOCK },
+            0.35,
+            &[0, 1, 2],
+            aux,
+        )
+    };
+    let size = BLOCKS * BLOCK * HEADS.kv * HEADS.dim;
+    let two = model(&p);
+    let logits = run(&two, &mut (0..2).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[]).unwrap().logits;
+    let mut three = model(&p);
+    three.layers.push(model(&p).layers.remove(0));
+    let out = run(&three, &mut (0..3).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[0, 2]).unwrap();
+    assert_eq!(out.aux.len(), 3 * 2 * HIDDEN);
+    for (r, &t) in tokens.iter().enumerate() {
+        let row = &out.aux[r * 2 * HIDDEN..][..2 * HIDDEN];
+        assert_eq!(row[..HIDDEN], p.embed[t as usize * HIDDEN..][..HIDDEN]);
+        let x = &row[HIDDEN..];
+        let rms = (x.iter().map(|v| v * v).sum::<f32>() / HIDDEN as f32 + 1e-6).sqrt();
+        for v in 0..VOCAB {
+            let by_hand: f32 = (0..HIDDEN).map(|i| x[i] / rms * p.embed[v * HIDDEN + i]).sum();
+            assert!((by_hand - logits[r * VOCAB + v]).abs() < 1e-4, "row {r} token {v}");
+        }
+    }
+    let refused = run(&three, &mut (0..3).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[2, 1]);
+    assert!(matches!(refused, Err(LayerError::Shape(m)) if m.contains("not increasing")));
 }
 
 #[test]

@@ -144,14 +144,16 @@ fn run<R: Send>(
 
 /// One forward over the rows (feed_tokens int32, feed_positions int64, feed_requests int64: row
 /// i's request, a request's rows in position order), their keys and values written to the
-/// caches; returns the float32 logits [len(logits_rows), vocab] of the rows `logits_rows`.
+/// caches; returns the float32 logits [len(logits_rows), vocab] of the rows `logits_rows` and the
+/// float32 inputs [rows, len(aux_layers) * hidden] of the layers `aux_layers` (increasing; empty:
+/// [rows, 0]).
 /// `model`: (embed [vocab, hidden] f32 or (blocks, GGUF type), layers as `decoder_layer` takes them, norm [hidden], eps,
 /// head (a `Weight`), heads, head_dim, kv_heads, cos, sin [positions, head_dim], scale);
 /// k_caches, v_caches one [num_blocks, block_size, kv_heads, head_dim] array a layer;
 /// block_tables [requests, width] int32. ValueError names what is at fault, before any write.
 #[pyfunction]
 #[pyo3(signature = (model, k_caches, v_caches, feed_tokens, feed_positions, feed_requests, block_tables,
-                    logits_rows, threads=1))]
+                    logits_rows, aux_layers, threads=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn model_forward<'py>(
     py: Python<'py>,
@@ -163,11 +165,14 @@ pub fn model_forward<'py>(
     feed_requests: PyReadonlyArray1<'py, i64>,
     block_tables: PyReadonlyArray2<'py, i32>,
     logits_rows: PyReadonlyArray1<'py, i64>,
+    aux_layers: PyReadonlyArray1<'py, i64>,
     threads: usize,
-) -> PyResult<Bound<'py, PyArray2<f32>>> {
+) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<f32>>)> {
     let picked = indices("logits_rows", contiguous("logits_rows", &logits_rows)?)?;
+    let aux_layers = indices("aux_layers", contiguous("aux_layers", &aux_layers)?)?;
     let vocab = model.head.shape()[0];
-    let logits = run(
+    let rows = feed_tokens.len();
+    let out = run(
         py,
         &model,
         &mut k_caches,
@@ -178,11 +183,13 @@ pub fn model_forward<'py>(
         &block_tables,
         threads,
         |pool, weights, heads, caches, rope, feed, tables| {
-            model_forward_on(pool, weights, heads, caches, rope, feed, tables, model.scale, &picked)
+            model_forward_on(pool, weights, heads, caches, rope, feed, tables, model.scale, &picked, &aux_layers)
         },
     )?;
-    let array = Array2::from_shape_vec((picked.len(), vocab), logits).expect("logits: rows x vocab");
-    Ok(array.into_pyarray(py))
+    let logits = Array2::from_shape_vec((picked.len(), vocab), out.logits).expect("logits: rows x vocab");
+    let width = if rows == 0 { 0 } else { out.aux.len() / rows };
+    let aux = Array2::from_shape_vec((rows, width), out.aux).expect("aux: rows x layers * hidden");
+    Ok((logits.into_pyarray(py), aux.into_pyarray(py)))
 }
 
 /// Feeds the rows (as `model_forward`), then guesses depth[r] tokens for request r, each the
