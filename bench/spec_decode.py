@@ -1,5 +1,6 @@
 """Speculative decoding vs plain decoding, same requests, same process, on the embedded model family
-(the Python-code target, its draft), greedy, fp32 on CPU unless --device says otherwise.
+(the Python-code target, its draft, its EAGLE-3 head), greedy, fp32 on CPU unless --device says
+otherwise.
 
 Workloads (prompts from the held-out standard-library modules the family never trained on):
   reuse   batch 1: a function, then the request to repeat it: "# the same function again:\n" and its
@@ -12,7 +13,8 @@ Workloads (prompts from the held-out standard-library modules the family never t
           4, 16, 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain);
           with `code` they give the speedup against batch size that bench/plots.py draws
 The draft model verifies up to 8 guesses a step (its guesses are mostly accepted on this family,
-so deeper verification pays), n-gram lookup up to 4; adaptive depth picks the depth each step.
+so deeper verification pays), the EAGLE head up to 6, n-gram lookup up to 4; adaptive depth picks
+the depth each step.
 Each figure is output tokens per second; "warm" ratios are the median over --runs interleaved
 runs after a first one (a server that has been up for a while has measured its costs), "cold"
 the ratio in that first run of a fresh engine on the workload (a server's first requests). Also
@@ -33,6 +35,7 @@ CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
     "draft": {"method": "draft_model", "num_speculative_tokens": 8, "adaptive": True},
+    "eagle": {"method": "eagle3", "num_speculative_tokens": 6, "adaptive": True},
 }
 
 
@@ -64,9 +67,10 @@ def workloads(max_tokens: int) -> dict[str, tuple[list[str], list[str], bool]]:
     starts = ["\n".join(f.splitlines()[:3]) + "\n" for f in fns]
     # 64 distinct prompts need the shorter functions too (42 are 300-1200 characters long)
     many = ["\n".join(f.splitlines()[:3]) + "\n" for f in held_out_functions(64, min_chars=150, max_chars=10**6)]
-    return {"reuse": (reuse, ["ngram"], True), "code": (starts[1:9], ["draft", "ngram"], True),
-            "unseen": (UNSEEN, ["draft", "ngram"], True),
-            **{f"batch{n}": (many[:n], ["ngram", "draft"], False) for n in (4, 16, 64)}}
+    methods = ["eagle", "draft", "ngram"]
+    return {"reuse": (reuse, ["ngram", "eagle"], True), "code": (starts[1:9], methods, True),
+            "unseen": (UNSEEN, methods, True),
+            **{f"batch{n}": (many[:n], methods, False) for n in (4, 16, 64)}}
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, one_at_a_time: bool) -> tuple[float, list[list[int]]]:

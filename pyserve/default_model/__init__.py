@@ -1,5 +1,6 @@
 """The embedded default model family: a small Python-code model trained by this project from the
-standard library's source, its draft model and two LoRA adapters, shipped inside the package.
+standard library's source, its draft model, its EAGLE-3 head and two LoRA adapters, shipped
+inside the package.
 
 `LLM()` and `pyserve serve` with no model use `TARGET_DIR`; see docs/embedded-model.md for the
 model card and `python -m pyserve.default_model.training` for how the weights were made.
@@ -12,6 +13,7 @@ from pathlib import Path
 FAMILY_DIR = Path(__file__).resolve().parent / "weights"
 TARGET_DIR = FAMILY_DIR / "target"
 DRAFT_DIR = FAMILY_DIR / "draft"
+HEAD_DIR = FAMILY_DIR / "eagle3"  # `pyserve train-eagle` on the target: its training.json says how
 DEFAULT_MODEL_NAME = "pyserve-default"
 ADAPTER_DIRS = {"docstrings": FAMILY_DIR / "adapters" / "docstrings", "tests": FAMILY_DIR / "adapters" / "tests"}
 

@@ -96,10 +96,14 @@ def held_out_acceptance(head: EagleHead, embed, held_set: list[data.Sequence], t
 
 
 def save_head(head: EagleHead, config: HeadConfig, out: Path) -> None:
+    """`config.json` and `model.safetensors` as the EAGLE-3 authors lay them out (`d2t` the
+    offset of each draft id's target token, `t2d` the target tokens it covers)."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    tensors["d2t"] = head.d2t.cpu()
+    t2d = torch.zeros(config.layer.vocab_size, dtype=torch.bool)  # which target tokens the head can say
+    t2d[head.target_ids().cpu()] = True
+    tensors["t2d"] = t2d
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 

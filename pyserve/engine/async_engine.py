@@ -46,11 +46,13 @@ GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
 
 
-def default_draft(model: str) -> str | None:
-    """The embedded draft when `model` is the embedded target, else None."""
-    from pyserve.default_model import DRAFT_DIR, TARGET_DIR
+def default_speculators(model: str) -> dict[str, str]:
+    """The embedded draft and EAGLE head by method when `model` is the embedded target, else none."""
+    from pyserve.default_model import DRAFT_DIR, HEAD_DIR, TARGET_DIR
 
-    return str(DRAFT_DIR) if Path(model).resolve() == TARGET_DIR else None
+    if Path(model).resolve() != TARGET_DIR:
+        return {}
+    return {"draft_model": str(DRAFT_DIR), "eagle3": str(HEAD_DIR)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,7 +85,7 @@ class AsyncEngine:
         self.max_model_len = cfg.served_length(config.max_model_len)
         cfg.check_context(self.max_model_len)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_draft(self.model_path))
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_speculators(self.model_path))
         spec = self.spec_config
         draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
         head_config = HeadConfig.from_dir(spec.model, cfg) if spec is not None and spec.method == "eagle3" else None

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         """Replaces q/k/v_proj by one projection of their concatenated weights: fewer ops per
         step, and on the CPUs measured the same bits per output. LoRA wraps the separate
         projections: never both."""
-        fused = _concatenated((self.q_proj, self.k_proj, self.v_proj))
+        fused = joined_linear((self.q_proj, self.k_proj, self.v_proj))
         if fused is not None:
             self.qkv_proj = fused
             del self.q_proj, self.k_proj, self.v_proj
@@ -105,7 +105,7 @@ class MLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """gate_proj and up_proj as one projection (see Attention.fuse_projections)."""
-        fused = _concatenated((self.gate_proj, self.up_proj))
+        fused = joined_linear((self.gate_proj, self.up_proj))
         if fused is not None:
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
@@ -142,7 +142,7 @@ def _joined_projection(module: nn.Module, fused: str, parts: tuple[str, ...]) ->
     return None if any(v is None for v in views) else views
 
 
-def _concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+def joined_linear(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """One Linear whose outputs are those of `parts`, in order (built on `meta`, then given the
     concatenated tensors: no second copy of the weights is ever allocated); for layers of a
     pre-quantized checkpoint one quantized layer, or None where theirs cannot be joined."""

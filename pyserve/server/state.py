@@ -82,6 +82,15 @@ class ServerMetrics:
                   "spec_decode_mean_acceptance_length")
         per_model("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
                   "spec_decode_depth")
+        for key, help_text in [
+            ("spec_decode_num_draft_tokens_per_pos", "Speculative draft tokens verified, by draft position (from 0)."),
+            ("spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position."),
+        ]:
+            gauge = reg.add(Gauge.counter(f"pyserve:{key}_total", help_text))
+            for m in models:
+                for position in range(len(m.engine.stats()[key])):
+                    gauge.add_series({"model": m.name, "position": str(position)},
+                                     lambda e=m.engine, key=key, p=position: e.stats()[key][p])
         return cls(
             registry=reg,
             ttft=reg.add(Histogram("pyserve:time_to_first_token_seconds", "Time to first token.")),

@@ -30,9 +30,9 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     @classmethod
-    def parse(cls, raw: dict[str, Any] | str | None, default_draft: str | None = None) -> SpeculativeConfig | None:
-        """`raw` as given by a user (a dict, or its JSON text); `default_draft` is the draft used
-        when a draft_model config names no model (the embedded family's draft)."""
+    def parse(cls, raw: dict[str, Any] | str | None, defaults: dict[str, str] | None = None) -> SpeculativeConfig | None:
+        """`raw` as given by a user (a dict, or its JSON text); `defaults` the model a method
+        uses where the config names none, by method (the embedded family's draft and head)."""
         if raw is None:
             return None
         if isinstance(raw, str):
@@ -63,9 +63,7 @@ class SpeculativeConfig:
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
         if method in MODEL_METHODS:
-            model = os.path.expanduser(fields["model"]) if fields["model"] else None
-            if model is None and method == "draft_model":
-                model = default_draft
+            model = os.path.expanduser(fields["model"]) if fields["model"] else (defaults or {}).get(method)
             if model is None:
                 what = "the draft's model directory" if method == "draft_model" else "the EAGLE-3 head's directory"
                 raise ValueError(f"speculative_config.model: {method} needs {what}")

@@ -23,7 +23,9 @@ from torch import nn
 
 from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
-from pyserve.model.decoder import MLP, RMSNorm
+from pyserve.model.cpu_linear import can_use, use_cpu_linears
+from pyserve.model.decoder import MLP, RMSNorm, joined_linear
+from pyserve.model.quantized_linear import quantize_linears
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
 from pyserve.speculative.eagle_config import HeadConfig
 
@@ -37,13 +39,21 @@ class HeadAttention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one projection (serving only: training reads the three)."""
+        self.qkv_proj = joined_linear((self.q_proj, self.k_proj, self.v_proj))
+        del self.q_proj, self.k_proj, self.v_proj
 
     def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated) and v of x [n, 2H]: [n, heads, head_dim] each."""
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
         return apply_rotary(q, rope), apply_rotary(k, rope), v
 
 
@@ -136,3 +146,16 @@ def load_head(path: str | Path, config: HeadConfig, target, dtype: torch.dtype, 
     embedding = target.model.embed_tokens if embed is None else \
         nn.Embedding.from_pretrained(embed.to(dtype=dtype, device=device))
     return head.eval().requires_grad_(False), embedding
+
+
+def finish_head(head: EagleHead, quantization: str | None, group_size: int, device: torch.device,
+                dtype: torch.dtype) -> None:
+    """A loaded head made ready to serve, as the target is (`finish_model`): q/k/v and gate/up
+    fused, quantized by the target's method, and on fp32 CPUs on the CPU kernels. On a CPU a
+    head's step reads its weights as a target step reads the target's: their bytes are its cost."""
+    head.midlayer.self_attn.fuse_projections()
+    head.midlayer.mlp.fuse_projections()
+    if quantization is not None:
+        quantize_linears(head, quantization, group_size)
+    if can_use(device, dtype):
+        use_cpu_linears(head)

@@ -35,6 +35,9 @@ class Speculator:
         self.num_drafts = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # By draft position: drafts verified there, and kept (the ones before them were kept too)
+        self.drafted_per_position = [0] * config.num_speculative_tokens
+        self.accepted_per_position = [0] * config.num_speculative_tokens
         self.last_depth = 0
 
     async def after_step(self, out, num_sampled: np.ndarray, num_output: np.ndarray, seconds: float,
@@ -52,6 +55,9 @@ class Speculator:
                 self.num_draft_tokens += s
                 self.num_accepted_tokens += n - 1
                 self.depth.observe_verification(s, n - 1)
+                for j in range(min(s, len(self.drafted_per_position))):
+                    self.drafted_per_position[j] += 1
+                    self.accepted_per_position[j] += j < n - 1
         gone = set(out.finished_req_ids.tolist()) | finished
         if gone:
             self.forget(sorted(gone))
@@ -95,16 +101,21 @@ class Speculator:
         self.proposer.forget(request_ids)
 
     def stats(self) -> dict[str, float | int]:
-        return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.last_depth)
+        return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.last_depth,
+                                 list(self.drafted_per_position), list(self.accepted_per_position))
 
 
 def speculation_stats(num_drafts: int = 0, num_draft_tokens: int = 0, num_accepted_tokens: int = 0,
-                      depth: int = 0) -> dict[str, float | int]:
-    """Speculation's statistics by their /metrics names (all 0 for an engine that does not speculate)."""
+                      depth: int = 0, drafted_per_position: list[int] | None = None,
+                      accepted_per_position: list[int] | None = None) -> dict[str, float | int | list[int]]:
+    """Speculation's statistics by their /metrics names (all 0, the per-position lists empty, for
+    an engine that does not speculate)."""
     return {
         "spec_decode_num_drafts": num_drafts,
         "spec_decode_num_draft_tokens": num_draft_tokens,
         "spec_decode_num_accepted_tokens": num_accepted_tokens,
         "spec_decode_mean_acceptance_length": 1.0 + num_accepted_tokens / num_drafts if num_drafts else 0.0,
         "spec_decode_depth": depth,
+        "spec_decode_num_draft_tokens_per_pos": drafted_per_position or [],
+        "spec_decode_num_accepted_tokens_per_pos": accepted_per_position or [],
     }

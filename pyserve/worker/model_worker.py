@@ -38,7 +38,7 @@ from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.eagle import EagleProposer
 from pyserve.speculative.eagle_config import HeadConfig
-from pyserve.speculative.eagle_head import load_head
+from pyserve.speculative.eagle_head import finish_head, load_head
 from pyserve.speculative.proposer import ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
 from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
@@ -220,6 +220,8 @@ class ModelWorker:
         """The EAGLE-3 head at `path` (its own one-layer KV blocks addressed as the target's);
         every target forward from now on keeps the layer inputs it reads."""
         head, embedding = load_head(path, self.head_config, self.model, self.dtype, self.device, self.max_model_len)
+        config = self.engine_config
+        finish_head(head, config.quantization, config.quantization_group_size, self.device, self.dtype)
         self.model.aux_layer_ids = self.head_config.aux_layer_ids
         return EagleProposer(head, embedding, num_blocks=self.num_kv_blocks, block_size=self.engine_config.block_size,
                              max_model_len=self.max_model_len, backend=self.backend, sampler=self.sampler,

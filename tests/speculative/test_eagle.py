@@ -79,6 +79,11 @@ def test_greedy_outputs_equal_plain_decoding(head_dir):
     assert eagle == plain
     assert stats["spec_decode_num_draft_tokens"] > 40
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    drafted, kept = stats["spec_decode_num_draft_tokens_per_pos"], stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(drafted) == len(kept) == 3
+    assert drafted[0] == stats["spec_decode_num_drafts"] and sum(drafted) == stats["spec_decode_num_draft_tokens"]
+    assert sum(kept) == stats["spec_decode_num_accepted_tokens"]
+    assert all(k <= d for k, d in zip(kept, drafted)) and kept == sorted(kept, reverse=True)
     with LLM(str(TARGET_DIR), speculative_config=spec(head_dir), block_size=4, num_kv_blocks=40) as llm:
         assert outputs(llm, prompts, greedy) == plain
         assert llm.stats()["num_preemptions"] > 0
@@ -190,3 +195,19 @@ def test_features_are_the_inputs_of_the_named_layers(length):
     expected = torch.cat([states[i][0] for i in recorder.aux_layer_ids], dim=-1)
     assert recorder.model.aux_hidden.shape == (length, 3 * 256)
     np.testing.assert_allclose(recorder.model.aux_hidden.numpy(), expected.numpy(), atol=2e-4)
+
+
+async def test_metrics_publish_drafts_and_acceptance_by_position(head_dir):
+    from pyserve.testing import parse_metrics
+    from pyserve.testing.in_process import serving
+
+    async with serving(TARGET_DIR, speculative_config=json.dumps(spec(head_dir)), block_size=4,
+                       num_kv_blocks=256) as (engine, client):
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        metrics = parse_metrics((await client.get("/metrics")).text, "tiny")
+        stats = engine.stats()
+    for key in ("spec_decode_num_draft_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos"):
+        published = [metrics[f'pyserve:{key}_total{{position="{p}"}}'] for p in range(3)]
+        assert published == stats[key] and sum(published) > 0
