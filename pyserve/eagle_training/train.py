@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 import random
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def train_eagle(model: str, out: str | Path, options: TrainOptions, log=print) -
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                        out / "checkpoint.pt")
     bar.close()
-    report = {"steps": step, "seconds_this_run": round(time.perf_counter() - start, 1),
+    report = {"options": asdict(options), "steps": step, "seconds_this_run": round(time.perf_counter() - start, 1),
               "train_sequences": len(train_set), "held_out_sequences": len(held_set),
               "aux_layer_ids": list(aux), "draft_vocab_size": config.draft_vocab_size,
               **held_out_acceptance(head, embed, held_set, t2d, options.ttt_steps, device)}

@@ -30,9 +30,10 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     @classmethod
-    def parse(cls, raw: dict[str, Any] | str | None, defaults: dict[str, str] | None = None) -> SpeculativeConfig | None:
-        """`raw` as given by a user (a dict, or its JSON text); `defaults` the model a method
-        uses where the config names none, by method (the embedded family's draft and head)."""
+    def parse(cls, raw: dict[str, Any] | str | None, default_models: dict[str, str] | None = None
+              ) -> SpeculativeConfig | None:
+        """`raw` as given by a user (a dict, or its JSON text); `default_models` the model a
+        method uses where the config names none, by method (the embedded family's draft and head)."""
         if raw is None:
             return None
         if isinstance(raw, str):
@@ -63,7 +64,7 @@ class SpeculativeConfig:
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
         if method in MODEL_METHODS:
-            model = os.path.expanduser(fields["model"]) if fields["model"] else (defaults or {}).get(method)
+            model = os.path.expanduser(fields["model"]) if fields["model"] else (default_models or {}).get(method)
             if model is None:
                 what = "the draft's model directory" if method == "draft_model" else "the EAGLE-3 head's directory"
                 raise ValueError(f"speculative_config.model: {method} needs {what}")
