@@ -1,21 +1,27 @@
 """The EAGLE proposer: an EAGLE-3 head (speculative/eagle_head.py) drafting from the hidden states
 the target's own forward produced, with no second pass of the target.
 
-After every target step (`extend`), the head is fed each position whose next token is now known:
-a prompt chunk's positions with the prompt's next tokens, a decoding row's position with its
-sampled token, a verifying row's positions up to the last accepted draft with the tokens the
-verification kept. So its KV holds the pairs (the target's features at p, the token at p + 1) of
-every position the request has, computed from real features, whatever depth the engine chose
-(drafted positions are rewritten when their real features arrive). A chunk's last position, whose
-next token comes with the next chunk, waits for it (`pending`). Positions a prefix-cache hit skips
-keep the head KV the cached block's first computation wrote: a guess may be worse there, never
-wrong (the target verifies every draft).
-
-The head's output at the last pair (the request's newest token) is kept; `propose` turns it into
-the first guess and feeds each guess back for the next, as the draft model does.
+After every target step (`record`), the positions whose next token is now known become pairs (the
+target's features at p, the token at p + 1): a prompt chunk's positions with the prompt's next
+tokens, a decoding row's position with its sampled token, a verifying row's positions up to the
+last accepted draft with the tokens the verification kept. A chunk's last position, whose next
+token comes with the next chunk, waits for it (`held`). Recording costs no head forward: a step
+keeps a reference to its features and index arrays (`RecordedStep`), so steps at depth 0 cost
+next to nothing. A proposal first feeds the head each candidate's pairs recorded since its last
+feed, in one forward (so the head's KV holds every position from real features; drafted positions
+are rewritten when their real features arrive), then chains its guesses from the head's output at
+the newest token, as the draft model does. A request that sat out proposals (depth 0) for more
+than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its oldest pairs: their head KV stays as it was, as does that of
+positions a prefix-cache hit skipped (the cached block's first computation wrote it); a guess may be
+worse there, never wrong (the target verifies every draft). Feeding a request more than k + 1 pairs
+(a new prompt, steps at depth 0) is timed apart (`catch_up_seconds`).
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,12 +34,25 @@ from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.eagle_head import EagleHead
 from pyserve.speculative.proposer import ProposalBatch
 
+RECORDED_STEPS = 64  # target steps whose pairs are kept for feeding
+RECORDED_BYTES = 256 << 20  # and at most these bytes of their features (long prompts' chunks are large)
+
+
+@dataclass(slots=True)
+class RecordedStep:
+    """One target step's pairs: pair j is request `requests[j]`'s position `positions[j]` (in
+    increasing positions per request), its features `features[rows[j]]`, its next token `tokens[j]`."""
+
+    features: torch.Tensor
+    requests: np.ndarray
+    positions: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray
+
 
 class EagleProposer:
-    catch_up_seconds = 0.0  # the head is fed inside every target step, never behind
-
-    def __init__(self, head: EagleHead, embedding: torch.nn.Module, *, num_blocks: int, block_size: int, max_model_len: int, backend,
-                 sampler: Sampler, device: torch.device, dtype: torch.dtype):
+    def __init__(self, head: EagleHead, embedding: torch.nn.Module, *, num_blocks: int, block_size: int,
+                 max_model_len: int, backend, sampler: Sampler, device: torch.device, dtype: torch.dtype):
         self.head = head
         self.embedding = embedding  # the tokens' embedding the head reads (the target's, or its own)
         self.block_size = block_size
@@ -44,70 +63,131 @@ class EagleProposer:
         c: ModelConfig = head.config.layer
         self.kv_caches = allocate_kv_cache(c, num_blocks, block_size, dtype, device)
         self.target_ids = head.target_ids()
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # request -> (a chunk's last position, its features)
-        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # request -> (its last pair's position, the head's output)
+        self.steps: deque[RecordedStep] = deque()
+        self.held: dict[int, tuple[int, torch.Tensor]] = {}  # request -> (a chunk's last position, its features)
+        self.fed_to: dict[int, int] = {}  # request -> the last position the head was fed
+        self.recorded_bytes = 0  # of the kept steps' features
         self.draft_probs: dict[int, torch.Tensor] = {}  # request -> [k, V] f32 of its drafts
+        self.catch_up_seconds = 0.0  # of the last proposal, feeding requests that were behind
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         copy_blocks(self.kv_caches, pairs)
 
     def forget(self, request_ids: list[int]) -> None:
+        """The requests finished or were preempted: their recorded pairs go too (a preempted
+        request is recorded again as it is recomputed)."""
+        gone = np.asarray(request_ids, dtype=np.int64)
         for rid in request_ids:
-            self.pending.pop(rid, None)
-            self.last.pop(rid, None)
+            self.held.pop(rid, None)
+            self.fed_to.pop(rid, None)
             self.draft_probs.pop(rid, None)
+        for i, step in enumerate(self.steps):
+            keep = ~np.isin(step.requests, gone)
+            if not keep.all():
+                self.steps[i] = RecordedStep(step.features, step.requests[keep], step.positions[keep],
+                                             step.rows[keep], step.tokens[keep])
 
     def accepted(self, request_id: int, num_accepted: int) -> None:
-        """Nothing to keep: `extend` feeds the kept positions from the step's real features."""
+        """Nothing to keep: `record` takes the kept positions from the step's real features."""
 
     def take_draft_probs(self, request_id: int, num_drafts: int) -> torch.Tensor | None:
         probs = self.draft_probs.pop(request_id, None)
         return None if probs is None else probs[:num_drafts]
 
-    @torch.inference_mode()
-    def extend(self, out, features: torch.Tensor, num_sampled: np.ndarray, sampled: np.ndarray) -> None:
-        """Feeds the head the step's positions whose next token is known. `features`: the target's
-        aux hidden states of every scheduled token; `num_sampled`/`sampled`: the StepResult's,
-        for the requests with logits in order."""
+    def record(self, out, features: torch.Tensor, num_sampled: np.ndarray, sampled: np.ndarray) -> None:
+        """Keeps the step's pairs whose next token is known. `features`: the target's aux hidden
+        states of every scheduled token; `num_sampled`/`sampled`: the StepResult's, for the
+        requests with logits in order."""
+        n = out.num_reqs
+        if len(out.input_ids) == n and len(num_sampled) == n:  # a decode step: one pair a request
+            self._keep(RecordedStep(features, out.req_ids.astype(np.int64), out.positions.astype(np.int64),
+                                    np.arange(n), np.asarray(sampled, dtype=np.int64)))
+            return
         qsl = out.query_start_loc
         with_logits = np.flatnonzero(out.num_logits > 0)
-        counts = np.zeros(out.num_reqs, dtype=np.int64)
+        counts = np.zeros(n, dtype=np.int64)
         counts[with_logits] = num_sampled
-        ends = np.zeros(out.num_reqs, dtype=np.int64)
+        ends = np.zeros(n, dtype=np.int64)
         ends[with_logits] = np.cumsum(num_sampled)
-        pieces, tokens, positions, rows, sample_rows = [], [], [], [], []
-        fed = 0
+        extra, requests, positions, rows, tokens = [], [], [], [], []
         for i, rid in enumerate(out.req_ids.tolist()):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             ids, pos = out.input_ids[lo:hi], out.positions[lo:hi]
-            held = self.pending.pop(rid, None)
+            held = self.held.pop(rid, None)
             if counts[i]:  # the real tokens' next are the input's; then the sampled ones
                 nxt = np.concatenate([ids[1 : hi - lo - int(out.num_spec_tokens[i])],
                                       sampled[ends[i] - counts[i] : ends[i]]])
             else:  # a prompt chunk: its last position waits for the next chunk's first token
                 nxt = ids[1:]
-                self.pending[rid] = (int(pos[-1]), features[hi - 1 : hi])
+                self.held[rid] = (int(pos[-1]), features[hi - 1 : hi].clone())
             if held is not None and held[0] == int(pos[0]) - 1:
-                pieces.append(held[1])
-                tokens.append(ids[:1])
+                rows.append(np.array([len(features) + len(extra)]))
+                extra.append(held[1])
+                requests.append(np.array([rid]))
                 positions.append(pos[:1] - 1)
-                rows.append(np.full(1, i))
-                fed += 1
-            if len(nxt):
-                pieces.append(features[lo : lo + len(nxt)])
-                tokens.append(nxt)
-                positions.append(pos[: len(nxt)])
-                rows.append(np.full(len(nxt), i))
-                fed += len(nxt)
-            if counts[i]:
-                sample_rows.append((rid, fed - 1))
-        if not pieces:
-            return
-        positions = np.concatenate(positions).astype(np.int64)
-        rows = np.concatenate(rows)
-        hidden = self._forward(torch.cat(pieces), np.concatenate(tokens), positions, rows, out.block_tables)
-        for rid, r in sample_rows:
-            self.last[rid] = (int(positions[r]), hidden[r : r + 1])
+                tokens.append(ids[:1])
+            rows.append(np.arange(lo, lo + len(nxt)))
+            requests.append(np.full(len(nxt), rid))
+            positions.append(pos[: len(nxt)])
+            tokens.append(nxt)
+        if extra:
+            features = torch.cat([features, *extra])
+        self._keep(RecordedStep(features, np.concatenate(requests).astype(np.int64),
+                                np.concatenate(positions).astype(np.int64), np.concatenate(rows),
+                                np.concatenate(tokens).astype(np.int64)))
+
+    def _keep(self, step: RecordedStep) -> None:
+        self.steps.append(step)
+        size = lambda s: s.features.numel() * s.features.element_size()  # noqa: E731
+        self.recorded_bytes += size(step)
+        while len(self.steps) > RECORDED_STEPS or (self.recorded_bytes > RECORDED_BYTES and len(self.steps) > 1):
+            self.recorded_bytes -= size(self.steps.popleft())
+
+    def _unfed(self, request_ids: list[int]) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+        """(features, tokens, positions, the request's index in `request_ids`) of every recorded
+        pair of those requests not yet fed, grouped by request in increasing positions."""
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        lookup = np.array(request_ids, dtype=np.int64)
+        parts, keys = [], []
+        for step in self.steps:
+            mine = np.isin(step.requests, lookup)
+            if not mine.any():
+                continue
+            which = np.array([index[r] for r in step.requests[mine].tolist()])
+            after = np.array([self.fed_to.get(r, -1) for r in step.requests[mine].tolist()])
+            new = step.positions[mine] > after
+            if not new.any():
+                continue
+            rows = step.rows[mine][new]
+            parts.append((step.features[torch.from_numpy(rows).to(step.features.device)],
+                          step.tokens[mine][new], step.positions[mine][new], which[new]))
+        if not parts:
+            return torch.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+        features = torch.cat([p[0] for p in parts])
+        tokens, positions, which = (np.concatenate([p[i] for p in parts]) for i in (1, 2, 3))
+        order = np.lexsort((positions, which))
+        return features[torch.from_numpy(order).to(features.device)], tokens[order], positions[order], which[order]
+
+    def _feed(self, request_ids: list[int], block_tables: np.ndarray) -> dict[int, tuple[int, torch.Tensor]]:
+        """Feeds the head the requests' unfed pairs; returns each fed request's newest pair's
+        position and the head's output there."""
+        features, tokens, positions, which = self._unfed(request_ids)
+        if not len(which):
+            return {}
+        # A request's pairs are fed as one run of positions ending at its newest (pairs dropped from
+        # the front of the record leave a gap: only the run after it is fed).
+        breaks = np.r_[True, (which[1:] != which[:-1]) | (positions[1:] != positions[:-1] + 1)]
+        run = np.cumsum(breaks)
+        keep = np.isin(run, run[np.r_[which[1:] != which[:-1], True]])
+        features, tokens, positions, which = features[torch.from_numpy(keep)], tokens[keep], positions[keep], which[keep]
+        hidden = self._forward(features, tokens, positions, which, block_tables)
+        ends = np.flatnonzero(np.r_[which[1:] != which[:-1], True])
+        states = {}
+        for e in ends.tolist():
+            rid = request_ids[which[e]]
+            self.fed_to[rid] = int(positions[e])
+            states[rid] = (int(positions[e]), hidden[e : e + 1])
+        return states
 
     def _forward(self, hidden: torch.Tensor, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray,
                  block_tables: np.ndarray) -> torch.Tensor:
@@ -133,7 +213,8 @@ class EagleProposer:
         lens = np.array([len(s) for s in batch.token_ids], dtype=np.int64)
         capacity = (batch.block_tables > 0).sum(axis=1) * bs
         depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
-        states = [self.last.get(r.internal_id) for r in reqs]
+        states = self._feed_all([r.internal_id for r in reqs], lens, batch.block_tables, batch.k)
+        states = [states.get(r.internal_id) for r in reqs]
         ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
         depth[~ready] = 0
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -147,7 +228,7 @@ class EagleProposer:
         hidden = torch.cat([states[i][1] for i in live])
         logits = self.head.draft_logits(hidden)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        pos = lens[live] - 2  # each request's last pair, fed by `extend`
+        pos = lens[live] - 2  # each request's newest pair, just fed
         for j in range(int(depth.max())):
             q, tokens = self._guess(logits, rows, j)
             guessing = np.flatnonzero(depth[live] > j)
@@ -173,6 +254,21 @@ class EagleProposer:
             if p:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
+
+    def _feed_all(self, request_ids: list[int], lens: np.ndarray, block_tables: np.ndarray,
+                  k: int) -> dict[int, tuple[int, torch.Tensor]]:
+        """Feeds every request's unfed pairs; those of requests more than k + 1 pairs behind first,
+        timed as catch-up."""
+        behind = np.array([n - 2 - self.fed_to.get(rid, -1) > k + 1 for rid, n in zip(request_ids, lens)])
+        self.catch_up_seconds = 0.0
+        states = {}
+        if behind.any():
+            start = time.perf_counter()
+            states = self._feed([request_ids[i] for i in np.flatnonzero(behind)], block_tables[behind])
+            self.catch_up_seconds = time.perf_counter() - start
+        if not behind.all():
+            states |= self._feed([request_ids[i] for i in np.flatnonzero(~behind)], block_tables[~behind])
+        return states
 
     def _guess(self, draft_logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:
         """(q [n, V] over the target's vocabulary, the j-th guess of each row); rows None:

@@ -101,7 +101,7 @@ class ModelWorker:
         self.decode_graphs: DecodeGraphs | None = None  # where decode steps replay CUDA graphs
         self.proposer: ModelProposer | None = None
         self.head_config: HeadConfig | None = None  # an EAGLE-3 head's (set by from_config)
-        self.eagle: EagleProposer | None = None  # the head's proposer, fed after every step
+        self.eagle: EagleProposer | None = None  # the head's proposer, told every step's features
 
     def _join_group(self, model_dir: str, undo: contextlib.ExitStack) -> None:
         """With tensor_parallel_size > 1: this process becomes rank 0 of a group whose other ranks
@@ -286,7 +286,7 @@ class ModelWorker:
         logprobs (StepResult.prompt_logprobs)."""
         result = self._execute(out, rows, adapter_ids, prompt_rows)
         if self.eagle is not None and out.num_reqs:
-            self.eagle.extend(out, self.model.aux_hidden, result.num_sampled, result.token_ids)
+            self.eagle.record(out, self.model.aux_hidden, result.num_sampled, result.token_ids)
         return result
 
     def _execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None,

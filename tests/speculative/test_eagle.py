@@ -89,6 +89,24 @@ def test_greedy_outputs_equal_plain_decoding(head_dir):
         assert llm.stats()["num_preemptions"] > 0
 
 
+def test_pairs_dropped_from_the_record_cost_guesses_not_tokens(head_dir, monkeypatch):
+    """With two steps recorded at most, a prompt prefilled in 16-token chunks reaches its first
+    proposal with only its last chunks' pairs: the head is fed the run after the gap, outputs stay
+    plain decoding's, and guesses are still made."""
+    import pyserve.speculative.eagle as eagle
+
+    monkeypatch.setattr(eagle, "RECORDED_STEPS", 2)
+    prompt = PROMPTS[1] * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=16)
+    with LLM(str(TARGET_DIR), **engine) as llm:
+        plain = outputs(llm, [prompt], greedy)
+    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir), **engine) as llm:
+        assert len(llm.tokenizer.encode(prompt)) > 48
+        assert outputs(llm, [prompt], greedy) == plain
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_seeded_samples_equal_plain_sampling(head_dir):
     """Seeded sampled requests (n=2 each) give plain sampling's tokens next to greedy ones."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, ignore_eos=True, seed=7, n=2),
