@@ -229,3 +229,34 @@ async def test_metrics_publish_drafts_and_acceptance_by_position(head_dir):
     for key in ("spec_decode_num_draft_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos"):
         published = [metrics[f'pyserve:{key}_total{{position="{p}"}}'] for p in range(3)]
         assert published == stats[key] and sum(published) > 0
+
+
+def test_adapters_grammars_and_cached_prefixes_decode_as_without_the_head(head_dir):
+    """The head drafts on the base model's features whatever adapter a request uses (the target
+    verifies with its adapter), drafts of a constrained request are cut to its grammar, and a
+    prompt served from the prefix cache is drafted for: each gives the plain engine's tokens."""
+    from pyserve import LoRARequest
+    from pyserve.default_model import ADAPTER_DIRS
+
+    adapter = LoRARequest("tests", 1, str(ADAPTER_DIRS["tests"]))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+              "required": ["name", "size"], "additionalProperties": False}
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema})
+    engine = dict(block_size=4, num_kv_blocks=256, enable_lora=True, max_loras=1)
+
+    def run(config):
+        with LLM(str(TARGET_DIR), speculative_config=config, **engine) as llm:
+            with_adapter = llm.generate(PROMPTS[:2], greedy, lora_request=adapter, use_tqdm=False)
+            json_out = llm.generate([PROMPTS[2]], constrained, use_tqdm=False)
+            first = llm.generate([PROMPTS[3]], greedy, use_tqdm=False)
+            cached = llm.generate([PROMPTS[3]], greedy, use_tqdm=False)
+            tokens = [o.outputs[0].token_ids for o in [*with_adapter, *json_out, *first, *cached]]
+            return tokens, json_out[0].outputs[0].text, cached[0].num_cached_tokens, llm.stats()
+
+    plain, _, _, _ = run(None)
+    eagle, text, cached_tokens, stats = run(spec(head_dir))
+    assert eagle == plain
+    assert set(json.loads(text)) == {"name", "size"}
+    assert cached_tokens > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
