@@ -268,7 +268,19 @@ class EagleProposer:
             self.catch_up_seconds = time.perf_counter() - start
         if not behind.all():
             states |= self._feed([request_ids[i] for i in np.flatnonzero(~behind)], block_tables[~behind])
+        self._drop_fed_steps()
         return states
+
+    def _drop_fed_steps(self) -> None:
+        """Drops the oldest recorded steps whose every pair has been fed (at small batches every
+        proposal feeds them all: the record stays a step or two long)."""
+        while self.steps:
+            step = self.steps[0]
+            fed = np.array([self.fed_to.get(r, -1) for r in step.requests.tolist()], dtype=np.int64)
+            if not (step.positions <= fed).all():
+                return
+            self.recorded_bytes -= step.features.numel() * step.features.element_size()
+            self.steps.popleft()
 
     def _guess(self, draft_logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:
         """(q [n, V] over the target's vocabulary, the j-th guess of each row); rows None:
