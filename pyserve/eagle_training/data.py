@@ -4,7 +4,8 @@ layers recording what the head reads and predicts:
 
 - `features` [n, 3 * H] (bfloat16): the residual stream entering the head's three layers;
 - `tokens` [n]: the sequence;
-- `labels` [n]: the target's argmax after each position (what a greedy verification accepts).
+- `labels` [n]: the target's argmax after each position (what a greedy verification accepts);
+- `prompt_len`: where the answer starts (drafting happens there: the held-out figure reads it).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class Sequence:
     features: torch.Tensor
     tokens: torch.Tensor
     labels: torch.Tensor
+    prompt_len: int
 
 
 def generate(model: str, prompts: list, *, chat: bool, max_tokens: int, samples: int, temperature: float,
-             seed: int, max_len: int) -> list[list[int]]:
-    """Token sequences (prompt then answer) of the target's greedy answer to each prompt and
-    `samples` sampled ones, each at most `max_len` tokens."""
+             seed: int, max_len: int) -> list[tuple[list[int], int]]:
+    """(token sequence, prompt length) of the target's greedy answer to each prompt and `samples`
+    sampled ones, each sequence (prompt then answer) at most `max_len` tokens."""
     from pyserve import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
@@ -52,7 +54,7 @@ def generate(model: str, prompts: list, *, chat: bool, max_tokens: int, samples:
         ids = [i[: max_len - max_tokens] for i in ids]
         jobs = [(i, sp) for i in ids for sp in params]
         outs = llm.generate([j[0] for j in jobs], [j[1] for j in jobs], use_tqdm=True)
-    return [[*o.prompt_token_ids, *o.outputs[0].token_ids][:max_len] for o in outs]
+    return [([*o.prompt_token_ids, *o.outputs[0].token_ids][:max_len], len(o.prompt_token_ids)) for o in outs]
 
 
 class Recorder:
@@ -70,7 +72,7 @@ class Recorder:
         self.backend = make_backend("torch")
 
     @torch.inference_mode()
-    def record(self, tokens: list[int]) -> Sequence:
+    def record(self, tokens: list[int], prompt_len: int = 0) -> Sequence:
         n = len(tokens)
         slots = np.arange(BLOCK, BLOCK + n, dtype=np.int64)
         table = np.arange(1, self.num_blocks, dtype=np.int32)[None, :]
@@ -80,7 +82,8 @@ class Recorder:
         hidden = self.model(ids, torch.arange(n), self.kv, meta, self.backend)
         labels = torch.cat([self.model.compute_logits(hidden[i : i + LOGIT_ROWS]).argmax(dim=-1)
                             for i in range(0, n, LOGIT_ROWS)])
-        return Sequence(self.model.aux_hidden.to(torch.bfloat16), ids.to(torch.int32), labels.to(torch.int32))
+        return Sequence(self.model.aux_hidden.to(torch.bfloat16), ids.to(torch.int32), labels.to(torch.int32),
+                        prompt_len)
 
     def embedding(self) -> torch.nn.Module:
         return self.model.model.embed_tokens

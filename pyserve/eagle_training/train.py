@@ -84,11 +84,13 @@ def train_eagle(model: str, out: str | Path, options: TrainOptions, log=print) -
 
 def held_out_acceptance(head: EagleHead, embed, held_set: list[data.Sequence], t2d: torch.Tensor, steps: int,
                         device: torch.device) -> dict:
-    """The greedy acceptance on held-out sequences: mean drafts kept per start at depth `steps`,
-    and the chance guess j is kept given the ones before it were."""
+    """The greedy acceptance on held-out answers (starts from the pair of the prompt's last token
+    on: where a server drafts): mean drafts kept per start at depth `steps`, and the chance guess j
+    is kept given the ones before it were."""
     head.eval()
-    lengths = torch.cat([accepted_lengths(head, *_inputs(embed, seq, t2d, device), steps) for seq in held_set]) \
-        if held_set else torch.zeros(0, dtype=torch.int64)
+    per_sequence = [accepted_lengths(head, *_inputs(embed, seq, t2d, device), steps)[max(seq.prompt_len - 1, 0):]
+                    for seq in held_set]
+    lengths = torch.cat(per_sequence) if per_sequence else torch.zeros(0, dtype=torch.int64)
     head.train()
     reached = [int((lengths >= j).sum()) for j in range(steps + 1)]
     return {"held_out_mean_accepted": round(float(lengths.float().mean()), 3) if len(lengths) else 0.0,
@@ -133,11 +135,12 @@ def _dataset(model: str, out: Path, target: data.Recorder, options: TrainOptions
                          temperature=options.temperature, seed=options.seed, max_len=options.max_len)
     per_prompt = 1 + options.samples
     log(f"recording the target's features over {len(seqs)} sequences")
-    recorded = [target.record(s) for s in seqs if len(s) > options.ttt_steps + 2]
-    cut = held_count * per_prompt
-    held, train = recorded[:cut], recorded[cut:]
-    torch.save({"train": [(s.features, s.tokens, s.labels) for s in train],
-                "held": [(s.features, s.tokens, s.labels) for s in held]}, cached)
+    cut = held_count * per_prompt  # a prompt's answers all go to one side
+    recorded = [[target.record(s, n) for s, n in part if len(s) > options.ttt_steps + 2]
+                for part in (seqs[:cut], seqs[cut:])]
+    held, train = recorded
+    torch.save({"train": [(s.features, s.tokens, s.labels, s.prompt_len) for s in train],
+                "held": [(s.features, s.tokens, s.labels, s.prompt_len) for s in held]}, cached)
     return train, held
 
 

@@ -149,7 +149,7 @@ def test_draft_model_speculation_defaults_to_the_embedded_draft():
 def test_eagle_speculation_defaults_to_the_shipped_head_which_keeps_most_guesses():
     """The shipped EAGLE-3 head (trained by `pyserve train-eagle` on the target's own answers;
     its training.json says how) on held-out standard-library code: plain decoding's tokens, and at
-    a fixed depth of 4 more than 2.5 tokens a verifying step (its held-out acceptance says about 3)."""
+    a fixed depth of 4 more than 2.5 tokens a verifying step (its held-out acceptance: 3.36)."""
     from pyserve.default_model.training import corpus
 
     _, held = corpus.source_files()
@@ -164,4 +164,4 @@ def test_eagle_speculation_defaults_to_the_shipped_head_which_keeps_most_guesses
     assert spec == plain
     assert stats["spec_decode_mean_acceptance_length"] > 2.5
     report = json.loads((HEAD_DIR / "training.json").read_text())
-    assert report["held_out_mean_accepted"] > 1.5 and report["options"]["ttt_steps"] == 4
+    assert report["held_out_mean_accepted"] > 2 and report["options"]["ttt_steps"] == 4
