@@ -41,7 +41,7 @@ def train_eagle(model: str, out: str | Path, options: TrainOptions, log=print) -
     train_set, held_set = _dataset(model, out, target, options, log)
     head, config = _new_head(target, aux, train_set, options)
     head.to(device)
-    trainable = [p for n, p in head.named_parameters() if p.requires_grad]
+    trainable = list(head.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=options.lr, weight_decay=0.0)
     step = _resume(out, head, optimizer)
     embed = target.embedding()

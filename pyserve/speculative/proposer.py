@@ -3,9 +3,9 @@ engine hands them to the scheduler, which verifies them in the next step.
 
 A proposer sees the requests (their token history) and each one's block table as of the step
 just run, which includes the lookahead blocks the scheduler reserved for speculation. Methods
-that need the target's tensors (a draft model; later self-speculation heads such as Medusa or
-EAGLE, which read the target's hidden states) run inside the ModelWorker; n-gram lookup runs in
-the Rust scheduler. The scheduler never knows which method made a draft.
+that need the target's tensors (a draft model; an EAGLE head, which reads the target's hidden
+states) run inside the ModelWorker; n-gram lookup runs in the Rust scheduler. The scheduler never
+knows which method made a draft.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Proposer(Protocol):
 
 
 class ModelProposer(Protocol):
-    """What the ModelWorker needs of a proposer that runs inside it (the draft model now; a
-    self-speculation head later): it proposes on the EngineCore's thread, keeps each guess's
+    """What the ModelWorker needs of a proposer that runs inside it (a draft model, an EAGLE
+    head): it proposes on the EngineCore's thread, keeps each guess's
     distribution for the verification, and hears how many of a request's drafts were kept."""
 
     def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:

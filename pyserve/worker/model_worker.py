@@ -418,7 +418,7 @@ class ModelWorker:
         return StepResult(res.token_ids.cpu().numpy(), np.ones(len(reqs), dtype=np.int64), logprobs)
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        """Draft tokens from the worker's proposer (a draft model), on the EngineCore's thread."""
+        """Draft tokens from the worker's proposer (a draft model or an EAGLE head), on the EngineCore's thread."""
         return self.proposer.propose(batch, [noise_seed(r) for r in batch.requests])
 
 
