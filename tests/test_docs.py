@@ -70,6 +70,7 @@ COMMAND_PAGES = {
     "batch": ["docs/batch.md", "docs/serving.md"],
     "eval": ["docs/eval.md"],
     "route-train": ["docs/decision.md"],
+    "train-eagle": ["docs/speculative.md"],
 }
 
 
