@@ -165,7 +165,10 @@ def test_drafts_are_the_trained_heads_chained_guesses(head_dir):
             if start + 1 + j >= len(sequence) - 1 or d != sequence[start + 2 + j]:
                 break  # later guesses were fed a wrong guess: the unrolled head was fed the true token
     assert compared > 20
-    assert matched == compared
+    # Served, the head's projections run on the CPU kernels; unrolled, on torch's matmuls: the
+    # same function, sums in another order, so a near-tie may flip a rare guess. A head fed
+    # misaligned pairs (a position off by one, another layer's features) gets most of them wrong.
+    assert matched >= 0.97 * compared
 
 
 def test_a_head_that_does_not_match_is_refused_naming_it(head_dir, tmp_path, llama_dir):
