@@ -11,9 +11,9 @@ next to nothing. A proposal first feeds the head each candidate's pairs recorded
 feed, in one forward (so the head's KV holds every position from real features; drafted positions
 are rewritten when their real features arrive), then chains its guesses from the head's output at
 the newest token, as the draft model does. A request that sat out proposals (depth 0) for more
-than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its oldest pairs: their head KV stays as it was, as does that of
-positions a prefix-cache hit skipped (the cached block's first computation wrote it); a guess may be
-worse there, never wrong (the target verifies every draft). Feeding a request more than k + 1 pairs
+than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its oldest pairs: their head KV
+stays as it was, as does that of positions a prefix-cache hit skipped (the cached block's first
+computation wrote it); a guess may be worse there, never wrong (the target verifies every draft). Feeding a request more than k + 1 pairs
 (a new prompt, steps at depth 0) is timed apart (`catch_up_seconds`).
 """
 
@@ -48,6 +48,11 @@ class RecordedStep:
     positions: np.ndarray
     rows: np.ndarray
     tokens: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its features (what keeping it holds)."""
+        return self.features.numel() * self.features.element_size()
 
 
 class EagleProposer:
@@ -138,23 +143,23 @@ class EagleProposer:
 
     def _keep(self, step: RecordedStep) -> None:
         self.steps.append(step)
-        size = lambda s: s.features.numel() * s.features.element_size()  # noqa: E731
-        self.recorded_bytes += size(step)
+        self.recorded_bytes += step.nbytes
         while len(self.steps) > RECORDED_STEPS or (self.recorded_bytes > RECORDED_BYTES and len(self.steps) > 1):
-            self.recorded_bytes -= size(self.steps.popleft())
+            self.recorded_bytes -= self.steps.popleft().nbytes
 
     def _unfed(self, request_ids: list[int]) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
         """(features, tokens, positions, the request's index in `request_ids`) of every recorded
         pair of those requests not yet fed, grouped by request in increasing positions."""
         index = {rid: i for i, rid in enumerate(request_ids)}
         lookup = np.array(request_ids, dtype=np.int64)
-        parts, keys = [], []
+        parts = []
         for step in self.steps:
             mine = np.isin(step.requests, lookup)
             if not mine.any():
                 continue
-            which = np.array([index[r] for r in step.requests[mine].tolist()])
-            after = np.array([self.fed_to.get(r, -1) for r in step.requests[mine].tolist()])
+            theirs = step.requests[mine].tolist()
+            which = np.array([index[r] for r in theirs])
+            after = np.array([self.fed_to.get(r, -1) for r in theirs])
             new = step.positions[mine] > after
             if not new.any():
                 continue
@@ -279,8 +284,7 @@ class EagleProposer:
             fed = np.array([self.fed_to.get(r, -1) for r in step.requests.tolist()], dtype=np.int64)
             if not (step.positions <= fed).all():
                 return
-            self.recorded_bytes -= step.features.numel() * step.features.element_size()
-            self.steps.popleft()
+            self.recorded_bytes -= self.steps.popleft().nbytes
 
     def _guess(self, draft_logits: torch.Tensor, rows: SamplingRows | None, j: int) -> tuple[torch.Tensor, np.ndarray]:
         """(q [n, V] over the target's vocabulary, the j-th guess of each row); rows None:
