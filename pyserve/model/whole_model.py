@@ -14,7 +14,14 @@ import torch
 
 from pyserve import _core
 from pyserve.model.block_embedding import BlockEmbedding
+from pyserve.model.cpu_linear import FEW_ROWS
 from pyserve.model.decoder import kernel_projection
+
+# Rows a one-call kernel (a draft model's `greedy_decode`, an EAGLE head's `eagle_greedy`) is fed
+# at most: its kernels stream each weight once per 16 rows, which many rows (a large batch's
+# accepted tokens) pay more for than the op-by-op forward does (oneDNN on packed weights above
+# FEW_ROWS).
+FEED_ROWS = 4 * FEW_ROWS
 
 
 @dataclass(frozen=True, slots=True)

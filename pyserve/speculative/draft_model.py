@@ -29,16 +29,11 @@ from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.loader import load_model
 from pyserve.model.quantized_linear import quantize_linears
 from pyserve.model.noise import NoiseKey
-from pyserve.model.cpu_linear import FEW_ROWS, can_use, use_cpu_linears
+from pyserve.model.cpu_linear import can_use, use_cpu_linears
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.step_buffers import DecodeRows, StepBuffers
-from pyserve.model.whole_model import WholeModel
+from pyserve.model.whole_model import FEED_ROWS, WholeModel
 from pyserve.speculative.proposer import ProposalBatch
-
-# Rows fed before the guesses in one `greedy_decode` call at most: its kernels stream each weight
-# once per 16 rows, which many rows (a large batch's accepted tokens) pay more for than the
-# model's forward does (oneDNN on packed weights above FEW_ROWS).
-CATCH_UP_ROWS = 4 * FEW_ROWS
 
 
 class DraftModelProposer:
@@ -147,10 +142,10 @@ class DraftModelProposer:
 
     def _propose_greedy(self, reqs, ids, positions, row, qsl, lens, block_tables, depth) -> list[list[int]]:
         """Every guess an argmax, in `_core.greedy_decode`; more rows to feed than
-        `CATCH_UP_ROWS` (a large batch) go through the model's forward first, its argmax the
+        `FEED_ROWS` (a large batch) go through the model's forward first, its argmax the
         first guess."""
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-        if len(ids) <= CATCH_UP_ROWS:
+        if len(ids) <= FEED_ROWS:
             guesses = self.whole_model.greedy(ids, positions, row, tables, depth)
         else:
             logits = self._forward(ids, positions, row, tables, lens.astype(np.int32), qsl, last=qsl[1:] - 1)

@@ -31,7 +31,9 @@ from pyserve.model.config import ModelConfig
 from pyserve.model.kv_cache import allocate_kv_cache, copy_blocks
 from pyserve.model.noise import NoiseKey
 from pyserve.model.sampler import Sampler, SamplingRows
+from pyserve.model.whole_model import FEED_ROWS
 from pyserve.speculative.eagle_head import EagleHead
+from pyserve.speculative.eagle_kernel import eagle_greedy, head_view
 from pyserve.speculative.proposer import ProposalBatch
 
 RECORDED_STEPS = 64  # target steps whose pairs are kept for feeding
@@ -68,6 +70,7 @@ class EagleProposer:
         c: ModelConfig = head.config.layer
         self.kv_caches = allocate_kv_cache(c, num_blocks, block_size, dtype, device)
         self.target_ids = head.target_ids()
+        self.view = head_view(head, embedding)  # None: the head runs op by op
         self.steps: deque[RecordedStep] = deque()
         self.held: dict[int, tuple[int, torch.Tensor]] = {}  # request -> (a chunk's last position, its features)
         self.fed_to: dict[int, int] = {}  # request -> the last position the head was fed
@@ -173,18 +176,23 @@ class EagleProposer:
         order = np.lexsort((positions, which))
         return features[torch.from_numpy(order).to(features.device)], tokens[order], positions[order], which[order]
 
-    def _feed(self, request_ids: list[int], block_tables: np.ndarray) -> dict[int, tuple[int, torch.Tensor]]:
-        """Feeds the head the requests' unfed pairs; returns each fed request's newest pair's
-        position and the head's output there."""
+    def _runs(self, request_ids: list[int]) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+        """`_unfed`, each request's pairs cut to one run of positions ending at its newest (pairs
+        dropped from the front of the record leave a gap: only the run after it is fed)."""
         features, tokens, positions, which = self._unfed(request_ids)
         if not len(which):
-            return {}
-        # A request's pairs are fed as one run of positions ending at its newest (pairs dropped from
-        # the front of the record leave a gap: only the run after it is fed).
+            return features, tokens, positions, which
         breaks = np.r_[True, (which[1:] != which[:-1]) | (positions[1:] != positions[:-1] + 1)]
         run = np.cumsum(breaks)
         keep = np.isin(run, run[np.r_[which[1:] != which[:-1], True]])
-        features, tokens, positions, which = features[torch.from_numpy(keep)], tokens[keep], positions[keep], which[keep]
+        return features[torch.from_numpy(keep)], tokens[keep], positions[keep], which[keep]
+
+    def _feed(self, request_ids: list[int], block_tables: np.ndarray) -> dict[int, tuple[int, torch.Tensor]]:
+        """Feeds the head the requests' unfed pairs; returns each fed request's newest pair's
+        position and the head's output there."""
+        features, tokens, positions, which = self._runs(request_ids)
+        if not len(which):
+            return {}
         hidden = self._forward(features, tokens, positions, which, block_tables)
         ends = np.flatnonzero(np.r_[which[1:] != which[:-1], True])
         states = {}
@@ -218,6 +226,10 @@ class EagleProposer:
         lens = np.array([len(s) for s in batch.token_ids], dtype=np.int64)
         capacity = (batch.block_tables > 0).sum(axis=1) * bs
         depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
+        if self.view is not None and all(r.params.greedy for r in reqs):
+            drafts = self._propose_in_kernel([r.internal_id for r in reqs], lens, batch.block_tables, depth, batch.k)
+            if drafts is not None:
+                return drafts
         states = self._feed_all([r.internal_id for r in reqs], lens, batch.block_tables, batch.k)
         states = [states.get(r.internal_id) for r in reqs]
         ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
@@ -259,6 +271,39 @@ class EagleProposer:
             if p:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
+
+    def _propose_in_kernel(self, request_ids: list[int], lens: np.ndarray, block_tables: np.ndarray,
+                           depth: np.ndarray, k: int) -> list[list[int]] | None:
+        """Greedy guesses with the feed in one `_core.eagle_greedy` call; the pairs of requests more
+        than k + 1 behind but each one's last go in a call before it, timed as catch-up. None
+        (nothing fed) where more than FEED_ROWS pairs wait: the op-by-op feed is cheaper then."""
+        features, tokens, positions, which = self._runs(request_ids)
+        if len(which) > FEED_ROWS:
+            return None
+        n = len(request_ids)
+        if not len(which):
+            return [[] for _ in range(n)]
+        counts = np.bincount(which, minlength=n)
+        last = np.r_[which[1:] != which[:-1], True]  # each request's newest pair
+        newest = np.full(n, -1, dtype=np.int64)
+        newest[which[last]] = positions[last]
+        depth = np.where(newest == lens - 2, depth, 0)
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        early = (counts[which] > k + 1) & ~last
+        self.catch_up_seconds = 0.0
+        if early.any():
+            start = time.perf_counter()
+            on = torch.from_numpy(early)
+            eagle_greedy(self.view, self.kv_caches[0], features[on], tokens[early], positions[early], which[early],
+                         tables, np.zeros(n, dtype=np.int64))
+            self.catch_up_seconds = time.perf_counter() - start
+        rest = ~early
+        guesses = eagle_greedy(self.view, self.kv_caches[0], features[torch.from_numpy(rest)], tokens[rest],
+                               positions[rest], which[rest], tables, depth)
+        for i in np.flatnonzero(counts).tolist():
+            self.fed_to[request_ids[i]] = int(newest[i])
+        self._drop_fed_steps()
+        return [g[:d].tolist() for g, d in zip(guesses, depth)]
 
     def _feed_all(self, request_ids: list[int], lens: np.ndarray, block_tables: np.ndarray,
                   k: int) -> dict[int, tuple[int, torch.Tensor]]:

@@ -125,26 +125,30 @@ def test_seeded_samples_equal_plain_sampling(head_dir):
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_drafts_are_the_trained_heads_chained_guesses(head_dir):
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_drafts_are_the_trained_heads_chained_guesses(head_dir, monkeypatch, in_kernel):
     """Each proposal's guesses, as far as the guesses before them were right, equal the argmax of
     the trainer's unrolled head (ttt.unrolled) over the same sequence: the head serves what it
     was trained as (features of the same layers, pairs at the same positions, the same attention
-    over its own guesses)."""
+    over its own guesses), in the one-call kernel (`_core.eagle_greedy`) and op by op."""
+    import pyserve.speculative.eagle as eagle
+
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    calls = []
-    original = EagleProposer.propose
+    calls, kernel_calls = [], []
+    original, kernel = EagleProposer.propose, eagle.eagle_greedy
 
     def recording(self, batch, seeds):
         drafts = original(self, batch, seeds)
         calls.append((len(batch.token_ids[0]), list(drafts[0])))
         return drafts
 
-    EagleProposer.propose = recording
-    try:
-        with LLM(str(TARGET_DIR), speculative_config=spec(head_dir, k=4), block_size=4, num_kv_blocks=256) as llm:
-            out = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0]
-    finally:
-        EagleProposer.propose = original
+    monkeypatch.setattr(EagleProposer, "propose", recording)
+    monkeypatch.setattr(eagle, "eagle_greedy", lambda *a: kernel_calls.append(1) or kernel(*a))
+    if not in_kernel:
+        monkeypatch.setattr(eagle, "head_view", lambda head, embedding: None)
+    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir, k=4), block_size=4, num_kv_blocks=256) as llm:
+        out = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0]
+    assert len(kernel_calls) >= len(calls) if in_kernel else kernel_calls == []
     sequence = [*out.prompt_token_ids, *out.outputs[0].token_ids]
     recorder = Recorder(str(TARGET_DIR), 256, 32)
     cfg = load_config(TARGET_DIR)

@@ -75,12 +75,44 @@ pub fn decoder_layer_on(
     rows: &RowLayout<'_>,
     scale: f32,
 ) -> Result<(), LayerError> {
+    let n = rows.slots.len();
     let hidden = w.input_norm.len();
+    if x.len() != n * hidden {
+        return Err(LayerError::Shape(format!("x: {} values for {n} rows of {hidden}", x.len())));
+    }
+    let mut normed = vec![0.0f32; n * hidden];
+    rms_norm(x, w.input_norm, w.eps, &mut normed)?;
+    layer_from_attention_input_on(pool, x, &normed, w, heads, cache, rows, scale)
+}
+
+/// The layer with its attention's input given: `x` (the residual stream, `[rows, post_norm]`)
+/// becomes `x + o(attn(qkv(attention_input)))`, then that plus the MLP of its norm.
+/// `decoder_layer_on` gives `norm(x)`; an EAGLE head gives `[norm(embedding), norm(hidden)]`
+/// (its qkv takes twice the hidden size, and `input_norm` is then the embedding's norm).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_from_attention_input_on(
+    pool: &dyn ForkJoin,
+    x: &mut [f32],
+    attention_input: &[f32],
+    w: &LayerWeights<'_>,
+    heads: &Heads,
+    cache: PagedCacheMut<'_>,
+    rows: &RowLayout<'_>,
+    scale: f32,
+) -> Result<(), LayerError> {
+    let hidden = w.post_norm.len();
     let n = rows.slots.len();
     let (qd, kvd) = (heads.q * heads.dim, heads.kv * heads.dim);
     let width = qd + 2 * kvd;
     if x.len() != n * hidden {
         return Err(LayerError::Shape(format!("x: {} values for {n} rows of {hidden}", x.len())));
+    }
+    if attention_input.len() != n * w.qkv.fan_in() {
+        return Err(LayerError::Shape(format!(
+            "attention input: {} values for {n} rows of qkv's {} inputs",
+            attention_input.len(),
+            w.qkv.fan_in()
+        )));
     }
     if w.qkv.fan_out() != width {
         return Err(LayerError::Shape(format!("qkv: {} outputs, the heads need {width}", w.qkv.fan_out())));
@@ -101,10 +133,8 @@ pub fn decoder_layer_on(
         return Err(LayerError::SlotOutOfRange { row, slot, capacity });
     }
 
-    let mut h = vec![0.0f32; n * hidden];
-    rms_norm(x, w.input_norm, w.eps, &mut h)?;
     let mut qkv = vec![0.0f32; n * width];
-    project_on(pool, &h, &w.qkv, &mut qkv)?;
+    project_on(pool, attention_input, &w.qkv, &mut qkv)?;
     rotary(&mut qkv, width, heads.q + heads.kv, heads.dim, rows.cos, rows.sin)?;
     let mut queries = vec![0.0f32; n * qd];
     for (r, row) in qkv.chunks_exact(width).enumerate() {
@@ -131,6 +161,7 @@ pub fn decoder_layer_on(
     decode_attention_on(pool, &paged, &batch, scale, &mut attended)?;
     let mut projected = vec![0.0f32; n * hidden];
     project_on(pool, &attended, &w.o, &mut projected)?;
+    let mut h = vec![0.0f32; n * hidden];
     add_rms_norm(&projected, x, w.post_norm, w.eps, &mut h)?;
     let inner = w.down.fan_in();
     let mut gate_up = vec![0.0f32; n * 2 * inner];

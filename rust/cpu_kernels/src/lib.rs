@@ -9,12 +9,14 @@
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
 //! - `whole_model`: a whole model's forward over a few rows, and its greedy guesses several
-//!   tokens ahead (a draft model).
+//!   tokens ahead (a draft model);
+//! - `eagle_draft`: an EAGLE-3 head's greedy guesses from the target's features.
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
 mod decoder_layer;
+mod eagle_draft;
 mod gguf_blocks;
 mod layer_ops;
 mod linear;
@@ -39,7 +41,11 @@ mod vector;
 mod whole_model;
 
 pub use attention::{decode_attention, decode_attention_on, AttentionError, DecodeBatch, PagedCache};
-pub use decoder_layer::{decoder_layer_on, Heads, LayerError, LayerWeights, PagedCacheMut, RowLayout};
+pub use decoder_layer::{
+    decoder_layer_on, layer_from_attention_input_on, Heads, LayerError, LayerWeights, PagedCacheMut,
+    RowLayout,
+};
+pub use eagle_draft::{eagle_greedy_on, HeadWeights, Pairs};
 pub use gguf_blocks::{repack_q4, requantize_int8, widen, BlockKind, BlocksError};
 pub use layer_ops::{add_rms_norm, rms_norm, rotary, silu_mul, LayerOpError};
 pub use linear::{linear, linear_on, LinearError, LinearWeights};

@@ -37,7 +37,7 @@ pub enum Embedding<'a> {
 
 impl Embedding<'_> {
     /// Rows of `hidden` values it holds (None: not a whole number of them).
-    fn rows(&self, hidden: usize) -> Option<usize> {
+    pub(crate) fn rows(&self, hidden: usize) -> Option<usize> {
         match self {
             Embedding::F32(t) => t.len().is_multiple_of(hidden).then(|| t.len() / hidden),
             Embedding::Blocks { kind, blocks } => {
@@ -48,7 +48,7 @@ impl Embedding<'_> {
     }
 
     /// Appends row t (checked to be one of its rows) to x.
-    fn push_row(&self, t: usize, hidden: usize, x: &mut Vec<f32>) {
+    pub(crate) fn push_row(&self, t: usize, hidden: usize, x: &mut Vec<f32>) {
         match self {
             Embedding::F32(table) => x.extend_from_slice(&table[t * hidden..][..hidden]),
             Embedding::Blocks { kind, blocks } => {
@@ -77,7 +77,7 @@ pub struct Feed<'a> {
 
 impl Feed<'_> {
     /// (token, position, request) of each row.
-    fn rows(&self) -> Vec<(i32, i64, usize)> {
+    pub(crate) fn rows(&self) -> Vec<(i32, i64, usize)> {
         (0..self.tokens.len()).map(|i| (self.tokens[i], self.positions[i], self.requests[i])).collect()
     }
 }
@@ -94,7 +94,7 @@ impl BlockTables<'_> {
         self.tables.len() / self.width.max(1)
     }
 
-    fn row(&self, r: usize) -> &[i32] {
+    pub(crate) fn row(&self, r: usize) -> &[i32] {
         &self.tables[r * self.width..][..self.width]
     }
 }
@@ -209,32 +209,13 @@ fn forward(
     aux_layers: &[usize],
 ) -> Result<ForwardOutput, LayerError> {
     let hidden = model.norm.len();
-    let (dim, width, bs) = (heads.dim, tables.width, tables.block_size as i64);
     let n = rows.len();
     let mut x = Vec::with_capacity(n * hidden);
-    let (mut slots, mut row_tables, mut seq_lens) =
-        (Vec::with_capacity(n), Vec::with_capacity(n * width), Vec::with_capacity(n));
-    let (mut cos, mut sin) = (Vec::with_capacity(n * dim), Vec::with_capacity(n * dim));
-    for &(token, position, r) in rows {
-        let t = token as usize;
-        model.embed.push_row(t, hidden, &mut x);
-        let table = tables.row(r);
-        let block = table[(position / bs) as usize] as i64;
-        slots.push(block * bs + position % bs);
-        row_tables.extend_from_slice(table);
-        seq_lens.push(position as i32 + 1);
-        let p = position as usize;
-        cos.extend_from_slice(&rope.cos[p * dim..][..dim]);
-        sin.extend_from_slice(&rope.sin[p * dim..][..dim]);
+    for &(token, _, _) in rows {
+        model.embed.push_row(token as usize, hidden, &mut x);
     }
-    let layout = RowLayout {
-        slots: &slots,
-        block_tables: &row_tables,
-        table_width: width,
-        seq_lens: &seq_lens,
-        cos: &cos,
-        sin: &sin,
-    };
+    let layout = Layout::of(rows, tables, rope, heads.dim);
+    let layout = layout.view();
     let width_aux = aux_layers.len() * hidden;
     let mut aux = vec![0.0f32; n * width_aux];
     for (l, (layer, (keys, values))) in model.layers.iter().zip(caches.iter_mut()).enumerate() {
@@ -257,8 +238,61 @@ fn forward(
     Ok(ForwardOutput { logits, aux })
 }
 
+/// Where rows (token, position, request) go in the paged cache and what they attend: each row's
+/// slot, its request's block table, its length with itself and its rotary cos/sin.
+pub(crate) struct Layout {
+    slots: Vec<i64>,
+    tables: Vec<i32>,
+    width: usize,
+    seq_lens: Vec<i32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Layout {
+    /// The rows' layout; their positions are checked (`check_rows`) to have blocks and rotary rows.
+    pub(crate) fn of(
+        rows: &[(i32, i64, usize)],
+        tables: &BlockTables<'_>,
+        rope: &RopeTables<'_>,
+        dim: usize,
+    ) -> Self {
+        let (n, width, bs) = (rows.len(), tables.width, tables.block_size as i64);
+        let mut layout = Layout {
+            slots: Vec::with_capacity(n),
+            tables: Vec::with_capacity(n * width),
+            width,
+            seq_lens: Vec::with_capacity(n),
+            cos: Vec::with_capacity(n * dim),
+            sin: Vec::with_capacity(n * dim),
+        };
+        for &(_, position, r) in rows {
+            let table = tables.row(r);
+            let block = table[(position / bs) as usize] as i64;
+            layout.slots.push(block * bs + position % bs);
+            layout.tables.extend_from_slice(table);
+            layout.seq_lens.push(position as i32 + 1);
+            let p = position as usize;
+            layout.cos.extend_from_slice(&rope.cos[p * dim..][..dim]);
+            layout.sin.extend_from_slice(&rope.sin[p * dim..][..dim]);
+        }
+        layout
+    }
+
+    pub(crate) fn view(&self) -> RowLayout<'_> {
+        RowLayout {
+            slots: &self.slots,
+            block_tables: &self.tables,
+            table_width: self.width,
+            seq_lens: &self.seq_lens,
+            cos: &self.cos,
+            sin: &self.sin,
+        }
+    }
+}
+
 /// The index of the first largest value (NaN never wins).
-fn argmax(values: &[f32]) -> usize {
+pub(crate) fn argmax(values: &[f32]) -> usize {
     let mut best = 0;
     for (i, &v) in values.iter().enumerate() {
         if v > values[best] {
@@ -268,9 +302,8 @@ fn argmax(values: &[f32]) -> usize {
     best
 }
 
-/// Everything a forward indexes, checked before any forward runs: ids inside the vocabulary,
-/// positions inside the rotary tables and the block tables (`depth[r] - 1` guesses past a row of
-/// request r included), requests that exist, and a row for every request that guesses.
+/// Everything a forward indexes, checked before any forward runs: the model's shapes, then
+/// `check_rows`.
 fn check(
     model: &ModelWeights<'_>,
     heads: &Heads,
@@ -292,7 +325,21 @@ fn check(
     if caches.len() != model.layers.len() {
         return shape(format!("{} caches for {} layers", caches.len(), model.layers.len()));
     }
-    let dim = heads.dim;
+    check_rows(embed_rows.min(vocab), heads.dim, rope, feed, tables, depth)
+}
+
+/// The rows a forward indexes, checked before any forward runs: ids below `vocab`, positions
+/// inside the rotary tables and the block tables (`depth[r] - 1` guesses past a row of request r
+/// included), requests that exist, and a row for every request that guesses.
+pub(crate) fn check_rows(
+    vocab: usize,
+    dim: usize,
+    rope: &RopeTables<'_>,
+    feed: &Feed<'_>,
+    tables: &BlockTables<'_>,
+    depth: &[usize],
+) -> Result<(), LayerError> {
+    let shape = |m: String| Err(LayerError::Shape(m));
     if dim == 0 || rope.cos.len() != rope.sin.len() || !rope.cos.len().is_multiple_of(dim) {
         return shape(format!(
             "cos and sin: {} and {} values, not rows of {dim}",
@@ -322,11 +369,8 @@ fn check(
     let mut fed = vec![false; num_requests];
     for i in 0..n {
         let (token, position, r) = (feed.tokens[i], feed.positions[i], feed.requests[i]);
-        if token < 0 || token as usize >= embed_rows.min(vocab) {
-            return shape(format!(
-                "feed row {i}: token {token} outside the vocabulary of {}",
-                embed_rows.min(vocab)
-            ));
+        if token < 0 || token as usize >= vocab {
+            return shape(format!("feed row {i}: token {token} outside the vocabulary of {vocab}"));
         }
         if r >= num_requests {
             return shape(format!("feed row {i}: request {r} of {num_requests}"));

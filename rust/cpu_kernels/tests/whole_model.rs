@@ -230,10 +230,12 @@ fn the_forward_keeps_the_inputs_of_the_layers_asked_for() {
     };
     let size = BLOCKS * BLOCK * HEADS.kv * HEADS.dim;
     let two = model(&p);
-    let logits = run(&two, &mut (0..2).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[]).unwrap().logits;
+    let logits =
+        run(&two, &mut (0..2).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[]).unwrap().logits;
     let mut three = model(&p);
     three.layers.push(model(&p).layers.remove(0));
-    let out = run(&three, &mut (0..3).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[0, 2]).unwrap();
+    let out =
+        run(&three, &mut (0..3).map(|_| (vec![0.0; size], vec![0.0; size])).collect(), &[0, 2]).unwrap();
     assert_eq!(out.aux.len(), 3 * 2 * HIDDEN);
     for (r, &t) in tokens.iter().enumerate() {
         let row = &out.aux[r * 2 * HIDDEN..][..2 * HIDDEN];

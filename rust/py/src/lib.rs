@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod attention;
 mod decoder_layer;
+mod eagle_draft;
 mod error;
 mod gguf_blocks;
 mod layer_ops;
@@ -36,6 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decoder_layer::decoder_layer, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::model_forward, m)?)?;
     m.add_function(wrap_pyfunction!(whole_model::greedy_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(eagle_draft::eagle_greedy, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_repack_q4, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_requantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_widen, m)?)?;

@@ -36,13 +36,13 @@ pub struct Model<'py> {
 
 /// An embedding table: f32 [vocab, hidden], or (GGUF blocks [vocab, row bytes] u8, their type's name).
 #[derive(FromPyObject)]
-enum Embed<'py> {
+pub enum Embed<'py> {
     F32(PyReadonlyArray2<'py, f32>),
     Blocks(PyReadonlyArray2<'py, u8>, String),
 }
 
 impl Embed<'_> {
-    fn view(&self) -> PyResult<Embedding<'_>> {
+    pub fn view(&self) -> PyResult<Embedding<'_>> {
         Ok(match self {
             Embed::F32(table) => Embedding::F32(contiguous("embed", table)?),
             Embed::Blocks(blocks, kind) => Embedding::Blocks {
@@ -59,7 +59,7 @@ fn negative(name: &str, v: i64) -> PyErr {
     PyValueError::new_err(format!("{name}: {v} is negative"))
 }
 
-fn indices(name: &str, values: &[i64]) -> PyResult<Vec<usize>> {
+pub fn indices(name: &str, values: &[i64]) -> PyResult<Vec<usize>> {
     values.iter().map(|&v| usize::try_from(v).map_err(|_| negative(name, v))).collect()
 }
 
@@ -183,7 +183,18 @@ pub fn model_forward<'py>(
         &block_tables,
         threads,
         |pool, weights, heads, caches, rope, feed, tables| {
-            model_forward_on(pool, weights, heads, caches, rope, feed, tables, model.scale, &picked, &aux_layers)
+            model_forward_on(
+                pool,
+                weights,
+                heads,
+                caches,
+                rope,
+                feed,
+                tables,
+                model.scale,
+                &picked,
+                &aux_layers,
+            )
         },
     )?;
     let logits = Array2::from_shape_vec((picked.len(), vocab), out.logits).expect("logits: rows x vocab");
