@@ -37,9 +37,11 @@ CHAT = [
     "Describe the water cycle step by step.",
     "What should I pack for a weekend camping trip?",
 ]
-# The head's training: 600 prompts of the built-in mix, greedy + one sampled answer each, a 4096-token
-# draft vocabulary (its lm_head is most of a guess's cost on a CPU), 1500 steps of 8 sequences.
-TRAIN_FLAGS = ["--num-prompts", "600", "--draft-vocab-size", "4096", "--steps", "1500", "--batch", "8"]
+# The head's training: 3000 prompts of the built-in mix, the greedy answer to each (breadth of
+# prompts over answers sampled again), a 4096-token draft vocabulary (its lm_head is most of a
+# guess's cost on a CPU), 1500 steps of 8 sequences.
+TRAIN_FLAGS = ["--num-prompts", "3000", "--samples", "0", "--draft-vocab-size", "4096", "--steps", "1500",
+               "--batch", "8"]
 PRECISIONS = {"file": {}, "fp32": {"gguf_dequantize": True}, "int8": {"gguf_dequantize": True, "quantization": "int8"}}
 
 
