@@ -17,7 +17,8 @@ from pyserve.step.sampling_params import SamplingParams
 from pyserve.model.attention import make_backend
 from pyserve.model.config import ModelConfig
 from pyserve.model.sampler import Sampler
-from pyserve.speculative.draft_model import CATCH_UP_ROWS, DraftModelProposer
+from pyserve.model.whole_model import FEED_ROWS
+from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.proposer import ProposalBatch
 
 BLOCK = 4
@@ -59,7 +60,7 @@ def test_guesses_and_cache_equal_the_forward_path(llama_dir):
     pair = (proposer(llama_dir, kernel=True), proposer(llama_dir, kernel=False))
     # Request 0: 5 prompt tokens (fed in one call); request 1: a prompt longer than one call
     # feeds (the model's forward first); request 2: room for only 2 guesses in its blocks.
-    prompts = [rng.integers(1, vocab, 5).tolist(), rng.integers(1, vocab, CATCH_UP_ROWS + 7).tolist(),
+    prompts = [rng.integers(1, vocab, 5).tolist(), rng.integers(1, vocab, FEED_ROWS + 7).tolist(),
                rng.integers(1, vocab, 10).tolist()]
     tables = np.zeros((3, 40), dtype=np.int32)
     tables[0, :8] = np.arange(1, 9)
