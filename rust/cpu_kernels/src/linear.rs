@@ -307,8 +307,10 @@ pub(crate) mod tests {
         let (k, n) = (300, 1030);
         let w = values(n * k, 5);
         let weights = LinearWeights { weight: &w, bias: None, fan_in: k, fan_out: n };
-        // Seven rows pass over a tile three, three and one at a time; eight three, three and two.
-        for rows in [7, 8] {
+        // Three rows pass over a tile of four weight rows at once; from four rows on, tiles of
+        // two weight rows take six rows a pass (seven: six and one; thirteen: six, six and one),
+        // and outputs left over go through the narrower tiles.
+        for rows in [3, 4, 5, 7, 13] {
             let x = values(rows * k, 4);
             let mut all = vec![0.0; rows * n];
             linear_on(&TwoParts, &x, &weights, &mut all).unwrap();

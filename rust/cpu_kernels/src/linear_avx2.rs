@@ -1,7 +1,9 @@
 //! The AVX2 half of `linear` and `linear_q8` (dispatch and its rules: `vector`): tiles of
-//! `TILE_OUTPUTS` weight rows by up to `TILE_ROWS` input rows, up to twelve sums in registers, each
-//! weight vector loaded (f32, or int8 widened to f32: `RowWeights::load8`) once per tile and
-//! each input vector once per tile's weight rows.
+//! `TILE_OUTPUTS` weight rows by a few input rows, the sums in registers, each weight vector loaded
+//! (f32, or int8 widened to f32: `RowWeights::load8`) once per pass over a tile and each input
+//! vector once per pass's weight rows. Every output is the same steps whatever the tile (an
+//! 8-lane sum over fan_in, `hsum`, the tail's products in order, `finish`), so a row's outputs
+//! have the same bits alone or beside other rows, with 16 vector registers or 32.
 //!
 //! Safety: every function here needs a CPU with AVX2 and FMA, and the shapes `linear` checked.
 
@@ -12,19 +14,50 @@ use crate::linear::{RowWeights, SharedOutputs, TILE_OUTPUTS};
 use crate::vector::avx2::hsum;
 use crate::vector::LANES;
 
-/// Input rows a tile holds: with `TILE_OUTPUTS` = 4, twelve accumulators, three input vectors and
-/// a weight vector, the sixteen vector registers. A pass over a tile's weights (from L1 after
-/// the first) is bound by the FMA's latency when it has few sums in flight, so rows go three at a
-/// time, the last two or one together: three rows cost about what two do, where a pair and then
-/// a single row cost half as much again.
+/// Input rows a pass over a tile holds with AVX2's sixteen vector registers: twelve sums, three
+/// input vectors and a weight vector. A pass is bound by the FMA's latency when it has few sums
+/// in flight, so rows go three at a time, the last two or one together.
 const TILE_ROWS: usize = 3;
+
+/// Input rows a pass holds where AVX-512VL gives these same 8-lane instructions 32 registers:
+/// twenty-four sums, six input vectors and a weight vector. A verification step's rows (a
+/// request and its drafts) then take one pass: the first pass over a tile waits on memory for its
+/// weights, and every further pass was arithmetic the memory stream did not overlap.
+const WIDE_TILE_ROWS: usize = 6;
 
 /// Bytes of a cache line: eight weight rows of eight floats each step are four lines.
 const CACHE_LINE: usize = 64;
 
-/// `linear::run_outputs` with AVX2 and FMA.
+/// `linear::run_outputs` with AVX2 and FMA (and the 32 registers of AVX-512VL where it has them).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn run_outputs<Wt: RowWeights>(
+    x: &[f32],
+    rows: usize,
+    w: &Wt,
+    outputs: Range<usize>,
+    y: &SharedOutputs,
+) {
+    if rows > 1 && crate::vector::avx512vl_available() {
+        return run_outputs_32_registers(x, rows, w, outputs, y);
+    }
+    tiles::<TILE_ROWS, Wt>(x, rows, w, outputs, y)
+}
+
+/// `run_outputs` with 32 vector registers. Safety: also AVX-512F and AVX-512VL.
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+unsafe fn run_outputs_32_registers<Wt: RowWeights>(
+    x: &[f32],
+    rows: usize,
+    w: &Wt,
+    outputs: Range<usize>,
+    y: &SharedOutputs,
+) {
+    tiles::<WIDE_TILE_ROWS, Wt>(x, rows, w, outputs, y)
+}
+
+/// Outputs `outputs` of every row, up to X rows a pass.
+#[inline(always)]
+unsafe fn tiles<const X: usize, Wt: RowWeights>(
     x: &[f32],
     rows: usize,
     w: &Wt,
@@ -40,23 +73,32 @@ pub unsafe fn run_outputs<Wt: RowWeights>(
         }
     }
     while o + TILE_OUTPUTS <= outputs.end {
-        tile::<TILE_OUTPUTS, Wt>(x, rows, w, o, y);
+        tile::<TILE_OUTPUTS, X, Wt>(x, rows, w, o, y);
         o += TILE_OUTPUTS;
     }
     for o in o..outputs.end {
-        tile::<1, Wt>(x, rows, w, o, y);
+        tile::<1, X, Wt>(x, rows, w, o, y);
     }
 }
 
-/// Outputs o..o + W of every row.
+/// Outputs o..o + W of every row, X rows a pass, the last fewer.
 #[inline(always)]
-unsafe fn tile<const W: usize, Wt: RowWeights>(x: &[f32], rows: usize, w: &Wt, o: usize, y: &SharedOutputs) {
+unsafe fn tile<const W: usize, const X: usize, Wt: RowWeights>(
+    x: &[f32],
+    rows: usize,
+    w: &Wt,
+    o: usize,
+    y: &SharedOutputs,
+) {
     let mut r = 0;
-    while r + TILE_ROWS <= rows {
-        block::<W, TILE_ROWS, Wt>(x, w, o, r, y);
-        r += TILE_ROWS;
+    while r + X <= rows {
+        block::<W, X, Wt>(x, w, o, r, y);
+        r += X;
     }
     match rows - r {
+        5 => block::<W, 5, Wt>(x, w, o, r, y),
+        4 => block::<W, 4, Wt>(x, w, o, r, y),
+        3 => block::<W, 3, Wt>(x, w, o, r, y),
         2 => block::<W, 2, Wt>(x, w, o, r, y),
         1 => block::<W, 1, Wt>(x, w, o, r, y),
         _ => {}
@@ -112,6 +154,42 @@ unsafe fn block<const W: usize, const X: usize, Wt: RowWeights>(
                 total += w.value(o + a, j) * xj;
             }
             y.set((r + b) * w.fan_out() + o + a, w.finish(o + a, total));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::tests::values;
+    use crate::linear::LinearWeights;
+
+    /// `run_outputs` as a CPU without AVX-512VL runs it.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_outputs_16_registers(x: &[f32], rows: usize, w: &LinearWeights<'_>, y: &SharedOutputs) {
+        tiles::<TILE_ROWS, _>(x, rows, w, 0..w.fan_out(), y)
+    }
+
+    /// Six rows a pass with 32 registers give each output the bits of three a pass with 16.
+    #[test]
+    fn wide_tiles_give_the_bits_of_narrow_ones() {
+        if !crate::vector::avx512vl_available() {
+            return;
+        }
+        let (k, n) = (300, 1030);
+        let wt = values(n * k, 5);
+        let weights = LinearWeights { weight: &wt, bias: None, fan_in: k, fan_out: n };
+        for rows in [2, 4, 5, 6, 7, 13] {
+            let x = values(rows * k, 4);
+            let (mut narrow, mut wide) = (vec![0.0f32; rows * n], vec![0.0f32; rows * n]);
+            // SAFETY: the CPU has AVX2, FMA, AVX-512F and AVX-512VL; the shapes are consistent.
+            unsafe {
+                let out = SharedOutputs { ptr: narrow.as_mut_ptr(), len: narrow.len() };
+                run_outputs_16_registers(&x, rows, &weights, &out);
+                let out = SharedOutputs { ptr: wide.as_mut_ptr(), len: wide.len() };
+                run_outputs_32_registers(&x, rows, &weights, 0..n, &out);
+            }
+            assert_eq!(narrow, wide, "{rows} rows");
         }
     }
 }

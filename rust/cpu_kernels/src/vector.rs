@@ -38,6 +38,12 @@ pub fn avx2_fma_available() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
+/// Whether AVX2 code may also use the 32 vector registers of AVX-512VL (`linear`'s wider tiles).
+#[cfg(target_arch = "x86_64")]
+pub fn avx512vl_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
 /// Whether a kernel's AVX-512 half may run (`linear_q8` has one): the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 pub fn avx512_available() -> bool {
