@@ -136,12 +136,22 @@ def _dataset(model: str, out: Path, target: data.Recorder, options: TrainOptions
     per_prompt = 1 + options.samples
     log(f"recording the target's features over {len(seqs)} sequences")
     cut = held_count * per_prompt  # a prompt's answers all go to one side
-    recorded = [[target.record(s, n) for s, n in part if len(s) > options.ttt_steps + 2]
-                for part in (seqs[:cut], seqs[cut:])]
+    from tqdm import tqdm
+
+    with tqdm(total=len(seqs), desc="recording", unit="seq") as bar:
+        recorded = [[target.record(s, n) for s, n in _advancing(part, bar) if len(s) > options.ttt_steps + 2]
+                    for part in (seqs[:cut], seqs[cut:])]
     held, train = recorded
     torch.save({"train": [(s.features, s.tokens, s.labels, s.prompt_len) for s in train],
                 "held": [(s.features, s.tokens, s.labels, s.prompt_len) for s in held]}, cached)
     return train, held
+
+
+def _advancing(items: list, bar):
+    """`items`, the bar advanced by one for each."""
+    for item in items:
+        yield item
+        bar.update(1)
 
 
 def _new_head(target: data.Recorder, aux: tuple[int, int, int], train_set, options: TrainOptions):

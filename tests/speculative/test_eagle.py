@@ -267,3 +267,23 @@ def test_adapters_grammars_and_cached_prefixes_decode_as_without_the_head(head_d
     assert set(json.loads(text)) == {"name", "size"}
     assert cached_tokens > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_target_drafts_with_a_head_quantized_alike_in_one_call(head_dir, monkeypatch, quantization):
+    """The head is quantized by the target's method and its greedy proposals still go through
+    `_core.eagle_greedy` (the quantized CPU layers' kernels); outputs are the quantized plain
+    engine's."""
+    from pyserve.speculative import eagle
+
+    kernel_calls = []
+    kernel = eagle.eagle_greedy
+    monkeypatch.setattr(eagle, "eagle_greedy", lambda *a: kernel_calls.append(1) or kernel(*a))
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine = {"block_size": 4, "num_kv_blocks": 256, "quantization": quantization}
+    with LLM(str(TARGET_DIR), **engine) as llm:
+        plain = outputs(llm, PROMPTS[:2], greedy)
+    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir), **engine) as llm:
+        assert outputs(llm, PROMPTS[:2], greedy) == plain
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert len(kernel_calls) > 5
