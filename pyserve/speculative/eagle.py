@@ -280,6 +280,7 @@ class EagleProposer:
         features, tokens, positions, which = self._runs(request_ids)
         if len(which) > FEED_ROWS:
             return None
+        self.catch_up_seconds = 0.0
         n = len(request_ids)
         if not len(which):
             return [[] for _ in range(n)]
@@ -287,10 +288,9 @@ class EagleProposer:
         last = np.r_[which[1:] != which[:-1], True]  # each request's newest pair
         newest = np.full(n, -1, dtype=np.int64)
         newest[which[last]] = positions[last]
-        depth = np.where(newest == lens - 2, depth, 0)
+        depth = np.where((counts > 0) & (newest == lens - 2), depth, 0)
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
         early = (counts[which] > k + 1) & ~last
-        self.catch_up_seconds = 0.0
         if early.any():
             start = time.perf_counter()
             on = torch.from_numpy(early)
