@@ -14,7 +14,9 @@ use crate::decoder_layer::{layer_from_attention_input_on, Heads, LayerError, Lay
 use crate::layer_ops::rms_norm;
 use crate::parallel::ForkJoin;
 use crate::projection::{project_on, Projection};
-use crate::whole_model::{argmax, check_rows, BlockTables, Embedding, Feed, Layout, RopeTables};
+use crate::whole_model::{
+    argmax, check_rows, guessing_rows, BlockTables, Embedding, Feed, Layout, RopeTables,
+};
 
 /// The head's parameters. `layer.input_norm` normalizes the token's embedding; `lm_head` is
 /// `[draft vocab, hidden]` and `target_ids[d]` the target's token of draft id d.
@@ -81,13 +83,7 @@ pub fn eagle_greedy_on(
     }
     for j in 0..max_depth {
         head_layer(pool, head, heads, &mut cache, rope, tables, scale, &rows, &mut x)?;
-        // Each request's last row (its rows are in position order): the one its guess follows.
-        let mut last_row: Vec<Option<usize>> = vec![None; num_requests];
-        for (i, &(_, _, r)) in rows.iter().enumerate() {
-            last_row[r] = Some(i);
-        }
-        let guessing: Vec<(usize, usize)> =
-            (0..num_requests).filter(|&r| depth[r] > j).filter_map(|r| last_row[r].map(|i| (r, i))).collect();
+        let guessing = guessing_rows(&rows, depth, j);
         let mut outputs = Vec::with_capacity(guessing.len() * hidden);
         for &(_, i) in &guessing {
             outputs.extend_from_slice(&x[i * hidden..][..hidden]);

@@ -165,13 +165,7 @@ pub fn greedy_decode_on(
     // The rows of the next forward: (token, position, request).
     let mut rows = feed.rows();
     for j in 0..max_depth {
-        // Each request's last row (its rows are in position order): the one its guess follows.
-        let mut last_row: Vec<Option<usize>> = vec![None; num_requests];
-        for (i, &(_, _, r)) in rows.iter().enumerate() {
-            last_row[r] = Some(i);
-        }
-        let guessing: Vec<(usize, usize)> =
-            (0..num_requests).filter(|&r| depth[r] > j).filter_map(|r| last_row[r].map(|i| (r, i))).collect();
+        let guessing = guessing_rows(&rows, depth, j);
         let picked: Vec<usize> = guessing.iter().map(|&(_, i)| i).collect();
         let logits = forward(pool, model, heads, caches, rope, tables, scale, &rows, &picked, &[])?.logits;
         let mut next = Vec::new();
@@ -289,6 +283,17 @@ impl Layout {
             sin: &self.sin,
         }
     }
+}
+
+/// (request, row) of each request that makes its guess `j` (`depth[r] > j`) after this forward
+/// of `rows` (token, position, request): the request's last row, which its guess follows (a
+/// request's rows are in position order).
+pub(crate) fn guessing_rows(rows: &[(i32, i64, usize)], depth: &[usize], j: usize) -> Vec<(usize, usize)> {
+    let mut last_row: Vec<Option<usize>> = vec![None; depth.len()];
+    for (i, &(_, _, r)) in rows.iter().enumerate() {
+        last_row[r] = Some(i);
+    }
+    (0..depth.len()).filter(|&r| depth[r] > j).filter_map(|r| last_row[r].map(|i| (r, i))).collect()
 }
 
 /// The index of the first largest value (NaN never wins).

@@ -39,6 +39,17 @@ pub fn layer_weights<'a>(layer: &'a Layer<'_>) -> PyResult<LayerWeights<'a>> {
     })
 }
 
+/// A layer's k_cache and v_cache shapes checked alike, `[num_blocks, block_size, kv_heads,
+/// head_dim]`; returns the shape.
+pub fn check_cache(k: &[usize], v: &[usize], kv_heads: usize, head_dim: usize) -> PyResult<Vec<usize>> {
+    if v != k || k.len() != 4 || k[2] != kv_heads || k[3] != head_dim {
+        return Err(PyValueError::new_err(format!(
+            "k_cache and v_cache: shapes {k:?} and {v:?} must both be [num_blocks, block_size, {kv_heads}, {head_dim}]"
+        )));
+    }
+    Ok(k.to_vec())
+}
+
 /// x [rows, hidden] f32 (the residual stream) updated in place by the layer. Linear layers come
 /// as (weight [fan_out, fan_in] f32, bias [fan_out] or None) or quantized (`Weight`: int8 or
 /// 4-bit); `qkv` has q's then k's then v's outputs
@@ -73,13 +84,7 @@ pub fn decoder_layer(
     scale: f32,
     threads: usize,
 ) -> PyResult<()> {
-    let cache_shape = k_cache.shape().to_vec();
-    if v_cache.shape() != cache_shape.as_slice() || cache_shape[2] != kv_heads || cache_shape[3] != head_dim {
-        return Err(PyValueError::new_err(format!(
-            "k_cache and v_cache: shapes {cache_shape:?} and {:?} must both be [num_blocks, block_size, {kv_heads}, {head_dim}]",
-            v_cache.shape()
-        )));
-    }
+    let cache_shape = check_cache(k_cache.shape(), v_cache.shape(), kv_heads, head_dim)?;
     let layer = (input_norm, qkv, o, post_norm, gate_up, down, eps);
     let weights = layer_weights(&layer)?;
     let rows = RowLayout {

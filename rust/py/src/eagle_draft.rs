@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyserve_cpu_kernels::{eagle_greedy_on, BlockTables, Feed, HeadWeights, Heads, Pairs, RopeTables};
 
 use crate::arrays::{contiguous, contiguous_mut};
-use crate::decoder_layer::{layer_weights, Layer};
+use crate::decoder_layer::{check_cache, layer_weights, Layer};
 use crate::openmp;
 use crate::projection::{projection, Weight};
 use crate::whole_model::{indices, Embed};
@@ -61,15 +61,7 @@ pub fn eagle_greedy<'py>(
     depth: PyReadonlyArray1<'py, i64>,
     threads: usize,
 ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let shape = k_cache.shape().to_vec();
-    if v_cache.shape() != shape.as_slice() || shape[2] != head.kv_heads || shape[3] != head.head_dim {
-        return Err(PyValueError::new_err(format!(
-            "k_cache and v_cache: shapes {shape:?} and {:?} must both be [num_blocks, block_size, {}, {}]",
-            v_cache.shape(),
-            head.kv_heads,
-            head.head_dim
-        )));
-    }
+    let shape = check_cache(k_cache.shape(), v_cache.shape(), head.kv_heads, head.head_dim)?;
     let depth = indices("depth", contiguous("depth", &depth)?)?;
     let weights = HeadWeights {
         fc: projection(&head.fc, Some("fc"))?,
