@@ -130,7 +130,9 @@ class ReplicaPool:
             else:  # later: something else answers on its port for now (a proxy's error page)
                 log.warning("replica_not_a_model_server", replica=replica.url, reason=str(e))
             up = False
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - any failed check is a replica down, never the watch's end
+            # httpx's errors, and also a socket the peer closed as it was connected, which anyio
+            # reports as AttributeError from getpeername() (anyio 4.16, httpcore 1.0.9).
             self.mark_down(replica, e)
             return
         if up and not self.router.is_healthy(replica.index):
