@@ -104,11 +104,13 @@ pub fn linear_kquant_on(
 
 /// Rows of x as the integer products take them, in input order: `values` [rows, fan_in] int8,
 /// each super-block of 256 with its scale in `scales` [rows, fan_in / 256], and the sums of its
-/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16]).
+/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16], Q6_K's groups) and per 32
+/// (`sums32` [rows, fan_in / 32], Q4_K's sub-blocks).
 pub(crate) struct Int8Rows {
     pub values: Vec<i8>,
     pub scales: Vec<f32>,
     pub sums16: Vec<i16>,
+    pub sums32: Vec<i16>,
     pub rows: usize,
 }
 
@@ -125,8 +127,9 @@ impl Int8Rows {
             }
             scales.push(scale);
         }
-        let sums16 = values.chunks_exact(16).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
-        Self { values, scales, sums16, rows }
+        let sums16: Vec<i16> = values.chunks_exact(16).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
+        let sums32 = sums16.chunks_exact(2).map(|c| c[0] + c[1]).collect(); // |.| <= 4064
+        Self { values, scales, sums16, sums32, rows }
     }
 }
 
@@ -150,7 +153,7 @@ fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: 
                 let at = r * k + s * SUPER; // the super-block's first input
                 let xs = &x.values[at..][..SUPER];
                 let sum = match w.kind {
-                    BlockKind::Q4K => q4_k_plain(block, xs, &x.sums16[at / 16..][..16]),
+                    BlockKind::Q4K => q4_k_plain(block, xs, &x.sums32[at / 32..][..8]),
                     _ => q6_k_plain(block, xs, &x.sums16[at / 16..][..16]),
                 };
                 total += sum * x.scales[at / SUPER];
@@ -162,14 +165,14 @@ fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: 
 }
 
 /// A Q4_K super-block's sum against xq, before the x scale.
-fn q4_k_plain(block: &[u8], xs: &[i8], sums16: &[i16]) -> f32 {
+fn q4_k_plain(block: &[u8], xs: &[i8], sums32: &[i16]) -> f32 {
     let (mut scaled, mut mins) = (0i32, 0i32);
     for j in 0..8 {
         let (sc, m) = q4_k_scale_min(&block[4..16], j);
         let dot: i32 =
             q4_k_nibbles(block, j).iter().zip(&xs[32 * j..][..32]).map(|(&q, &v)| q as i32 * v as i32).sum();
         scaled += sc as i32 * dot;
-        mins += m as i32 * (sums16[2 * j] as i32 + sums16[2 * j + 1] as i32);
+        mins += m as i32 * sums32[j] as i32;
     }
     f16_at(block, 0).to_f32() * scaled as f32 - f16_at(block, 2).to_f32() * mins as f32
 }

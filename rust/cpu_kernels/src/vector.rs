@@ -21,8 +21,8 @@
 //! AVX2 half takes quantized activations, not `RowWeights`' f32 rows.
 //!
 //! `k_avx2::run` is the pair's only `#[target_feature(enable = "avx2,fma")]` function (`linear_avx2`
-//! also builds its tiles once more with AVX-512VL enabled: the same 8-lane instructions, given 32
-//! registers, for passes over more rows). Everything
+//! and `linear_kquant_avx2` also build their tiles once more with AVX-512VL enabled: the same
+//! 8-lane instructions, given 32 registers, for passes over more rows). Everything
 //! it calls is `#[inline(always)]`, so it is compiled into it with AVX2 and FMA, the portable
 //! helpers here included: their loops become 8-wide vector loops there. A closure is not: it is a
 //! function of its own, with no more target features than the function it is written in, so its
