@@ -6,7 +6,8 @@ Qwen2.5-Coder-1.5B-Instruct Q4_K_M, each served from its GGUF file with default 
 file's own quant types on pyserve's native layers). Per model, in one run:
 
 - load: `LLM(model=FILE)` in a fresh process (imports excluded), from a warm page cache, against
-  reading the file once (the second of two reads), and the tokenizer's share of the load;
+  reading the file once (the second of two reads), and the tokenizer's share of the load; a file's
+  first load (its metadata read by `gguf`, an empty metadata cache) and later ones (from the cache);
 - decode: batch-1 greedy tok/s over --tokens tokens (EOS ignored) after a chat-templated prompt,
   pyserve beside `llama-bench -p 0 -n TOKENS -t THREADS` on the same file (llama.cpp's text
   generation figure), runs interleaved, median; and the weight-read roofline: the bytes a step
@@ -27,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,9 +66,11 @@ def read_file_seconds(path: Path) -> float:
     return seconds
 
 
-def load_seconds(path: Path) -> tuple[float, float]:
-    """(LLM(model=path), the tokenizer built alone) in a fresh process, in seconds."""
-    out = subprocess.run([sys.executable, "-c", LOAD, str(path)], capture_output=True, text=True, check=True)
+def load_seconds(path: Path, metadata_cache: Path) -> tuple[float, float]:
+    """(LLM(model=path), the tokenizer built alone) in a fresh process, in seconds, with its GGUF
+    metadata cache in the folder `metadata_cache`."""
+    out = subprocess.run([sys.executable, "-c", LOAD, str(path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYSERVE_GGUF_CACHE": str(metadata_cache)})
     loaded, tokenizer = map(float, out.stdout.split()[-2:])
     return loaded, tokenizer
 
@@ -93,15 +97,19 @@ def llama_bench_tok_s(bin_dir: Path, path: Path, tokens: int, threads: int) -> f
 def measure(name: str, bin_dir: Path | None, args) -> dict:
     path = fetch(name)
     size = path.stat().st_size
-    loads = [load_seconds(path) for _ in range(args.runs)]
+    with tempfile.TemporaryDirectory() as caches:
+        firsts = [load_seconds(path, Path(caches) / f"empty-{i}") for i in range(args.runs)]
+        loads = [load_seconds(path, Path(caches) / "kept") for _ in range(args.runs + 1)][1:]  # the first fills it
     file_read = harness.median(read_file_seconds(path) for _ in range(args.runs))
     load = {"file_bytes": size, "read_s": round(file_read, 4),
             "load_s": round(harness.median(t for t, _ in loads), 3),
+            "first_load_s": round(harness.median(t for t, _ in firsts), 3),
             "tokenizer_s": round(harness.median(t for _, t in loads), 3)}
     load["load_over_read"] = round(load["load_s"] / file_read, 1)
     load["load_without_tokenizer_over_read"] = round((load["load_s"] - load["tokenizer_s"]) / file_read, 1)
     print(f"{name}: {size / 1e6:.0f} MB file read in {file_read:.3f} s; LLM() {load['load_s']:.2f} s "
-          f"({load['load_over_read']}x the read; tokenizer {load['tokenizer_s']:.2f} s)", flush=True)
+          f"({load['load_over_read']}x the read; tokenizer {load['tokenizer_s']:.2f} s); its first load "
+          f"(metadata read by gguf) {load['first_load_s']:.2f} s", flush=True)
 
     llm = LLM(model=str(path))
     tok = llm.get_tokenizer()

@@ -35,6 +35,15 @@ def pytest_configure(config) -> None:
             "root (-P keeps the current directory off sys.path).") from None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_metadata_cache(tmp_path_factory) -> Path:
+    """GGUF metadata cached in the session's temporary folder, not the user's (servers the tests
+    start inherit it), unless the run names a folder of its own."""
+    folder = Path(os.environ.get("PYSERVE_GGUF_CACHE") or tmp_path_factory.mktemp("gguf-metadata"))
+    os.environ["PYSERVE_GGUF_CACHE"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

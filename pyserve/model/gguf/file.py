@@ -4,6 +4,7 @@ type), so a file it cannot serve is refused, naming the cause, before anything e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import numpy as np
 
 from pyserve.model.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from pyserve.model.errors import WeightsError
+from pyserve.model.gguf import metadata_cache
+from pyserve.model.gguf.metadata_cache import Metadata, TensorEntry
 
 # GGUF's `general.architecture` -> the Hugging Face architecture served for it (GGUF names the
 # families as pyserve does).
@@ -38,8 +41,8 @@ def gguf_path(path: str | Path) -> Path | None:
 
 
 def open_gguf(path: str | Path) -> GgufFile:
-    """The file at `path`, opened once for the config, the tokenizer and the weights alike (reading
-    its metadata takes seconds for a vocabulary of 150k tokens); reopened when the file changes."""
+    """The file at `path`, opened once for the config, the tokenizer and the weights alike;
+    reopened when the file changes."""
     path = Path(path).resolve()
     stat = path.stat()
     return _opened(path, stat.st_mtime_ns, stat.st_size)
@@ -47,33 +50,44 @@ def open_gguf(path: str | Path) -> GgufFile:
 
 @lru_cache(maxsize=2)
 def _opened(path: Path, mtime_ns: int, size: int) -> GgufFile:
-    return GgufFile(path)
+    return GgufFile(path, mtime_ns, size)
 
 
 class GgufFile:
-    """One GGUF file, checked on open."""
+    """One GGUF file, checked on open: its metadata values (`get`) and its tensors, each a view of
+    the file mapped copy-on-write (so that tensors may be used in place). Read by `gguf`'s reader
+    the first time (seconds for a vocabulary of 150k tokens: see metadata_cache), from the
+    metadata cache after that."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, mtime_ns: int, size: int):
         self.path = Path(path)
+        cached = metadata_cache.load(self.path, size, mtime_ns)
         try:
-            self.reader = _reader(self.path)
+            if cached is None:
+                reader = _reader(self.path)
+                cached = Metadata({k: f.contents() for k, f in reader.fields.items()},
+                                  [_entry(t) for t in reader.tensors])
+                mapped = reader.data
+                metadata_cache.store(self.path, size, mtime_ns, cached)
+            else:
+                mapped = np.memmap(self.path, mode="c").view(np.ndarray)  # the view keeps the map alive
         except (ValueError, OSError, IndexError) as e:  # a truncated file or a bad magic
             raise WeightsError(f"{self.path} is not a readable GGUF file: {e}") from None
+        self.fields = cached.fields
+        self.tensors = {t.name: GgufTensor(t.type_name, t.shape, _view(mapped, t)) for t in cached.tensors}
         self.architecture = self.get("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise UnsupportedModelError(f"GGUF general.architecture {self.architecture!r} is not supported; "
                                         f"supported: {', '.join(ARCHITECTURES)}")
-        self.tensors = {t.name: t for t in self.reader.tensors}
         served = PLAIN_TYPES + INT4_TYPES + INT8_TYPES + DEQUANTIZED_TYPES
-        for t in self.reader.tensors:
-            if t.tensor_type.name not in served:
-                raise UnsupportedModelError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which pyserve "
+        for name, t in self.tensors.items():
+            if t.type_name not in served:
+                raise UnsupportedModelError(f"GGUF tensor {name} has type {t.type_name}, which pyserve "
                                             f"does not serve; served types: {', '.join(served)}")
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python (str, int, float, bool, list), or `default` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.fields.get(key, default)
 
     def arch(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}`, e.g. arch("block_count")."""
@@ -86,7 +100,7 @@ class GgufFile:
         return "output.weight" not in self.tensors and self.type_of("token_embd.weight") not in PLAIN_TYPES
 
     def type_of(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
     def rows(self, name: str) -> int:
         """A tensor's rows (its outputs, for a matrix): GGUF lists dimensions innermost first."""
@@ -98,9 +112,31 @@ class GgufFile:
         plain types (BF16 as int16 bits), raw blocks [rows, bytes per row] (uint8) otherwise."""
         t = self.tensors[name]
         data = t.data
-        if t.tensor_type.name == "BF16":
+        if t.type_name == "BF16":
             data = data.view(np.int16)
         return data
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    type_name: str
+    shape: tuple[int, ...]  # GGUF's order, innermost first
+    data: np.ndarray
+
+
+def _entry(t) -> TensorEntry:
+    """A reader's tensor as the cache keeps it."""
+    return TensorEntry(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data.dtype.str,
+                       tuple(t.data.shape), int(t.data_offset))
+
+
+def _view(mapped: np.ndarray, t: TensorEntry) -> np.ndarray:
+    """The tensor's data as the reader gave it: a view of the mapped file."""
+    dtype = np.dtype(t.dtype)
+    count = int(np.prod(t.data_shape))
+    if t.offset + count * dtype.itemsize > mapped.nbytes:
+        raise WeightsError(f"GGUF tensor {t.name} runs past the end of the file")
+    return mapped[t.offset:t.offset + count * dtype.itemsize].view(dtype).reshape(t.data_shape)
 
 
 def _reader(path: Path):

@@ -1,0 +1,102 @@
+"""What `gguf`'s reader found in a GGUF file (its metadata values, and each tensor's type, dtype,
+shape and offset), kept on disk so that a file opened before opens again without that reader: its
+parse builds Python objects for every vocabulary entry and merge (2.1 s for Qwen2.5's 151k of
+each, on a file read from the page cache in 0.1 s), where this cache's JSON loads in tens of ms.
+
+An entry is named by the file's resolved path, size and modification time, so a changed file is
+read again; an entry that cannot be read is ignored, one that cannot be written is skipped (the
+file is then read by `gguf` every time). The folder is $PYSERVE_GGUF_CACHE, else
+$XDG_CACHE_HOME/pyserve/gguf-metadata (~/.cache by default); PYSERVE_GGUF_CACHE=off turns it off.
+JSON, never pickle: nothing in an entry is executed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+
+log = structlog.get_logger(__name__)
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor as the reader saw it: `shape` in GGUF's order (innermost first); its data is
+    `dtype` values in `data_shape` (numpy's order) from byte `offset` of the file."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    dtype: str
+    data_shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class Metadata:
+    fields: dict[str, Any]
+    tensors: list[TensorEntry]
+
+
+def folder() -> Path | None:
+    configured = os.environ.get("PYSERVE_GGUF_CACHE")
+    if configured == "off":
+        return None
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pyserve" / "gguf-metadata"
+
+
+def _entry(path: Path, size: int, mtime_ns: int) -> Path | None:
+    where = folder()
+    if where is None:
+        return None
+    key = hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:32]
+    return where / f"{key}.json"
+
+
+def load(path: Path, size: int, mtime_ns: int) -> Metadata | None:
+    """The entry for this version of the file, or None."""
+    entry = _entry(path, size, mtime_ns)
+    if entry is None or not entry.is_file():
+        return None
+    try:
+        raw = orjson.loads(entry.read_bytes())
+        if raw.get("version") != VERSION or raw.get("file") != str(path):
+            return None
+        tensors = [TensorEntry(t["name"], t["type"], tuple(t["shape"]), t["dtype"], tuple(t["data_shape"]),
+                               t["offset"]) for t in raw["tensors"]]
+        return Metadata(raw["fields"], tensors)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("gguf_metadata_cache_unreadable", entry=str(entry), error=repr(e))
+        return None
+
+
+def store(path: Path, size: int, mtime_ns: int, metadata: Metadata) -> None:
+    """Writes the entry (whole or not at all: a temporary file renamed into place)."""
+    entry = _entry(path, size, mtime_ns)
+    if entry is None:
+        return
+    raw = {"version": VERSION, "file": str(path), "fields": metadata.fields,
+           "tensors": [{"name": t.name, "type": t.type_name, "shape": list(t.shape), "dtype": t.dtype,
+                        "data_shape": list(t.data_shape), "offset": t.offset} for t in metadata.tensors]}
+    part = None
+    try:
+        data = orjson.dumps(raw)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=entry.parent, suffix=".part")
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(part, entry)
+    except (OSError, TypeError) as e:  # a read-only home; a value JSON cannot hold
+        if part is not None:
+            Path(part).unlink(missing_ok=True)
+        log.warning("gguf_metadata_cache_not_written", entry=str(entry), error=repr(e))
