@@ -182,7 +182,11 @@ class DepthController:
         self.probe: list[int] | None = None  # drafts kept and verified since the last probe was chosen
 
     def _bucket(self, batch_size: int) -> Bucket:
-        return self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        key = bucket_of(batch_size)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = Bucket()
+        return bucket
 
     def observe_step(self, batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` requests that verified `num_draft_tokens` drafts."""
