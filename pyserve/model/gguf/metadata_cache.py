@@ -91,6 +91,9 @@ def store(path: Path, size: int, mtime_ns: int, metadata: Metadata) -> None:
     part = None
     try:
         data = orjson.dumps(raw)
+        if orjson.loads(data)["fields"] != metadata.fields:  # JSON has no NaN or infinity: null in their place
+            log.warning("gguf_metadata_cache_not_written", entry=str(entry), error="a value JSON does not keep")
+            return
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, part = tempfile.mkstemp(dir=entry.parent, suffix=".part")
         with os.fdopen(fd, "wb") as out:
