@@ -1,8 +1,9 @@
-"""A linear layer over a GGUF file's Q4_K or Q6_K rows as the file holds them (4.5 and 6.56 bits a
-weight), served in place on a CPU: `_core.linear_kquant` reads the blocks with x quantized to
-int8 per 256 inputs, llama.cpp's arithmetic for these types
+"""A linear layer over a GGUF file's Q4_K, Q6_K or Q5_0 rows as the file holds them (4.5, 6.56 and
+5.5 bits a weight), served in place on a CPU: `_core.linear_kquant` reads the blocks with x
+quantized to int8 per 256 inputs (per 32 for Q5_0), llama.cpp's arithmetic for these types
 (rust/cpu_kernels/src/linear_kquant.rs). Held as Int4Linear's groups (5 bits) or Int8Linear's
-rows (8 bits) instead, every decode step would read more bytes and the load would convert them.
+rows (8 bits, Q5_0's weights re-rounded) instead, every decode step would read more bytes and the
+load would convert them.
 Off the CPU (CUDA) the GGUF loader converts them for the Triton kernels; `forward` on inputs
 other than f32 on a CPU multiplies the widened weight, the reference the kernel is tested against."""
 
@@ -15,16 +16,16 @@ from torch import nn
 from pyserve import _core
 from pyserve.model.gguf.blocks import fan_in, row_bytes, widened
 
-KQUANT_TYPES = ("Q4_K", "Q6_K")
+KQUANT_TYPES = ("Q4_K", "Q6_K", "Q5_0")
 
 
 class KQuantLinear(nn.Module):
-    """`blocks` [out_features, row bytes] uint8 of `kind` ("Q4_K" or "Q6_K"), rows in output order."""
+    """`blocks` [out_features, row bytes] uint8 of `kind` (one of KQUANT_TYPES), rows in output order."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None):
         super().__init__()
         if kind not in KQUANT_TYPES:
-            raise ValueError(f"kind: {kind} is not a K-quant type this layer serves ({', '.join(KQUANT_TYPES)})")
+            raise ValueError(f"kind: {kind} is not a block type this layer serves ({', '.join(KQUANT_TYPES)})")
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
                 row_bytes(kind, fan_in(kind, blocks.shape[1])) != blocks.shape[1]:
             raise ValueError(f"blocks: {tuple(blocks.shape)} {blocks.dtype} is not rows of whole {kind} blocks (uint8)")

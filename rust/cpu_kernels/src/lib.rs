@@ -4,7 +4,7 @@
 //! - `add_lora`: multi-LoRA, every token's delta from its own adapter in one pass;
 //! - `linear`: a linear layer over a few rows, its weights streamed once (`linear_q8`: int8
 //!   weights; `linear_q4`: 4-bit weights in groups, on int16 activations; `linear_w8a8`: int8 weights and int8
-//!   activations, exact integer sums; `linear_kquant`: a GGUF file's Q4_K and Q6_K rows in place);
+//!   activations, exact integer sums; `linear_kquant`: a GGUF file's Q4_K, Q6_K and Q5_0 rows in place);
 //! - `gguf_blocks`: a GGUF file's quantized rows converted to those layers' layouts at load;
 //! - `layer_ops`: RMSNorm (with the residual add), the SiLU-gated product, rotary embedding;
 //! - `decoder_layer`: a whole Llama-family layer over a few rows, the kernels above composed;
@@ -28,6 +28,8 @@ mod linear_kquant_avx2;
 mod linear_q4;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx2;
+#[cfg(target_arch = "x86_64")]
+mod linear_q5_avx2;
 mod linear_q8;
 #[cfg(target_arch = "x86_64")]
 mod linear_q8_avx512;

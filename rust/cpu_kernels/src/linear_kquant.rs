@@ -1,16 +1,19 @@
-//! Linear layers over a GGUF file's K-quant rows as the file holds them: Q4_K (4.5 bits a
-//! weight) and Q6_K (6.5625), read in place, where converting them to `linear_q4`'s groups of 32
-//! (5 bits) or `linear_q8`'s rows (8 bits) would make every step read more bytes. Layouts are
-//! `gguf_blocks`' (llama.cpp's ggml-common.h): a row of `fan_in` weights is fan_in / 256
-//! super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes.
+//! Linear layers over a GGUF file's K-quant and Q5_0 rows as the file holds them: Q4_K (4.5 bits
+//! a weight), Q6_K (6.5625) and Q5_0 (5.5), read in place, where converting them to `linear_q4`'s
+//! groups of 32 (5 bits) or `linear_q8`'s rows (8 bits, and Q5_0's weights re-rounded) would make
+//! every step read more bytes. Layouts are `gguf_blocks`' (llama.cpp's ggml-common.h): a row of
+//! `fan_in` weights is fan_in / 256 super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes, or fan_in / 32
+//! blocks of 22 (Q5_0).
 //!
-//! Activations are quantized as llama.cpp quantizes them for these types (its Q8_K): int8 with
-//! one scale per super-block of 256 inputs (max |x| / 127, x / scale rounded half to even), so
-//! that `vpmaddubsw` multiplies 32 weights a step and each super-block sums exactly in i32:
+//! Activations are quantized as llama.cpp quantizes them for these types (its Q8_K, and Q8_0 for
+//! Q5_0): int8 with one scale per block of 256 inputs (32 for Q5_0; max |x| / 127, x / scale
+//! rounded half to even), so that `vpmaddubsw` multiplies 32 weights a step and each block sums
+//! exactly in i32:
 //! - Q4_K: sum_j d * sc[j] * (q . xq)_j - dmin * m[j] * sum(xq)_j over its 8 sub-blocks of 32
 //!   (q in 0..16; sc, m six bits), times the x scale;
 //! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
-//!   sc an int8), times the x scale.
+//!   sc an int8), times the x scale;
+//! - Q5_0: d * ((q - 16) . xq) (q in 0..32), times the x scale (`linear_q5_avx2`).
 //!
 //! The same arithmetic as llama.cpp's on the same file, and the same bytes a step; the int16
 //! activations of `linear_q4` would cost these layers twice the multiplies (measured: the int16
@@ -49,15 +52,17 @@ impl KQuantWeights<'_> {
 
     fn check(&self) -> Result<(), LinearError> {
         let (k, n) = (self.fan_in, self.fan_out);
-        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K) {
+        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K | BlockKind::Q5_0) {
             return Err(LinearError::new(format!(
-                "kind: {:?} is not a K-quant this kernel reads",
+                "kind: {:?} is not a block type this kernel reads (Q4_K, Q6_K, Q5_0)",
                 self.kind
             )));
         }
         if self.kind.row_bytes(k).is_none() {
             return Err(LinearError::new(format!(
-                "fan_in: {k} is not a whole number of {SUPER}-weight super-blocks"
+                "fan_in: {k} is not a whole number of {:?}'s {}-weight blocks",
+                self.kind,
+                self.kind.weights_and_bytes().0
             )));
         }
         if self.blocks.len() != n * self.row_bytes() {
@@ -74,6 +79,11 @@ impl KQuantWeights<'_> {
     #[inline(always)]
     pub(crate) fn output(&self, o: usize, total: f32) -> f32 {
         self.bias.map_or(total, |b| total + b[o])
+    }
+
+    /// Inputs sharing an activation scale: a K-quant super-block, or a Q5_0 block.
+    fn activation_block(&self) -> usize {
+        self.kind.weights_and_bytes().0
     }
 }
 
@@ -93,7 +103,7 @@ pub fn linear_kquant_on(
     let (k, n) = (weights.fan_in, weights.fan_out);
     check_rows(x, k, n, weights.bias, y)?;
     for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
-        let quantized = Int8Rows::of(xs, k);
+        let quantized = Int8Rows::of(xs, k, weights.activation_block());
         let out = SharedOutputs { ptr: ys.as_mut_ptr(), len: ys.len() };
         for_output_ranges(pool, n, quantized.rows * k * n, &|outputs| {
             run_outputs(&quantized, weights, outputs, &out)
@@ -103,9 +113,9 @@ pub fn linear_kquant_on(
 }
 
 /// Rows of x as the integer products take them, in input order: `values` [rows, fan_in] int8,
-/// each super-block of 256 with its scale in `scales` [rows, fan_in / 256], and the sums of its
-/// quantized values per 16 inputs (`sums16` [rows, fan_in / 16], Q6_K's groups) and per 32
-/// (`sums32` [rows, fan_in / 32], Q4_K's sub-blocks).
+/// each block of `block` inputs (256, or 32 for Q5_0) with its scale in `scales` [rows, fan_in /
+/// block], and the sums of its quantized values per 16 inputs (`sums16` [rows, fan_in / 16],
+/// Q6_K's groups) and per 32 (`sums32` [rows, fan_in / 32], Q4_K's sub-blocks).
 pub(crate) struct Int8Rows {
     pub values: Vec<i8>,
     pub scales: Vec<f32>,
@@ -115,11 +125,11 @@ pub(crate) struct Int8Rows {
 }
 
 impl Int8Rows {
-    pub(crate) fn of(x: &[f32], fan_in: usize) -> Self {
+    pub(crate) fn of(x: &[f32], fan_in: usize, block: usize) -> Self {
         let rows = x.len() / fan_in;
         let mut values = vec![0i8; x.len()];
-        let mut scales = Vec::with_capacity(x.len() / SUPER);
-        for (block, out) in x.chunks_exact(SUPER).zip(values.chunks_exact_mut(SUPER)) {
+        let mut scales = Vec::with_capacity(x.len() / block);
+        for (block, out) in x.chunks_exact(block).zip(values.chunks_exact_mut(block)) {
             let scale = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE) / X_MAX;
             for (q, &v) in out.iter_mut().zip(block) {
                 // |v / scale| <= 127 < 2^22
@@ -138,25 +148,32 @@ fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &S
     #[cfg(target_arch = "x86_64")]
     if crate::vector::avx2_fma_available() && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: the CPU has AVX2, FMA and F16C; the shapes and the kind were checked.
-        return unsafe { crate::linear_kquant_avx2::run_outputs(x, w, outputs, y) };
+        return unsafe {
+            match w.kind {
+                BlockKind::Q5_0 => crate::linear_q5_avx2::run_outputs(x, w, outputs, y),
+                _ => crate::linear_kquant_avx2::run_outputs(x, w, outputs, y),
+            }
+        };
     }
     plain_outputs(x, w, outputs, y)
 }
 
 /// `run_outputs` without AVX2: the same integer sums.
 fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    let (k, row_bytes, bytes) = (w.fan_in, w.row_bytes(), w.kind.weights_and_bytes().1);
+    let (k, row_bytes) = (w.fan_in, w.row_bytes());
+    let (weights, bytes) = w.kind.weights_and_bytes();
     for o in outputs {
         for r in 0..x.rows {
             let mut total = 0.0f32;
             for (s, block) in w.blocks[o * row_bytes..][..row_bytes].chunks_exact(bytes).enumerate() {
-                let at = r * k + s * SUPER; // the super-block's first input
-                let xs = &x.values[at..][..SUPER];
+                let at = r * k + s * weights; // the block's first input
+                let xs = &x.values[at..][..weights];
                 let sum = match w.kind {
                     BlockKind::Q4K => q4_k_plain(block, xs, &x.sums32[at / 32..][..8]),
+                    BlockKind::Q5_0 => q5_0_plain(block, xs),
                     _ => q6_k_plain(block, xs, &x.sums16[at / 16..][..16]),
                 };
-                total += sum * x.scales[at / SUPER];
+                total += sum * x.scales[at / weights];
             }
             // SAFETY: this call's range of outputs is its own.
             unsafe { y.set(r * w.fan_out + o, w.output(o, total)) };
@@ -175,6 +192,19 @@ fn q4_k_plain(block: &[u8], xs: &[i8], sums32: &[i16]) -> f32 {
         mins += m as i32 * sums32[j] as i32;
     }
     f16_at(block, 0).to_f32() * scaled as f32 - f16_at(block, 2).to_f32() * mins as f32
+}
+
+/// A Q5_0 block's sum against xq, before the x scale.
+fn q5_0_plain(block: &[u8], xs: &[i8]) -> f32 {
+    let qh = u32::from_le_bytes(block[2..6].try_into().unwrap());
+    let dot: i32 = (0..32)
+        .map(|j| {
+            let low = if j < 16 { block[6 + j] & 0x0F } else { block[6 + j - 16] >> 4 };
+            let q = (low | (((qh >> j) & 1) as u8) << 4) as i32 - 16;
+            q * xs[j] as i32
+        })
+        .sum();
+    f16_at(block, 0).to_f32() * dot as f32
 }
 
 /// A Q6_K super-block's sum against xq, before the x scale.
@@ -200,16 +230,20 @@ mod tests {
     use crate::gguf_blocks::widen;
     use crate::linear::tests::{values, TwoParts};
 
-    /// Random but well-formed K-quant rows: f16 scales of sensible size, any other byte.
+    /// Random but well-formed rows: f16 scales of sensible size, any other byte.
     fn blocks(kind: BlockKind, rows: usize, k: usize, seed: u32) -> Vec<u8> {
-        let bytes = kind.weights_and_bytes().1;
+        let (weights, bytes) = kind.weights_and_bytes();
         let raw: Vec<u8> =
-            values(rows * k / SUPER * bytes, seed).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect();
+            values(rows * k / weights * bytes, seed).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect();
         let mut out = raw.clone();
         for block in out.chunks_exact_mut(bytes) {
-            let halves: &[usize] = if kind == BlockKind::Q4K { &[0, 2] } else { &[208] };
+            let halves: &[usize] = match kind {
+                BlockKind::Q4K => &[0, 2],
+                BlockKind::Q5_0 => &[0],
+                _ => &[208],
+            };
             for (i, &at) in halves.iter().enumerate() {
-                let v = f16::from_f32(0.001 + 0.01 * (block[50 + i] as f32 / 255.0));
+                let v = f16::from_f32(0.001 + 0.01 * (block[bytes - 5 + i] as f32 / 255.0));
                 block[at..at + 2].copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -217,14 +251,14 @@ mod tests {
     }
 
     /// (y, the sum of its terms' magnitudes) in float64 from the widened weights (gguf's
-    /// arithmetic, `widen`) and x as the kernel multiplies it (int8 per super-block, scaled back).
+    /// arithmetic, `widen`) and x as the kernel multiplies it (int8 per block, scaled back).
     fn reference(x: &[f32], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
-        let (k, n) = (w.fan_in, w.fan_out);
+        let (k, n, block) = (w.fan_in, w.fan_out, w.activation_block());
         let mut wide = vec![0.0f32; n * k];
         widen(&OnCallingThread, w.kind, w.blocks, n, k, &mut wide).unwrap();
-        let q = Int8Rows::of(x, k);
+        let q = Int8Rows::of(x, k, block);
         let xm: Vec<f64> =
-            q.values.iter().enumerate().map(|(i, &v)| v as f64 * q.scales[i / SUPER] as f64).collect();
+            q.values.iter().enumerate().map(|(i, &v)| v as f64 * q.scales[i / block] as f64).collect();
         let rows = x.len() / k;
         let (mut y, mut magnitude) = (vec![0.0; rows * n], vec![0.0; rows * n]);
         for r in 0..rows {
@@ -249,8 +283,11 @@ mod tests {
 
     #[test]
     fn matches_a_float64_reference_of_the_widened_weights() {
-        for kind in [BlockKind::Q4K, BlockKind::Q6K] {
-            for (rows, k, n) in [(1, 256, 4), (1, 512, 7), (3, 256, 9), (6, 768, 5), (17, 256, 3)] {
+        for kind in [BlockKind::Q4K, BlockKind::Q6K, BlockKind::Q5_0] {
+            let q5 = if kind == BlockKind::Q5_0 { vec![(1, 32, 5), (5, 96, 6), (2, 896, 3)] } else { vec![] };
+            for (rows, k, n) in
+                [(1, 256, 4), (1, 512, 7), (3, 256, 9), (6, 768, 5), (17, 256, 3)].into_iter().chain(q5)
+            {
                 let x: Vec<f32> =
                     values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
                 let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
@@ -268,7 +305,7 @@ mod tests {
     /// rows, on one thread or several.
     #[test]
     fn the_halves_agree_and_a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
-        for kind in [BlockKind::Q4K, BlockKind::Q6K] {
+        for kind in [BlockKind::Q4K, BlockKind::Q6K, BlockKind::Q5_0] {
             let (k, n) = (512, 1030);
             let (x, b) = (values(7 * k, 6), blocks(kind, n, k, 7));
             let w = KQuantWeights { kind, blocks: &b, bias: None, fan_in: k, fan_out: n };
@@ -281,7 +318,7 @@ mod tests {
             }
             let mut plain = vec![f32::NAN; 7 * n];
             let out = SharedOutputs { ptr: plain.as_mut_ptr(), len: plain.len() };
-            plain_outputs(&Int8Rows::of(&x, k), &w, 0..n, &out);
+            plain_outputs(&Int8Rows::of(&x, k, w.activation_block()), &w, 0..n, &out);
             let want = reference(&x, &w);
             assert_near(&all, &want);
             assert_near(&plain, &want);
@@ -303,10 +340,16 @@ mod tests {
             block[0..2].copy_from_slice(&f16::ONE.to_le_bytes());
             block[2..4].copy_from_slice(&f16::ZERO.to_le_bytes());
         }
+        let mut q5 = vec![0u8; k / 32 * 22]; // every q 0: q - 16 = -16
+        for block in q5.chunks_exact_mut(22) {
+            block[0..2].copy_from_slice(&f16::ONE.to_le_bytes());
+        }
         let x = vec![-3.0f32; k];
-        for (kind, b, want) in
-            [(BlockKind::Q6K, &q6, -3.0 * -32.0 * -128.0), (BlockKind::Q4K, &q4, -3.0 * 15.0 * 63.0)]
-        {
+        for (kind, b, want) in [
+            (BlockKind::Q6K, &q6, -3.0 * -32.0 * -128.0),
+            (BlockKind::Q4K, &q4, -3.0 * 15.0 * 63.0),
+            (BlockKind::Q5_0, &q5, -3.0 * -16.0),
+        ] {
             let w = KQuantWeights { kind, blocks: b, bias: None, fan_in: k, fan_out: 1 };
             let mut y = [f32::NAN];
             linear_kquant(&x, &w, &mut y).unwrap();
@@ -326,6 +369,9 @@ mod tests {
         assert!(err(&KQuantWeights { kind: BlockKind::Q6K, ..ok }, &[0.0; 256]).starts_with("blocks:"));
         assert!(err(&KQuantWeights { blocks: &b[..431], ..ok }, &[0.0; 256]).starts_with("blocks:"));
         assert!(err(&KQuantWeights { fan_in: 128, ..ok }, &[0.0; 128]).starts_with("fan_in:"));
+        let q5 =
+            KQuantWeights { kind: BlockKind::Q5_0, blocks: &b[..3 * 22], bias: None, fan_in: 48, fan_out: 3 };
+        assert!(err(&q5, &[0.0; 48]).starts_with("fan_in:"));
         assert!(err(&ok, &[0.0; 255]).starts_with("x:"));
     }
 }

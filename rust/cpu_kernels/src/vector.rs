@@ -46,6 +46,12 @@ pub fn avx512vl_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
+/// Whether AVX2 code may also use AVX-512BW's byte masks on 8-lane vectors (`linear_q5_avx2`).
+#[cfg(target_arch = "x86_64")]
+pub fn avx512bw_available() -> bool {
+    avx512vl_available() && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
 /// Whether a kernel's AVX-512 half may run (`linear_q8` has one): the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 pub fn avx512_available() -> bool {
