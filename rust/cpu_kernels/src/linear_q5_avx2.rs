@@ -23,12 +23,10 @@ use crate::vector::avx2::hsum;
 /// Weights of a block, and its bytes.
 const BLOCK: usize = 32;
 const BYTES: usize = 22;
-/// Weight rows of a tile at one input row: one. On the AMD EPYC here (one thread, 896 x 77824)
-/// a row of x took 3.9 ms with each weight row streamed alone, 9.1 ms two at a time and 12.7 ms
-/// four at a time (rows of 22-byte blocks read side by side).
-const SINGLE_ROW_OUTPUTS: usize = 1;
-/// Input rows of a tile at several input rows (one weight row).
-const MULTI_ROW_ROWS: usize = 4;
+/// Input rows of a tile, whose weights are always one weight row: on the AMD EPYC here (one
+/// thread, 896 x 77824) a row of x took 3.9 ms with each weight row streamed alone, 9.1 ms two at
+/// a time and 12.7 ms four at a time (rows of 22-byte blocks read side by side).
+const TILE_ROWS: usize = 4;
 
 /// `linear_kquant::run_outputs` for Q5_0 with AVX2, FMA and F16C (and AVX-512BW's byte masks
 /// for qh where the CPU has them: the same bytes, so the same bits).
@@ -54,29 +52,17 @@ unsafe fn run<const MASK: bool>(
     outputs: Range<usize>,
     y: &SharedOutputs,
 ) {
-    let mut o = outputs.start;
-    if x.rows == 1 {
-        while o < outputs.end {
-            match outputs.end - o {
-                1 => tile::<MASK, 1, 1>(x, w, o, 0, y),
-                _ => tile::<MASK, SINGLE_ROW_OUTPUTS, 1>(x, w, o, 0, y),
-            }
-            o += SINGLE_ROW_OUTPUTS;
-        }
-        return;
-    }
-    while o < outputs.end {
+    for o in outputs {
         let mut r = 0;
         while r < x.rows {
             match x.rows - r {
-                1 => tile::<MASK, 1, 1>(x, w, o, r, y),
-                2 => tile::<MASK, 1, 2>(x, w, o, r, y),
-                3 => tile::<MASK, 1, 3>(x, w, o, r, y),
-                _ => tile::<MASK, 1, MULTI_ROW_ROWS>(x, w, o, r, y),
+                1 => tile::<MASK, 1>(x, w, o, r, y),
+                2 => tile::<MASK, 2>(x, w, o, r, y),
+                3 => tile::<MASK, 3>(x, w, o, r, y),
+                _ => tile::<MASK, TILE_ROWS>(x, w, o, r, y),
             }
-            r += MULTI_ROW_ROWS;
+            r += TILE_ROWS;
         }
-        o += 1;
     }
 }
 
@@ -104,9 +90,9 @@ unsafe fn unpack<const MASK: bool>(p: *const u8) -> __m256i {
     _mm256_sub_epi8(_mm256_or_si256(nibbles, sixteens), _mm256_set1_epi8(16))
 }
 
-/// Outputs o..o + W of rows r..r + X.
+/// Output o of rows r..r + X.
 #[inline(always)]
-unsafe fn tile<const MASK: bool, const W: usize, const X: usize>(
+unsafe fn tile<const MASK: bool, const X: usize>(
     x: &Int8Rows,
     w: &KQuantWeights<'_>,
     o: usize,
@@ -116,28 +102,24 @@ unsafe fn tile<const MASK: bool, const W: usize, const X: usize>(
     let (k, row_bytes) = (w.fan_in, w.row_bytes());
     let blocks = k / BLOCK;
     let ones = _mm256_set1_epi16(1);
-    let weights: [*const u8; W] = std::array::from_fn(|a| w.blocks.as_ptr().add((o + a) * row_bytes));
+    let weights = w.blocks.as_ptr().add(o * row_bytes);
     let inputs: [*const i8; X] = std::array::from_fn(|c| x.values.as_ptr().add((r + c) * k));
     let x_scales: [*const f32; X] = std::array::from_fn(|c| x.scales.as_ptr().add((r + c) * blocks));
-    let mut acc = [[_mm256_setzero_ps(); X]; W];
+    let mut acc = [_mm256_setzero_ps(); X];
     for b in 0..blocks {
-        for (a, sums) in acc.iter_mut().enumerate() {
-            let p = weights[a].add(b * BYTES);
-            let q = unpack::<MASK>(p);
-            let magnitude = _mm256_sign_epi8(q, q);
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)));
-            for (c, s) in sums.iter_mut().enumerate() {
-                let xs = _mm256_loadu_si256(inputs[c].add(b * BLOCK) as *const __m256i);
-                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, q)), ones);
-                let scale = _mm256_set1_ps(d * *x_scales[c].add(b));
-                *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *s);
-            }
+        let p = weights.add(b * BYTES);
+        let q = unpack::<MASK>(p);
+        let magnitude = _mm256_sign_epi8(q, q);
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)));
+        for (c, s) in acc.iter_mut().enumerate() {
+            let xs = _mm256_loadu_si256(inputs[c].add(b * BLOCK) as *const __m256i);
+            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, q)), ones);
+            let scale = _mm256_set1_ps(d * *x_scales[c].add(b));
+            *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *s);
         }
     }
-    for (a, sums) in acc.iter().enumerate() {
-        for (c, s) in sums.iter().enumerate() {
-            y.set((r + c) * w.fan_out + o + a, w.output(o + a, hsum(*s)));
-        }
+    for (c, s) in acc.iter().enumerate() {
+        y.set((r + c) * w.fan_out + o, w.output(o, hsum(*s)));
     }
 }
 
