@@ -102,3 +102,32 @@ def _tokenizer(w, model_dir: Path) -> None:
     w.add_eos_token_id(vocab[config["eos_token"]])
     w.add_add_bos_token(True)
     w.add_chat_template(config["chat_template"])
+
+
+def gguf_rewritten(src_path: Path, dst_path: Path, tensors: dict | None = None,
+                   floats: dict[str, float] | None = None) -> Path:
+    """A copy of the GGUF file `src_path` at `dst_path` whose tensors named in `tensors` are
+    replaced by raw blocks ({name: (kind, blocks)}) and with the float32 metadata values `floats`
+    added."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    src = GGUFReader(str(src_path))
+    w = GGUFWriter(str(dst_path), src.fields["general.architecture"].contents())
+    for field in src.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0].name == "ARRAY" else None)
+    for key, value in (floats or {}).items():
+        w.add_float32(key, value)
+    for t in src.tensors:
+        if t.name in (tensors or {}):
+            kind, blocks = tensors[t.name]
+            w.add_tensor(t.name, blocks, raw_dtype=GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst_path

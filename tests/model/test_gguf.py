@@ -22,7 +22,7 @@ from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.loader import load_model
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8, weight_bytes
 from pyserve.testing import build_model
-from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
+from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf, gguf_rewritten
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 TEXT = "hello world 123, the cat"
@@ -110,24 +110,7 @@ def test_a_quantized_embedding_stays_in_its_blocks_and_looks_up_the_widened_rows
 
 def _with_tensor(src_path, dst_path, name: str, kind: str, blocks: np.ndarray):
     """A copy of the GGUF file `src_path` with tensor `name` replaced by raw `blocks` of `kind`."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-
-    src = GGUFReader(str(src_path))
-    w = GGUFWriter(str(dst_path), src.fields["general.architecture"].contents())
-    for field in src.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(field.name, field.contents(), field.types[0],
-                            field.types[-1] if field.types[0].name == "ARRAY" else None)
-    for t in src.tensors:
-        if t.name == name:
-            w.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType[kind])
-        else:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst_path
+    return gguf_rewritten(src_path, dst_path, tensors={name: (kind, blocks)})
 
 
 # K-quant blocks of 256 weights (gguf's writer cannot make them): random bytes (any bytes are a

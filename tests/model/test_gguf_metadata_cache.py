@@ -9,7 +9,7 @@ from pyserve.model.config import UnsupportedModelError
 from pyserve.model.gguf import file as gguf_file
 from pyserve.model.gguf.file import GgufFile
 from pyserve.testing import build_model
-from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf
+from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf, gguf_rewritten
 
 
 @pytest.fixture(scope="module")
@@ -93,29 +93,9 @@ def test_a_cached_file_of_an_unsupported_tensor_type_is_still_refused(gguf, tmp_
         _open(gguf)
 
 
-def _with_nan_field(src_path, dst_path):
-    """A copy of the GGUF file with one more metadata value, a NaN (which JSON cannot hold)."""
-    from gguf import GGUFReader, GGUFWriter
-
-    src = GGUFReader(str(src_path))
-    w = GGUFWriter(str(dst_path), src.fields["general.architecture"].contents())
-    for field in src.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(field.name, field.contents(), field.types[0],
-                            field.types[-1] if field.types[0].name == "ARRAY" else None)
-    w.add_float32("test.not_a_number", float("nan"))
-    for t in src.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst_path
-
-
 def test_metadata_json_cannot_keep_exactly_is_not_cached(gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("PYSERVE_GGUF_CACHE", str(tmp_path / "cache"))
-    odd = _with_nan_field(gguf, tmp_path / "nan.gguf")
+    odd = gguf_rewritten(gguf, tmp_path / "nan.gguf", floats={"test.not_a_number": float("nan")})  # JSON has no NaN
     assert np.isnan(_open(odd).get("test.not_a_number"))
     assert not list((tmp_path / "cache").glob("*.json"))
     assert np.isnan(_open(odd).get("test.not_a_number"))  # read by gguf again, not null from a cache
