@@ -29,6 +29,8 @@ mod linear_q4;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx2;
 #[cfg(target_arch = "x86_64")]
+mod linear_q4k_vnni;
+#[cfg(target_arch = "x86_64")]
 mod linear_q5_avx2;
 mod linear_q8;
 #[cfg(target_arch = "x86_64")]

@@ -103,7 +103,10 @@ pub fn linear_kquant_on(
     let (k, n) = (weights.fan_in, weights.fan_out);
     check_rows(x, k, n, weights.bias, y)?;
     for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
-        let quantized = Int8Rows::of(xs, k, weights.activation_block());
+        let mut quantized = Int8Rows::of(xs, k, weights.activation_block());
+        if uses_q4k_lanes(weights.kind) {
+            quantized.lanes = quantized.q4k_lanes();
+        }
         let out = SharedOutputs { ptr: ys.as_mut_ptr(), len: ys.len() };
         for_output_ranges(pool, n, quantized.rows * k * n, &|outputs| {
             run_outputs(&quantized, weights, outputs, &out)
@@ -115,9 +118,11 @@ pub fn linear_kquant_on(
 /// Rows of x as the integer products take them, in input order: `values` [rows, fan_in] int8,
 /// each block of `block` inputs (256, or 32 for Q5_0) with its scale in `scales` [rows, fan_in /
 /// block], and the sums of its quantized values per 16 inputs (`sums16` [rows, fan_in / 16],
-/// Q6_K's groups) and per 32 (`sums32` [rows, fan_in / 32], Q4_K's sub-blocks).
+/// Q6_K's groups) and per 32 (`sums32` [rows, fan_in / 32], Q4_K's sub-blocks); `lanes`: the
+/// values in `q4k_lanes`' order where the VNNI half reads them, else empty.
 pub(crate) struct Int8Rows {
     pub values: Vec<i8>,
+    pub lanes: Lines,
     pub scales: Vec<f32>,
     pub sums16: Vec<i16>,
     pub sums32: Vec<i16>,
@@ -129,18 +134,74 @@ impl Int8Rows {
         let rows = x.len() / fan_in;
         let mut values = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(x.len() / block);
-        for (block, out) in x.chunks_exact(block).zip(values.chunks_exact_mut(block)) {
-            let scale = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE) / X_MAX;
-            for (q, &v) in out.iter_mut().zip(block) {
-                // |v / scale| <= 127 < 2^22
-                *q = round_ties_even_small(v / scale).clamp(-X_MAX, X_MAX) as i8;
+        let mut sums16 = vec![0i16; x.len() / 16];
+        let runs = x
+            .chunks_exact(block)
+            .zip(values.chunks_exact_mut(block))
+            .zip(sums16.chunks_exact_mut(block / 16));
+        for ((block, out), sums) in runs {
+            #[cfg(target_arch = "x86_64")]
+            if crate::vector::avx2_fma_available() {
+                // SAFETY: the CPU has AVX2; a block is a whole number of 32 inputs.
+                scales.push(unsafe { crate::linear_kquant_avx2::quantize(block, out, sums) });
+                continue;
             }
-            scales.push(scale);
+            scales.push(quantize(block, out, sums));
         }
-        let sums16: Vec<i16> = values.chunks_exact(16).map(|c| c.iter().map(|&v| v as i16).sum()).collect();
         let sums32 = sums16.chunks_exact(2).map(|c| c[0] + c[1]).collect(); // |.| <= 4064
-        Self { values, scales, sums16, sums32, rows }
+        Self { values, lanes: Lines::default(), scales, sums16, sums32, rows }
     }
+
+    /// `values` with each super-block's runs of 16 reordered as `linear_q4k_vnni` pairs them with
+    /// its nibbles: for chunks c = 0..4 the inputs 64c..64c + 16, then for each c 64c + 16..64c +
+    /// 32, then 64c + 32..64c + 48, then 64c + 48..64c + 64.
+    pub(crate) fn q4k_lanes(&self) -> Lines {
+        let mut lanes = Lines(vec![Line([0; 64]); self.values.len() / 64]);
+        for (from, to) in self.values.chunks_exact(SUPER).zip(lanes.0.chunks_exact_mut(SUPER / 64)) {
+            for (run, out) in to.iter_mut().flat_map(|line| line.0.chunks_exact_mut(16)).enumerate() {
+                let (quarter, c) = (run / 4, run % 4);
+                out.copy_from_slice(&from[64 * c + 16 * quarter..][..16]);
+            }
+        }
+        lanes
+    }
+}
+
+/// Int8 values in cache lines (64-byte aligned), so that a 64-byte load never spans two.
+#[derive(Default)]
+pub(crate) struct Lines(Vec<Line>);
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line([i8; 64]);
+
+impl Lines {
+    pub(crate) fn as_ptr(&self) -> *const i8 {
+        self.0.as_ptr() as *const i8
+    }
+}
+
+/// A block's int8 values (written to `out`, their sums per 16 to `sums16`) and its scale: max |x|
+/// / 127, x / scale rounded half to even.
+fn quantize(block: &[f32], out: &mut [i8], sums16: &mut [i16]) -> f32 {
+    let scale = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE) / X_MAX;
+    for (q, &v) in out.iter_mut().zip(block) {
+        // |v / scale| <= 127 < 2^22
+        *q = round_ties_even_small(v / scale).clamp(-X_MAX, X_MAX) as i8;
+    }
+    for (sum, run) in sums16.iter_mut().zip(out.chunks_exact(16)) {
+        *sum = run.iter().map(|&v| v as i16).sum();
+    }
+    scale
+}
+
+/// Whether `run_outputs` takes this kind's rows to `linear_q4k_vnni`.
+fn uses_q4k_lanes(kind: BlockKind) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kind == BlockKind::Q4K && crate::linear_q4k_vnni::available() {
+        return true;
+    }
+    false
 }
 
 /// Columns `outputs` of every row, on the calling thread.
@@ -151,6 +212,10 @@ fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &S
         return unsafe {
             match w.kind {
                 BlockKind::Q5_0 => crate::linear_q5_avx2::run_outputs(x, w, outputs, y),
+                // SAFETY: and AVX-512 F, BW, VL and VNNI; x.lanes was filled (`uses_q4k_lanes`).
+                BlockKind::Q4K if uses_q4k_lanes(w.kind) => {
+                    crate::linear_q4k_vnni::run_outputs(x, w, outputs, y)
+                }
                 _ => crate::linear_kquant_avx2::run_outputs(x, w, outputs, y),
             }
         };
@@ -322,6 +387,78 @@ mod tests {
             let want = reference(&x, &w);
             assert_near(&all, &want);
             assert_near(&plain, &want);
+        }
+    }
+
+    /// Where Q4_K goes to the VNNI half, the AVX2 half (what CPUs without VNNI run) on its own:
+    /// near the reference, and a row's bits the same alone as beside other rows.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_half_of_q4_k_where_the_vnni_half_serves() {
+        if !uses_q4k_lanes(BlockKind::Q4K) {
+            return; // linear_kquant runs the AVX2 half itself (the test above)
+        }
+        let (k, n) = (512, 37);
+        let (x, b) = (values(7 * k, 8), blocks(BlockKind::Q4K, n, k, 9));
+        let w = KQuantWeights { kind: BlockKind::Q4K, blocks: &b, bias: None, fan_in: k, fan_out: n };
+        let avx2 = |x: &[f32]| {
+            let mut y = vec![f32::NAN; x.len() / k * n];
+            let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
+            // SAFETY: uses_q4k_lanes says the CPU has AVX-512 (so AVX2, FMA, F16C); shapes as checked.
+            unsafe { crate::linear_kquant_avx2::run_outputs(&Int8Rows::of(x, k, SUPER), &w, 0..n, &out) };
+            y
+        };
+        let all = avx2(&x);
+        assert_near(&all, &reference(&x, &w));
+        for r in 0..7 {
+            assert_eq!(avx2(&x[r * k..][..k]), all[r * n..][..n], "row {r}");
+        }
+    }
+
+    /// The AVX2 quantizer gives the plain one's bits: values, scale and sums, with ties, zeros,
+    /// NaN and infinities among the inputs.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_quantizer_gives_the_plain_bits() {
+        if !crate::vector::avx2_fma_available() {
+            return;
+        }
+        let mut blocks: Vec<Vec<f32>> =
+            (0..20).map(|s| values(256, 20 + s).iter().map(|v| v * 3.0).collect()).collect();
+        // x / scale exactly k + 1/2 for many k: max 127 * 2, so scale 2 and x = 2k + 1
+        blocks.push(
+            (0..256).map(|i| if i == 0 { 254.0 } else { (i % 200) as f32 * 2.0 + 1.0 - 200.0 }).collect(),
+        );
+        blocks.push(vec![0.0; 256]);
+        blocks.push((0..256).map(|i| if i % 7 == 0 { f32::NAN } else { i as f32 }).collect());
+        blocks.push((0..256).map(|i| if i == 3 { f32::INFINITY } else { -(i as f32) }).collect());
+        blocks.push((0..256).map(|i| (i as f32 - 128.0) * 1e-40).collect()); // subnormal
+        for block in &blocks {
+            for width in [32, 256] {
+                for part in block.chunks_exact(width) {
+                    let (mut a, mut b) = (vec![0i8; width], vec![0i8; width]);
+                    let (mut sa, mut sb) = (vec![0i16; width / 16], vec![0i16; width / 16]);
+                    let plain = quantize(part, &mut a, &mut sa);
+                    // SAFETY: AVX2 (checked); whole runs of 32.
+                    let vector = unsafe { crate::linear_kquant_avx2::quantize(part, &mut b, &mut sb) };
+                    assert_eq!((plain.to_bits(), &a, &sa), (vector.to_bits(), &b, &sb), "{:?}", &part[..4]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q4k_lanes_puts_each_run_of_16_where_the_vnni_half_reads_it() {
+        let x: Vec<f32> = (0..512).map(|i| (i % 97) as f32 - 48.0).collect();
+        let q = Int8Rows::of(&x, 512, SUPER);
+        let lanes = q.q4k_lanes();
+        // SAFETY: q4k_lanes holds as many values as q.values.
+        let lanes = unsafe { std::slice::from_raw_parts(lanes.as_ptr(), q.values.len()) };
+        for s in 0..2 {
+            for (run, c, quarter) in (0..16).map(|run| (run, run % 4, run / 4)) {
+                let want = &q.values[s * SUPER + 64 * c + 16 * quarter..][..16];
+                assert_eq!(&lanes[s * SUPER + 16 * run..][..16], want, "super-block {s} run {run}");
+            }
         }
     }
 

@@ -106,6 +106,46 @@ unsafe fn run<K: SuperBlock, const ROWS: usize>(
     }
 }
 
+/// `linear_kquant::quantize` eight lanes at a time, the same arithmetic (so the same bits: IEEE
+/// division, the same rounding, NaN as 0).
+/// Safety: AVX2; `block` a whole number of 32 values, `out` as long, `sums16` a 16th of it.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize(block: &[f32], out: &mut [i8], sums16: &mut [i16]) -> f32 {
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let mut largest = _mm256_setzero_ps();
+    for run in block.chunks_exact(8) {
+        // `vmaxps` answers its second operand where either is NaN: NaN inputs are passed over
+        largest = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(run.as_ptr()), magnitude), largest);
+    }
+    let lanes: [f32; 8] = std::mem::transmute(largest);
+    let scale = lanes.into_iter().fold(0.0f32, f32::max).max(f32::MIN_POSITIVE) / 127.0;
+    let (divisor, shift, limit) =
+        (_mm256_set1_ps(scale), _mm256_set1_ps(12_582_912.0), _mm256_set1_ps(127.0));
+    let (bias, zero) = (_mm256_set1_epi8(-128), _mm256_setzero_si256());
+    for ((run, q), sums) in
+        block.chunks_exact(32).zip(out.chunks_exact_mut(32)).zip(sums16.chunks_exact_mut(2))
+    {
+        let ints: [__m256i; 4] = std::array::from_fn(|i| {
+            let v = _mm256_div_ps(_mm256_loadu_ps(run.as_ptr().add(8 * i)), divisor);
+            let rounded = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
+            let clamped =
+                _mm256_min_ps(_mm256_max_ps(rounded, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+            let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
+            _mm256_and_si256(_mm256_cvttps_epi32(clamped), ordered)
+        });
+        // packs work within 128-bit lanes: [0-3, 8-11, 4-7, 12-15] and so on, put back in order
+        let words = [_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3])];
+        let words = words.map(|w| _mm256_permute4x64_epi64::<0b11_01_10_00>(w));
+        let bytes = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi16(words[0], words[1]));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        // each run of 8 bytes summed (`vpsadbw`) as v + 128, in four u64 lanes
+        let eights: [i64; 4] = std::mem::transmute(_mm256_sad_epu8(_mm256_xor_si256(bytes, bias), zero));
+        sums[0] = (eights[0] + eights[1] - 2048) as i16;
+        sums[1] = (eights[2] + eights[3] - 2048) as i16;
+    }
+    scale
+}
+
 /// A tile's rows of x, each at its row's start.
 struct Rows<const X: usize> {
     values: [*const i8; X],
@@ -196,6 +236,24 @@ unsafe fn shuffle(v: __m256i, mask: &[u8; 32]) -> __m256i {
     _mm256_shuffle_epi8(v, _mm256_loadu_si256(mask.as_ptr() as *const __m256i))
 }
 
+/// A Q4_K super-block's 12 bytes of 6-bit scales and minimums (`gguf_blocks`' layout) as sixteen
+/// i16: sc0..sc7, m0..m7.
+#[inline(always)]
+pub(crate) unsafe fn q4k_scales_and_mins(p: *const u8) -> __m256i {
+    // as four u32 of bytes [sc0..3, sc4..7, m0..3, m4..7]: from u = [u0, u1, u2, -], sc0..3 =
+    // u0 & 0x3f.., sc4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, m0..3 = u1 & 0x3f..,
+    // m4..7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4
+    let u = _mm_loadu_si128(p.add(4) as *const __m128i); // 4 bytes past them: the first qs
+    let lows = _mm_shuffle_epi32::<0b10_01_10_00>(u); // [u0, u2, u1, u2]
+    let highs = _mm_shuffle_epi32::<0b01_01_00_00>(u); // [u0, u0, u1, u1]
+    let lows = _mm_and_si128(
+        _mm_srlv_epi32(lows, _mm_set_epi32(4, 0, 0, 0)),
+        _mm_set_epi32(0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f),
+    );
+    let highs = _mm_and_si128(_mm_srli_epi32::<2>(highs), _mm_set_epi32(0x3030_3030, 0, 0x3030_3030, 0));
+    _mm256_cvtepu8_epi16(_mm_or_si128(lows, highs))
+}
+
 struct Q4K;
 
 impl SuperBlock for Q4K {
@@ -204,19 +262,7 @@ impl SuperBlock for Q4K {
 
     #[inline(always)]
     unsafe fn scales<const X: usize>(p: *const u8, _: &Rows<X>, _: usize, _: &mut [__m256i; X]) -> Scales {
-        // the 12 bytes of 6-bit scales and minimums (gguf_blocks' layout) as four u32 of bytes
-        // [sc0..3, sc4..7, m0..3, m4..7]: from u = [u0, u1, u2, -], sc0..3 = u0 & 0x3f..,
-        // sc4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4, m0..3 = u1 & 0x3f..,
-        // m4..7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4
-        let u = _mm_loadu_si128(p.add(4) as *const __m128i); // 4 bytes past them: the first qs
-        let lows = _mm_shuffle_epi32::<0b10_01_10_00>(u); // [u0, u2, u1, u2]
-        let highs = _mm_shuffle_epi32::<0b01_01_00_00>(u); // [u0, u0, u1, u1]
-        let lows = _mm_and_si128(
-            _mm_srlv_epi32(lows, _mm_set_epi32(4, 0, 0, 0)),
-            _mm_set_epi32(0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f),
-        );
-        let highs = _mm_and_si128(_mm_srli_epi32::<2>(highs), _mm_set_epi32(0x3030_3030, 0, 0x3030_3030, 0));
-        let both = _mm256_cvtepu8_epi16(_mm_or_si128(lows, highs)); // sixteen i16: sc0..sc7, m0..m7
+        let both = q4k_scales_and_mins(p);
         [_mm256_permute2x128_si256::<0x00>(both, both), _mm256_permute2x128_si256::<0x11>(both, both)]
     }
 
