@@ -448,15 +448,18 @@ mod tests {
     }
 
     #[test]
-    fn q4k_lanes_puts_each_run_of_16_where_the_vnni_half_reads_it() {
+    fn q4k_lanes_put_each_run_of_16_where_the_vnni_half_reads_it() {
         let x: Vec<f32> = (0..512).map(|i| (i % 97) as f32 - 48.0).collect();
         let q = Int8Rows::of(&x, 512, SUPER);
         let lanes = q.q4k_lanes();
-        // SAFETY: q4k_lanes holds as many values as q.values.
+        assert_eq!(lanes.as_ptr() as usize % 64, 0);
+        // SAFETY: the lines hold as many values as q.values.
         let lanes = unsafe { std::slice::from_raw_parts(lanes.as_ptr(), q.values.len()) };
+        // each chunk's (64 inputs) first 16, then each one's second 16, and so on
+        let starts = [0, 64, 128, 192, 16, 80, 144, 208, 32, 96, 160, 224, 48, 112, 176, 240];
         for s in 0..2 {
-            for (run, c, quarter) in (0..16).map(|run| (run, run % 4, run / 4)) {
-                let want = &q.values[s * SUPER + 64 * c + 16 * quarter..][..16];
+            for (run, at) in starts.into_iter().enumerate() {
+                let want = &q.values[s * SUPER + at..][..16];
                 assert_eq!(&lanes[s * SUPER + 16 * run..][..16], want, "super-block {s} run {run}");
             }
         }

@@ -415,9 +415,10 @@ unsafe fn tile<K: SuperBlock, const W: usize, const X: usize>(
     for s in 0..k / SUPER {
         if r == 0 {
             // the next tile's rows (contiguous), a share of their lines each super-block
-            let (tile_bytes, supers) = (W * row_bytes, k / SUPER);
-            let mut line = (s * tile_bytes / supers) & !63;
-            while line < ((s + 1) * tile_bytes / supers).min(tile_bytes) {
+            // (the tile's bytes over its super-blocks is W * K::BYTES: no division in the loop)
+            let (tile_bytes, share) = (W * row_bytes, W * K::BYTES);
+            let mut line = (s * share) & !63;
+            while line < ((s + 1) * share).min(tile_bytes) {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line) as *const i8);
                 line += 64;
             }
