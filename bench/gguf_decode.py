@@ -9,8 +9,9 @@ file's own quant types on pyserve's native layers). Per model, in one run:
   reading the file once (the second of two reads), and the tokenizer's share of the load; a file's
   first load (its metadata read by `gguf`, an empty metadata cache) and later ones (from the cache);
 - decode: batch-1 greedy tok/s over --tokens tokens (EOS ignored) after a chat-templated prompt,
-  pyserve beside `llama-bench -p 0 -n TOKENS -t THREADS` on the same file (llama.cpp's text
-  generation figure), runs interleaved, median; and the weight-read roofline: the bytes a step
+  counted from the first output token (the prompt's prefill left out, as llama.cpp's figure has
+  no prompt), pyserve beside `llama-bench -p 0 -n TOKENS -t THREADS` on the same file (llama.cpp's
+  text generation figure), runs interleaved, median; and the weight-read roofline: the bytes a step
   reads (the weights pyserve holds, less an embedding table the head does not share) over the
   time to read a buffer of that size once (torch sum, same threads);
 - rows: the same decode at batch 5 (five requests at once); a step's cost against one row's is
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 import harness
-from batch1_decode import pyserve_tok_s, read_seconds  # the same measures of decode and of a read
+from batch1_decode import read_seconds  # the same measure of a read
 from pyserve import LLM, SamplingParams
 from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.testing.real_models import fetch
@@ -53,6 +54,15 @@ start = time.perf_counter()
 load_tokenizer(sys.argv[1])
 print(loaded, time.perf_counter() - start)
 """
+
+
+def decode_tok_s(llm: LLM, prompts: list, params: SamplingParams) -> float:
+    """Output tokens a second after the first (the prompts' prefill and first tokens left out):
+    the tokens after each request's first over the time from the last first token to the end."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    end = time.perf_counter()
+    first = max(o.first_token_time for o in outs)
+    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (end - first)
 
 
 def read_file_seconds(path: Path) -> float:
@@ -118,10 +128,10 @@ def measure(name: str, bin_dir: Path | None, args) -> dict:
     read = nbytes - embedding_table_bytes(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     measures = {
-        "pyserve": lambda: pyserve_tok_s(llm, [prompt], params),
+        "pyserve": lambda: decode_tok_s(llm, [prompt], params),
         "llama.cpp": lambda: llama_bench_tok_s(bin_dir, path, args.tokens, args.threads),
         "roofline": lambda: 1.0 / read_seconds(read),
-        "pyserve_batch5": lambda: pyserve_tok_s(llm, [prompt] * 5, params),
+        "pyserve_batch5": lambda: decode_tok_s(llm, [prompt] * 5, params),
     }
     if bin_dir is None:
         del measures["llama.cpp"]

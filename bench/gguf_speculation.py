@@ -40,6 +40,8 @@ def main() -> None:
     ap = harness.parser(__doc__, "gguf_speculation")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--humaneval", type=int, default=0, metavar="N", help="the first N HumanEval problems as prompts")
+    ap.add_argument("--fixed-depth", type=int, default=0, metavar="K",
+                    help="draft K tokens every step, the adaptive depth off (default: 4, adaptive)")
     args = ap.parse_args()
     questions = PROMPTS
     if args.humaneval:
@@ -51,10 +53,10 @@ def main() -> None:
     target, draft = str(fetch("qwen2.5-coder-1.5b-instruct")), str(fetch("qwen2.5-coder-0.5b-instruct"))
     plain, plain_tok_s, _ = run(target, args.tokens, questions)
     spec, spec_tok_s, stats = run(target, args.tokens, questions, speculative_config={"method": "draft_model", "model": draft,
-                                                                          "num_speculative_tokens": 4,
-                                                                          "adaptive": True})
+                                                                          "num_speculative_tokens": args.fixed_depth or 4,
+                                                                          "adaptive": not args.fixed_depth})
     accepted = stats["spec_decode_num_accepted_tokens"] / max(stats["spec_decode_num_draft_tokens"], 1)
-    report = {**head, "tokens": args.tokens, "prompts": f"humaneval[:{args.humaneval}]" if args.humaneval else "three", "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
+    report = {**head, "tokens": args.tokens, "fixed_depth": args.fixed_depth or None, "prompts": f"humaneval[:{args.humaneval}]" if args.humaneval else "three", "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
               "ratio": round(spec_tok_s / plain_tok_s, 3), "same_tokens": spec == plain,
               "draft_tokens_accepted": round(accepted, 3), **stats}
     print(f"1.5B alone {plain_tok_s:.2f} tok/s; with the 0.5B drafting {spec_tok_s:.2f} ({report['ratio']:.2f}x), "
