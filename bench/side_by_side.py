@@ -42,6 +42,8 @@ BENCHES = [
         ("n-gram speculation, quoting output (tok/s)", ["results", "reuse", "ngram_tokens_per_s"], True),
         ("draft-model speculation, code (tok/s)", ["results", "code", "draft_tokens_per_s"], True),
         ("n-gram speculation, batch 16 (tok/s)", ["results", "batch16", "ngram_tokens_per_s"], True)]),
+    # (a base before b5c2ffd counts the prompt's prefill in these figures, a later tree does not: they compare
+    # only when both trees are on the same side of it)
     ("gguf_decode.py", ["--no-llama-cpp", "--models", "qwen2.5-coder-1.5b-instruct", "--runs", "2", "--tokens", "64"], [
         ("Qwen2.5-Coder-1.5B Q4_K_M, batch 1 (tok/s)", ["models", "qwen2.5-coder-1.5b-instruct", "pyserve"], True),
         ("Qwen2.5-Coder-1.5B Q4_K_M, batch 5 (tok/s)", ["models", "qwen2.5-coder-1.5b-instruct", "pyserve_batch5"],
