@@ -10,7 +10,8 @@
 //! rounded half to even), so that `vpmaddubsw` multiplies 32 weights a step and each block sums
 //! exactly in i32:
 //! - Q4_K: sum_j d * sc[j] * (q . xq)_j - dmin * m[j] * sum(xq)_j over its 8 sub-blocks of 32
-//!   (q in 0..16; sc, m six bits), times the x scale;
+//!   (q in 0..16; sc, m six bits), times the x scale (`linear_q4k_vnni` with AVX-512 VNNI,
+//!   else `linear_kquant_avx2`);
 //! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
 //!   sc an int8), times the x scale;
 //! - Q5_0: d * ((q - 16) . xq) (q in 0..32), times the x scale (`linear_q5_avx2`).
