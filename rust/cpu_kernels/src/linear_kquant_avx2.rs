@@ -449,7 +449,7 @@ unsafe fn tile<K: SuperBlock, const W: usize, const X: usize>(
 
 /// The sum of four lanes.
 #[inline(always)]
-unsafe fn hsum4(v: __m128) -> f32 {
+pub(crate) unsafe fn hsum4(v: __m128) -> f32 {
     let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
 }

@@ -29,13 +29,13 @@ use std::ops::Range;
 
 use crate::linear::SharedOutputs;
 use crate::linear_kquant::{Int8Rows, KQuantWeights, SUPER};
-use crate::linear_kquant_avx2::q4k_scales_and_mins;
+use crate::linear_kquant_avx2::{hsum4, q4k_scales_and_mins};
 
 /// Bytes of a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and minimums, 128 of nibbles.
 const BYTES: usize = 144;
-/// Input rows of a tile at several input rows (one weight row): a verification step's rows (a
+/// Input rows a tile takes (one weight row, whatever the rows): a verification step's rows (a
 /// request and up to seven drafts) in one pass over the weights, in 32 registers.
-const MULTI_ROW_ROWS: usize = 8;
+const TILE_ROWS: usize = 8;
 
 /// Whether the CPU runs this half.
 pub fn available() -> bool {
@@ -52,7 +52,7 @@ pub unsafe fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<us
     for o in outputs {
         let mut r = 0;
         while r < x.rows {
-            let n = (x.rows - r).min(MULTI_ROW_ROWS);
+            let n = (x.rows - r).min(TILE_ROWS);
             match n {
                 1 => tile::<1>(x, w, o, r, y),
                 2 => tile::<2>(x, w, o, r, y),
@@ -61,7 +61,7 @@ pub unsafe fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<us
                 5 => tile::<5>(x, w, o, r, y),
                 6 => tile::<6>(x, w, o, r, y),
                 7 => tile::<7>(x, w, o, r, y),
-                _ => tile::<MULTI_ROW_ROWS>(x, w, o, r, y),
+                _ => tile::<TILE_ROWS>(x, w, o, r, y),
             }
             r += n;
         }
@@ -160,11 +160,4 @@ unsafe fn tile<const X: usize>(x: &Int8Rows, w: &KQuantWeights<'_>, o: usize, r:
         let total = _mm512_reduce_add_ps(s.main) - hsum4(s.mins);
         y.set((r + b) * w.fan_out + o, w.output(o, total));
     }
-}
-
-/// The sum of four lanes.
-#[inline(always)]
-unsafe fn hsum4(v: __m128) -> f32 {
-    let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
 }
