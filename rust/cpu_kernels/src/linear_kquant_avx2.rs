@@ -125,18 +125,17 @@ pub unsafe fn quantize(block: &[f32], out: &mut [i8], sums16: &mut [i16]) -> f32
     for ((run, q), sums) in
         block.chunks_exact(32).zip(out.chunks_exact_mut(32)).zip(sums16.chunks_exact_mut(2))
     {
-        let ints: [__m256i; 4] = std::array::from_fn(|i| {
-            let v = _mm256_div_ps(_mm256_loadu_ps(run.as_ptr().add(8 * i)), divisor);
-            let rounded = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
-            let clamped =
-                _mm256_min_ps(_mm256_max_ps(rounded, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
-            let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
-            _mm256_and_si256(_mm256_cvttps_epi32(clamped), ordered)
-        });
+        let p = run.as_ptr();
+        let ints = [
+            quantize8(p, divisor, shift, limit),
+            quantize8(p.add(8), divisor, shift, limit),
+            quantize8(p.add(16), divisor, shift, limit),
+            quantize8(p.add(24), divisor, shift, limit),
+        ];
         // packs work within 128-bit lanes: [0-3, 8-11, 4-7, 12-15] and so on, put back in order
-        let words = [_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3])];
-        let words = words.map(|w| _mm256_permute4x64_epi64::<0b11_01_10_00>(w));
-        let bytes = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi16(words[0], words[1]));
+        let low = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(ints[0], ints[1]));
+        let high = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(ints[2], ints[3]));
+        let bytes = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi16(low, high));
         _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
         // each run of 8 bytes summed (`vpsadbw`) as v + 128, in four u64 lanes
         let eights: [i64; 4] = std::mem::transmute(_mm256_sad_epu8(_mm256_xor_si256(bytes, bias), zero));
@@ -144,6 +143,17 @@ pub unsafe fn quantize(block: &[f32], out: &mut [i8], sums16: &mut [i16]) -> f32
         sums[1] = (eights[2] + eights[3] - 2048) as i16;
     }
     scale
+}
+
+/// Eight values at `p` divided by the block's scale, rounded half to even, clamped to +-127, as
+/// i32 (NaN as 0). A function, not a closure: closures do not take the caller's target features.
+#[inline(always)]
+unsafe fn quantize8(p: *const f32, divisor: __m256, shift: __m256, limit: __m256) -> __m256i {
+    let v = _mm256_div_ps(_mm256_loadu_ps(p), divisor);
+    let rounded = _mm256_sub_ps(_mm256_add_ps(v, shift), shift);
+    let clamped = _mm256_min_ps(_mm256_max_ps(rounded, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+    let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
+    _mm256_and_si256(_mm256_cvttps_epi32(clamped), ordered)
 }
 
 /// A tile's rows of x, each at its row's start.
