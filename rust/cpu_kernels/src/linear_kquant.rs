@@ -180,6 +180,10 @@ impl Lines {
     pub(crate) fn as_ptr(&self) -> *const i8 {
         self.0.as_ptr() as *const i8
     }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// A block's int8 values (written to `out`, their sums per 16 to `sums16`) and its scale: max |x|
@@ -213,8 +217,9 @@ fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &S
         return unsafe {
             match w.kind {
                 BlockKind::Q5_0 => crate::linear_q5_avx2::run_outputs(x, w, outputs, y),
-                // SAFETY: and AVX-512 F, BW, VL and VNNI; x.lanes was filled (`uses_q4k_lanes`).
-                BlockKind::Q4K if uses_q4k_lanes(w.kind) => {
+                // SAFETY: x.lanes is filled only where `uses_q4k_lanes` found AVX-512 F, BW, VL
+                // and VNNI: the decision made once a call, followed here
+                BlockKind::Q4K if !x.lanes.is_empty() => {
                     crate::linear_q4k_vnni::run_outputs(x, w, outputs, y)
                 }
                 _ => crate::linear_kquant_avx2::run_outputs(x, w, outputs, y),
