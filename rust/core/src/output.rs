@@ -33,7 +33,13 @@ pub struct SchedulerOutput {
     /// Output tokens each request had before this step (what penalties and `min_tokens` see).
     pub num_output_tokens: Vec<i32>,
     pub input_ids: Vec<i32>,
+    /// Rotary position of each token: its index in the sequence, or for a draft of a token
+    /// tree the request's last token's index plus the draft's depth.
     pub positions: Vec<i64>,
+    /// Empty unless a scheduled request verifies a token tree; then per token the row (within
+    /// its request's tokens of this step) of the token it follows, -1 for a request's first:
+    /// a token attends to the request's tokens before this step and to its chain of parents.
+    pub tree_parents: Vec<i32>,
     /// KV slot of each token: `block * block_size + offset`.
     pub slot_mapping: Vec<i64>,
     /// Row-major `[num_reqs, block_table_width]`, padded with the null block.
@@ -57,6 +63,18 @@ impl SchedulerOutput {
 
     pub fn is_empty(&self) -> bool {
         self.req_ids.is_empty()
+    }
+
+    /// `tree_parents` of the first `n` tokens, a chain per request (each token follows the one
+    /// before it), for a step whose first tree comes after them.
+    fn fill_chain_parents(&mut self, n: usize) {
+        let mut first = 0;
+        for &end in &self.query_start_loc[1..] {
+            let end = end as usize;
+            self.tree_parents.extend((first..end).map(|t| (t - first) as i32 - 1));
+            first = end;
+        }
+        debug_assert_eq!(self.tree_parents.len(), n);
     }
 
     /// Reserves room for `num_reqs` requests, `num_tokens` tokens and block tables `width` wide.
@@ -93,12 +111,29 @@ impl SchedulerOutput {
     ) {
         let first_token = self.input_ids.len();
         let known = req.token_ids.len();
+        let tree = !req.spec_parents.is_empty();
+        let depths = if tree { req.draft_depths() } else { Vec::new() };
+        if tree && self.tree_parents.len() < first_token {
+            self.fill_chain_parents(first_token);
+        }
         for pos in start..start + s.num_tokens {
-            let token = if pos < known { req.token_ids[pos] } else { req.spec_token_ids[pos - known] };
+            let row = (pos - start) as i32;
+            let (token, position) = if pos < known {
+                (req.token_ids[pos], pos)
+            } else if tree {
+                (req.spec_token_ids[pos - known], known - 1 + depths[pos - known])
+            } else {
+                (req.spec_token_ids[pos - known], pos)
+            };
             self.input_ids.push(token as i32);
-            self.positions.push(pos as i64);
+            self.positions.push(position as i64);
             let block = req.block_table[pos / bs] as i64;
             self.slot_mapping.push(block * bs as i64 + (pos % bs) as i64);
+            if tree && pos >= known {
+                self.tree_parents.push((known - 1 - start) as i32 + req.spec_parents[pos - known] as i32);
+            } else if !self.tree_parents.is_empty() || tree {
+                self.tree_parents.push(row - 1);
+            }
         }
         let end = first_token + s.num_tokens;
         self.logits_indices.extend((end - s.num_logits..end).map(|idx| idx as i32));

@@ -87,6 +87,9 @@ pub struct Request {
     pub num_cached_tokens: usize,
     /// Draft tokens proposed for the next step.
     pub spec_token_ids: Vec<u32>,
+    /// Empty for a chain of drafts (each follows the one before); for a token tree, each
+    /// draft's parent: 0 for the request's last token, `j` for draft `j - 1` (before it).
+    pub spec_parents: Vec<u32>,
     pub block_table: Vec<BlockId>,
     /// Leading blocks of `block_table` already inserted in the prefix cache.
     pub(crate) num_inserted_blocks: usize,
@@ -119,6 +122,7 @@ impl Request {
             num_computed_tokens: 0,
             num_cached_tokens: 0,
             spec_token_ids: Vec::new(),
+            spec_parents: Vec::new(),
             block_table: Vec::new(),
             num_inserted_blocks: 0,
             cache_node: None,
@@ -157,6 +161,28 @@ impl Request {
     pub(crate) fn is_decoding(&self) -> bool {
         self.num_output_tokens() > 0
             && self.compute_limit().saturating_sub(self.num_computed_tokens) <= 1 + self.spec_token_ids.len()
+    }
+
+    /// Drops the drafts (tokens and tree).
+    pub(crate) fn clear_drafts(&mut self) {
+        self.spec_token_ids.clear();
+        self.spec_parents.clear();
+    }
+
+    /// Keeps the first `n` drafts (a tree's first drafts are a tree: parents come first).
+    pub(crate) fn truncate_drafts(&mut self, n: usize) {
+        self.spec_token_ids.truncate(n);
+        self.spec_parents.truncate(n);
+    }
+
+    /// Each draft's depth below the request's last token (1 for its children).
+    pub(crate) fn draft_depths(&self) -> Vec<usize> {
+        let mut depths: Vec<usize> = Vec::with_capacity(self.spec_token_ids.len());
+        for j in 0..self.spec_token_ids.len() {
+            let parent = self.spec_parents.get(j).map_or(j, |&p| p as usize);
+            depths.push(if parent == 0 { 1 } else { depths[parent - 1] + 1 });
+        }
+        depths
     }
 
     /// Queue key: lower sorts first.

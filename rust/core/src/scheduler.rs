@@ -170,7 +170,7 @@ impl Scheduler {
         child.hold_for_fork = false;
         child.order = self.next_order;
         self.next_order += 1;
-        child.spec_token_ids.clear();
+        child.clear_drafts();
         child.admitted_once = false;
         let can_run =
             parent.status == RequestStatus::Running && self.running.len() < self.config.max_num_seqs;
@@ -226,17 +226,44 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Sets the draft tokens to verify at the request's next step (replacing earlier ones).
-    /// Drafts past the request's token limit are dropped.
+    /// Sets the draft tokens to verify at the request's next step (replacing earlier ones), a
+    /// chain. Drafts past the request's token limit are dropped.
     pub fn set_spec_tokens(&mut self, id: RequestId, tokens: &[u32]) -> Result<()> {
+        self.set_spec_tree(id, tokens, &[])
+    }
+
+    /// Sets a token tree of drafts: draft `j`'s parent is `parents[j]`, 0 for the request's
+    /// last token or `i` (`1 <= i <= j`) for draft `i - 1`; empty `parents`: a chain. Drafts
+    /// are verified at once, each seeing only the tokens before its own path; the verification
+    /// keeps one path. Drafts past the request's token limit (counted by number, not depth) are
+    /// dropped.
+    pub fn set_spec_tree(&mut self, id: RequestId, tokens: &[u32], parents: &[u32]) -> Result<()> {
+        if !parents.is_empty() {
+            if parents.len() != tokens.len() {
+                return Err(request_err(
+                    "spec_parents",
+                    format!("{} parents for {} draft tokens", parents.len(), tokens.len()),
+                ));
+            }
+            if let Some(j) = parents.iter().enumerate().position(|(j, &p)| p as usize > j) {
+                return Err(request_err(
+                    "spec_parents",
+                    format!("draft {j}'s parent {} does not come before it", parents[j]),
+                ));
+            }
+        }
         let max_model_len = self.config.max_model_len;
         let slot = self.requests.slot_of(id).ok_or(CoreError::UnknownRequest(id))?;
         let req = &mut self.requests[slot];
         let limit = (req.num_prompt_tokens + req.max_tokens).min(max_model_len);
         let room = limit.saturating_sub(req.num_tokens());
-        req.spec_token_ids.clear();
+        req.clear_drafts();
         if req.status == RequestStatus::Running {
-            req.spec_token_ids.extend_from_slice(&tokens[..tokens.len().min(room)]);
+            let n = tokens.len().min(room);
+            req.spec_token_ids.extend_from_slice(&tokens[..n]);
+            if parents.iter().take(n).enumerate().any(|(j, &p)| p as usize != j) {
+                req.spec_parents.extend_from_slice(&parents[..n]);
+            }
         }
         Ok(())
     }

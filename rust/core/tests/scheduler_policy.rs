@@ -330,3 +330,51 @@ fn update_rejects_mismatched_results_and_keeps_the_step() {
     ));
     assert_eq!(s.update(&[7], &[1]).unwrap().num_appended, vec![1]);
 }
+
+#[test]
+fn a_token_tree_takes_slots_in_order_and_positions_by_depth() {
+    let mut c = config(32, 4, 64);
+    c.enable_prefix_caching = false;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request(req(1, vec![5, 6, 7], 16)).unwrap();
+    s.add_request(req(2, vec![8, 9], 16)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[10, 11], &[1, 1]).unwrap(); // tokens 5 6 7 10 and 8 9 11: both decode now
+                                           // Request 1's tree: 20 and 21 follow its last token, 22 follows 20, 23 follows 22, 24
+                                           // follows 21. Request 2 verifies a chain.
+    s.set_spec_tree(1, &[20, 21, 22, 23, 24], &[0, 0, 1, 3, 2]).unwrap();
+    s.set_spec_tokens(2, &[30, 31]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.input_ids, vec![10, 20, 21, 22, 23, 24, 11, 30, 31]);
+    assert_eq!(out.positions, vec![3, 4, 4, 5, 6, 5, 2, 3, 4]);
+    assert_eq!(out.tree_parents, vec![-1, 0, 0, 1, 3, 2, -1, 0, 1]);
+    let slots: Vec<i64> = out.slot_mapping[..6].iter().map(|&x| x % 4).collect();
+    assert_eq!(slots, vec![3, 0, 1, 2, 3, 0]); // one slot a row, in row order
+    assert_eq!(out.num_logits, vec![6, 3]);
+    // Request 1 keeps the path 20, 22 (its accepted KV is moved to slots 4 and 5 by the
+    // worker) and a bonus token; request 2 keeps nothing.
+    s.update(&[20, 22, 40, 50], &[3, 1]).unwrap();
+    let r = s.request(1).unwrap();
+    assert_eq!((r.num_tokens(), r.num_computed_tokens, r.spec_parents.len()), (7, 6, 0));
+    let out = s.schedule().unwrap();
+    assert!(out.tree_parents.is_empty(), "no tree this step");
+    assert_eq!(out.positions, vec![6, 3]);
+}
+
+#[test]
+fn a_tree_cut_by_the_budget_keeps_its_first_drafts_and_a_bad_tree_is_refused() {
+    let mut c = config(32, 4, 64);
+    c.enable_prefix_caching = false;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request(req(1, vec![5, 6, 7], 3)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[10], &[1]).unwrap();
+    let err = s.set_spec_tree(1, &[20, 21], &[0, 2]).unwrap_err();
+    assert!(err.to_string().contains("spec_parents"), "{err}");
+    assert!(s.set_spec_tree(1, &[20, 21], &[0]).is_err());
+    // Two more tokens may come: a tree of three drafts keeps two.
+    s.set_spec_tree(1, &[20, 21, 22], &[0, 0, 1]).unwrap();
+    assert_eq!(s.request(1).unwrap().spec_parents, vec![0, 0]);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.positions, vec![3, 4, 4]);
+}

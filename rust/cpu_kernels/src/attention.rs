@@ -10,7 +10,8 @@
 //! Layouts (row-major, f32): cache `[num_blocks, block_size, num_kv_heads, head_dim]` for keys
 //! and values alike; queries and output `[num_seqs, num_q_heads, head_dim]`; block tables
 //! `[num_seqs, table_width]`. Query head `h` reads kv head `h / (num_q_heads / num_kv_heads)`
-//! (grouped-query attention). A sequence of length 0 gets zeros.
+//! (grouped-query attention). A sequence of length 0 gets zeros. A sequence may hide some of
+//! its last 64 keys (`DecodeBatch::masks`: a token of a token tree sees its own path only).
 //!
 //! The kernel: checks, then each sequence in two passes over its rows. `decode_attention` runs
 //! on the calling thread; `decode_attention_on` splits the sequences into ranges of about equal
@@ -39,6 +40,9 @@ pub struct DecodeBatch<'a> {
     pub block_tables: &'a [i32],
     pub table_width: usize,
     pub seq_lens: &'a [i32],
+    /// Per sequence, which of its last 64 keys it sees: bit `b` for key `len - 1 - b` (older
+    /// keys are always seen). None: every key.
+    pub masks: Option<&'a [u64]>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -165,6 +169,9 @@ fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result
     if batch.queries.len() != num_seqs * hq * d || out.len() != batch.queries.len() {
         return shape(format!("queries and out must be [{num_seqs}, {hq}, {d}]"));
     }
+    if batch.masks.is_some_and(|m| m.len() != num_seqs) {
+        return shape(format!("masks must be [{num_seqs}]"));
+    }
     if batch.block_tables.len() != num_seqs * batch.table_width {
         return shape(format!("block_tables must be [{num_seqs}, {}]", batch.table_width));
     }
@@ -196,6 +203,8 @@ pub(crate) struct Sequence<'b> {
     pub row: usize,
     block_size: usize,
     table: &'b [i32],
+    /// Bit `b` clear: key `len - 1 - b` is hidden.
+    mask: u64,
 }
 
 impl<'b> Sequence<'b> {
@@ -215,7 +224,35 @@ impl<'b> Sequence<'b> {
             row: hkv * d,
             block_size: bs,
             table: &batch.block_tables[seq * batch.table_width..][..len.div_ceil(bs)],
+            mask: batch.masks.map_or(u64::MAX, |m| m[seq]),
         })
+    }
+
+    /// Before the softmax: one head's scores (`len` of them) with the hidden keys at minus
+    /// infinity, so that the maximum is over the seen keys.
+    #[inline(always)]
+    pub fn hide_scores(&self, head: &mut [f32]) {
+        self.for_hidden(|j| head[j] = f32::NEG_INFINITY);
+    }
+
+    /// After the softmax: the hidden keys' weights exactly zero (the softmax's exp clamps its
+    /// argument, which leaves them tiny, not zero).
+    #[inline(always)]
+    pub fn zero_hidden(&self, head: &mut [f32]) {
+        self.for_hidden(|j| head[j] = 0.0);
+    }
+
+    #[inline(always)]
+    fn for_hidden(&self, mut f: impl FnMut(usize)) {
+        let mut hidden = !self.mask;
+        while hidden != 0 {
+            let b = hidden.trailing_zeros() as usize;
+            if b >= self.len {
+                return;
+            }
+            f(self.len - 1 - b);
+            hidden &= hidden - 1;
+        }
     }
 
     /// (first position, the block's rows) of each page of `rows`, the cache's keys or values:
@@ -255,6 +292,7 @@ fn attend(seq: &Sequence<'_>, cache: &PagedCache<'_>, scale: f32, scores: &mut V
         }
     }
     for head in scores.chunks_exact_mut(len) {
+        seq.hide_scores(head);
         let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         for s in head.iter_mut() {
             *s = exp(*s - max);
@@ -263,6 +301,7 @@ fn attend(seq: &Sequence<'_>, cache: &PagedCache<'_>, scale: f32, scores: &mut V
         for s in head.iter_mut() {
             *s *= inv;
         }
+        seq.zero_hidden(head);
     }
     for (first, rows) in seq.pages(cache.values) {
         for (j, values) in rows.chunks_exact(row).enumerate() {
@@ -296,6 +335,7 @@ mod tests {
             block_tables: &tables,
             table_width: 3,
             seq_lens: &lens,
+            masks: Some(&[u64::MAX, 0b1011, !0b110]),
         };
         let (mut portable, mut dispatched) = (vec![0.0; queries.len()], vec![0.0; queries.len()]);
         run_sequences_portable(&cache, &batch, 0.3, 0..lens.len(), &mut portable);

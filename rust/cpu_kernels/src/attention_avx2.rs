@@ -87,7 +87,9 @@ unsafe fn attend_with<const V: usize, const U: usize>(
         }
     }
     for head in scores.chunks_exact_mut(len) {
+        seq.hide_scores(head);
         softmax(head);
+        seq.zero_hidden(head);
     }
     for (first, values) in seq.pages(cache.values) {
         let n = values.len() / row;

@@ -40,6 +40,8 @@ pub struct RowLayout<'a> {
     pub block_tables: &'a [i32],
     pub table_width: usize,
     pub seq_lens: &'a [i32],
+    /// Keys each row hides (`DecodeBatch::masks`); None: none.
+    pub masks: Option<&'a [u64]>,
     pub cos: &'a [f32],
     pub sin: &'a [f32],
 }
@@ -156,6 +158,7 @@ pub fn layer_from_attention_input_on(
         block_tables: rows.block_tables,
         table_width: rows.table_width,
         seq_lens: rows.seq_lens,
+        masks: rows.masks,
     };
     let mut attended = vec![0.0f32; n * qd];
     decode_attention_on(pool, &paged, &batch, scale, &mut attended)?;

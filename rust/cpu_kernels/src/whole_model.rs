@@ -279,6 +279,7 @@ impl Layout {
             block_tables: &self.tables,
             table_width: self.width,
             seq_lens: &self.seq_lens,
+            masks: None,
             cos: &self.cos,
             sin: &self.sin,
         }

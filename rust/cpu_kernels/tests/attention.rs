@@ -7,12 +7,14 @@ use pyserve_cpu_kernels::{
     decode_attention, decode_attention_on, AttentionError, DecodeBatch, ForkJoin, PagedCache,
 };
 
+#[derive(Clone)]
 struct Case {
     keys: Vec<f32>,
     values: Vec<f32>,
     queries: Vec<f32>,
     tables: Vec<i32>,
     lens: Vec<i32>,
+    masks: Option<Vec<u64>>,
     width: usize,
     bs: usize,
     hkv: usize,
@@ -40,6 +42,7 @@ fn case(lens: &[i32], bs: usize, hkv: usize, hq: usize, d: usize, seed: u64) -> 
         queries: rng.vec(lens.len() * hq * d),
         tables,
         lens: lens.to_vec(),
+        masks: None,
         width,
         bs,
         hkv,
@@ -61,6 +64,7 @@ fn run_on(pool: Option<&dyn ForkJoin>, c: &Case, scale: f32) -> Result<Vec<f32>,
         block_tables: &c.tables,
         table_width: c.width,
         seq_lens: &c.lens,
+        masks: c.masks.as_deref(),
     };
     let mut out = vec![f32::NAN; c.queries.len()];
     match pool {
@@ -80,9 +84,16 @@ fn dense(c: &Case, scale: f32) -> Vec<f64> {
                 let block = c.tables[s * c.width + t / c.bs] as usize;
                 ((block * c.bs + t % c.bs) * c.hkv + h) * c.d
             };
+            let mask = c.masks.as_ref().map_or(u64::MAX, |m| m[s]);
+            let seen = |t: usize| len as usize - 1 - t >= 64 || mask >> (len as usize - 1 - t) & 1 == 1;
             let scores: Vec<f64> = (0..len as usize)
                 .map(|t| {
-                    (0..c.d).map(|i| q[i] as f64 * c.keys[row(t) + i] as f64).sum::<f64>() * scale as f64
+                    let dot = (0..c.d).map(|i| q[i] as f64 * c.keys[row(t) + i] as f64).sum::<f64>();
+                    if seen(t) {
+                        dot * scale as f64
+                    } else {
+                        f64::NEG_INFINITY
+                    }
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -111,6 +122,21 @@ fn grouped_query_heads_over_shuffled_pages_match_dense_attention() {
     assert_close(&out, &dense(&c, 0.25));
     let hq_d = c.hq * c.d;
     assert!(out[hq_d..2 * hq_d].iter().all(|&x| x == 0.0), "an empty sequence gets zeros");
+}
+
+#[test]
+fn hidden_keys_get_no_weight() {
+    // A token tree's rows: each sees the keys before the tree and its own path. Masks over 70
+    // and 3 keys (older keys always seen), one hiding every key but its own, one seeing all.
+    for d in [8, 12, 64] {
+        let mut c = case(&[70, 3, 20, 9], 16, 2, 4, d, 5 + d as u64);
+        c.masks = Some(vec![!0b0110_1010u64 | 1, 0b101, 1 << 63 | 1, u64::MAX]);
+        let out = run(&c, 0.3).unwrap();
+        assert_close(&out, &dense(&c, 0.3));
+        let mut plain = c.clone();
+        plain.masks = None;
+        assert_ne!(out, run(&plain, 0.3).unwrap(), "the masks changed something");
+    }
 }
 
 #[test]

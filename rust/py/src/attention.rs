@@ -14,11 +14,13 @@ use crate::openmp;
 
 /// q [num_seqs, num_q_heads, head_dim] f32; k_cache, v_cache [num_blocks, block_size,
 /// num_kv_heads, head_dim] f32; block_tables [num_seqs, width] int32; seq_lens [num_seqs] int32
-/// (keys per sequence, the new one included); `out` like q, overwritten. ValueError names the
+/// (keys per sequence, the new one included); `out` like q, overwritten; `masks` [num_seqs]
+/// uint64 or None: bit b clear hides a sequence's key `len - 1 - b` (a token tree's rows see
+/// their own path only). ValueError names the
 /// argument at fault. With `threads` > 1 the sequences are spread over the calling thread's
 /// OpenMP team (torch's), where one is loaded.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads=1))]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads=1, masks=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -30,6 +32,7 @@ pub fn paged_decode_attention(
     scale: f32,
     mut out: PyReadwriteArray3<'_, f32>,
     threads: usize,
+    masks: Option<PyReadonlyArray1<'_, u64>>,
 ) -> PyResult<()> {
     let cache_shape = k_cache.shape().to_vec();
     if v_cache.shape() != cache_shape.as_slice() {
@@ -66,6 +69,7 @@ pub fn paged_decode_attention(
         block_tables: contiguous("block_tables", &block_tables)?,
         table_width,
         seq_lens: contiguous("seq_lens", &seq_lens)?,
+        masks: masks.as_ref().map(|m| contiguous("masks", m)).transpose()?,
     };
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| openmp::on_team(threads, |pool| decode_attention_on(pool, &cache, &batch, scale, out)))

@@ -55,11 +55,13 @@ pub fn check_cache(k: &[usize], v: &[usize], kv_heads: usize, head_dim: usize) -
 /// 4-bit); `qkv` has q's then k's then v's outputs
 /// and `gate_up` gate's then up's. k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
 /// per row: slots [rows] int64, block_tables [rows, width] int32, seq_lens [rows] int32 (keys
-/// with the row's own), cos, sin [rows, head_dim]. ValueError names what is at fault. With
+/// with the row's own), cos, sin [rows, head_dim]; masks [rows] uint64 or None (keys a row
+/// hides, as `paged_decode_attention` takes them). ValueError names what is at fault. With
 /// `threads` > 1 the linears and attention run on the calling thread's OpenMP team (torch's).
 #[pyfunction]
 #[pyo3(signature = (x, input_norm, qkv, o, post_norm, gate_up, down, eps, heads, head_dim,
-                    kv_heads, k_cache, v_cache, slots, block_tables, seq_lens, cos, sin, scale, threads=1))]
+                    kv_heads, k_cache, v_cache, slots, block_tables, seq_lens, cos, sin, scale, threads=1,
+                    masks=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn decoder_layer(
     py: Python<'_>,
@@ -83,6 +85,7 @@ pub fn decoder_layer(
     sin: PyReadonlyArray2<'_, f32>,
     scale: f32,
     threads: usize,
+    masks: Option<PyReadonlyArray1<'_, u64>>,
 ) -> PyResult<()> {
     let cache_shape = check_cache(k_cache.shape(), v_cache.shape(), kv_heads, head_dim)?;
     let layer = (input_norm, qkv, o, post_norm, gate_up, down, eps);
@@ -92,6 +95,7 @@ pub fn decoder_layer(
         table_width: block_tables.shape()[1],
         block_tables: contiguous("block_tables", &block_tables)?,
         seq_lens: contiguous("seq_lens", &seq_lens)?,
+        masks: masks.as_ref().map(|m| contiguous("masks", m)).transpose()?,
         cos: contiguous("cos", &cos)?,
         sin: contiguous("sin", &sin)?,
     };

@@ -7,7 +7,8 @@ use pyo3::types::{PyDict, PyList};
 use pyserve_core::{FinishReason, SchedulerOutput, UpdateResult};
 
 /// One step's plan and flat inputs. Arrays: `req_ids` (uint64), per-request int32 arrays,
-/// per-token `input_ids` (int32), `positions` and `slot_mapping` (int64), `block_tables`
+/// per-token `input_ids` (int32), `positions` and `slot_mapping` (int64), `tree_parents`
+/// (int32; empty unless a request verifies a token tree), `block_tables`
 /// (int32, `[num_reqs, width]`, padded with 0), `block_copies` (int32, `[m, 2]`).
 #[pyclass(name = "SchedulerOutput", module = "pyserve._core", frozen, get_all)]
 pub struct PySchedulerOutput {
@@ -23,6 +24,7 @@ pub struct PySchedulerOutput {
     input_ids: Py<PyArray1<i32>>,
     positions: Py<PyArray1<i64>>,
     slot_mapping: Py<PyArray1<i64>>,
+    tree_parents: Py<PyArray1<i32>>,
     block_tables: Py<PyArray2<i32>>,
     block_copies: Py<PyArray2<i32>>,
     preempted_req_ids: Py<PyArray1<u64>>,
@@ -53,6 +55,7 @@ impl PySchedulerOutput {
             input_ids: out.input_ids.into_pyarray(py).unbind(),
             positions: out.positions.into_pyarray(py).unbind(),
             slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
+            tree_parents: out.tree_parents.into_pyarray(py).unbind(),
             block_tables: matrix(py, out.block_tables, out.block_table_width)?,
             block_copies: matrix(py, out.block_copies, 2)?,
             preempted_req_ids: out.preempted_req_ids.into_pyarray(py).unbind(),

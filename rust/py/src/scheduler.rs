@@ -138,10 +138,22 @@ impl PyScheduler {
         self.inner.abort(request_id).map_err(to_py)
     }
 
-    /// Draft tokens to verify at the request's next step.
-    fn set_spec_tokens(&mut self, request_id: u64, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Draft tokens to verify at the request's next step: a chain, or with `parents` a token
+    /// tree (draft j follows the request's last token where `parents[j]` is 0, else draft
+    /// `parents[j] - 1`).
+    #[pyo3(signature = (request_id, token_ids, parents=None))]
+    fn set_spec_tokens(
+        &mut self,
+        request_id: u64,
+        token_ids: &Bound<'_, PyAny>,
+        parents: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let tokens = parse_token_ids("spec_token_ids", token_ids)?;
-        self.inner.set_spec_tokens(request_id, &tokens).map_err(to_py)
+        let parents = match parents {
+            Some(obj) => parse_token_ids("spec_parents", obj)?,
+            None => Vec::new(),
+        };
+        self.inner.set_spec_tree(request_id, &tokens, &parents).map_err(to_py)
     }
 
     /// Up to `k` draft tokens for the request from n-gram lookup in its own tokens (not set).

@@ -97,7 +97,7 @@ impl Scheduler {
                 }
                 let req = &mut self.requests[slot];
                 let num_spec = (start + num_new).saturating_sub(req.num_tokens());
-                req.spec_token_ids.truncate(num_spec);
+                req.truncate_drafts(num_spec);
                 let num_logits = if reaches_end { 1 + num_spec } else { 0 };
                 let s = ScheduledRequest {
                     id: req.id,
@@ -229,7 +229,7 @@ impl Scheduler {
                     result.first_outputs.push((s.id, req.num_cached_tokens));
                 }
                 req.num_computed_tokens -= s.num_spec_tokens + 1 - n;
-                req.spec_token_ids.clear();
+                req.clear_drafts();
                 for &token in tokens {
                     result.token_ids.push(token);
                     result.sampled_index.push((offset - n + appended) as u32);
@@ -307,7 +307,7 @@ impl Scheduler {
         preempted.push(req.id);
         self.kv.free(req);
         req.num_computed_tokens = 0;
-        req.spec_token_ids.clear();
+        req.clear_drafts();
         req.status = RequestStatus::Preempted;
         req.num_preemptions += 1;
         req.order = self.next_head_order;
