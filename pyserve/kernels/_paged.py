@@ -30,10 +30,12 @@ def load_kv_tile(
 @triton.jit
 def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     """Folds one tile of scores `s` (log2 domain, [rows, BLOCK_N]) and values `v` into the running
-    row max `m_i`, exp-sum `l_i` and output accumulator `acc` of a streaming softmax."""
+    row max `m_i`, exp-sum `l_i` and output accumulator `acc` of a streaming softmax. A row
+    whose scores so far are all -inf (masked) keeps l_i and acc at zero."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -6,6 +6,8 @@ Layouts:
   block_tables:       int32 [num_seqs, max_blocks], padded with 0
   seq_lens:           int32 [num_seqs], context length including this step's token
   out:                [num_seqs, num_q_heads, head_dim], q's dtype
+  masks (optional):   int64 [num_seqs], uint64 bits: bit b clear hides key seq_lens[i]-1-b (a token
+                      tree's row sees the keys before the tree and its own path only)
 Query i attends to the keys at positions 0 .. seq_lens[i]-1 of its sequence; key position p lives
 in block block_tables[i, p // block_size] at offset p % block_size. GQA: q head h reads kv head
 h // (num_q_heads // num_kv_heads). A sequence with seq_lens[i] == 0 (batch padding) gets zeros.
@@ -56,7 +58,7 @@ STAGE2_RUNTIME = ("num_splits", "stride_mo_seq", "stride_mo_head", "stride_mo_sp
 @triton.jit(do_not_specialize=STAGE1_RUNTIME)
 def _decode_stage1_kernel(
     # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, masks_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     # sizes
     num_q_heads, head_dim, block_size, max_blocks, num_splits, scale_log2,
     # strides
@@ -69,13 +71,15 @@ def _decode_stage1_kernel(
     stride_out_seq, stride_out_head,
     # meta-parameters
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, HAS_MASKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    if HAS_MASKS:
+        hidden_bits = tl.load(masks_ptr + seq)
     # Each split covers a whole number of BLOCK_N tiles; short sequences leave late splits empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -101,8 +105,12 @@ def _decode_stage1_kernel(
         )
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_MASKS:  # key seq_len-1-b is seen where bit b is set (b >= 64: always)
+            back = seq_len - 1 - pos
+            n_mask = n_mask & ((back >= 64) | (((hidden_bits >> tl.minimum(back, 63)) & 1) != 0))
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key (tile < end), so the running max stays finite.
+        # A tile whose keys are all masked leaves the running sums as they were (see
+        # online_softmax_update); a split whose keys all are has l_i == 0 (an empty split).
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     # Empty split: l_i == 0 -> lse == -inf, o == 0; stage 2 gives it weight 0.
@@ -209,7 +217,7 @@ def multiprocessor_count(device: torch.device) -> int:
     return CPU_SMS
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits):
+def _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits, masks=None):
     check_tensor("q", q, 3, FLOAT_DTYPES)
     check_kv_cache("q", q, k_cache, v_cache)
     check_tensor("block_tables", block_tables, 2, (torch.int32,), q.device)
@@ -220,6 +228,9 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits):
     check_shape("seq_lens", seq_lens, (q.shape[0],))
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if masks is not None:
+        check_tensor("masks", masks, 1, (torch.int64,), q.device)
+        check_shape("masks", masks, (q.shape[0],))
 
 
 def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms):
@@ -231,14 +242,14 @@ def choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None,
-                           workspace: DecodeWorkspace | None = None):
+                           workspace: DecodeWorkspace | None = None, masks: torch.Tensor | None = None):
     """softmax(q K^T * scale) V per sequence and q head, keys read through block_tables.
 
     NOTE: with num_splits=None the split count comes from the block table's width
     (max_blocks * block_size bounds every seq_len), so the launch never syncs with the device.
     Without `workspace` the partial results are allocated for this call.
     """
-    _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits, masks)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_blocks = block_tables.shape[1]
@@ -254,7 +265,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     launch(
         _decode_stage1_kernel, (num_seqs, num_kv_heads, num_splits), STAGE1_RUNTIME,
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
-        mid_o_ptr=mid_o, mid_lse_ptr=mid_lse, out_ptr=out,
+        masks_ptr=masks if masks is not None else seq_lens, mid_o_ptr=mid_o, mid_lse_ptr=mid_lse, out_ptr=out,
         num_q_heads=num_q_heads, head_dim=head_dim, block_size=block_size, max_blocks=max_blocks,
         num_splits=num_splits, scale_log2=float(scale) * LOG2E,
         stride_q_seq=q.stride(0), stride_q_head=q.stride(1),
@@ -266,6 +277,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
         stride_out_seq=out.stride(0), stride_out_head=out.stride(1),
         GROUP=group, BLOCK_G=max(MIN_GROUP, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=num_splits == 1,
+        HAS_MASKS=masks is not None,
     )
     if num_splits > 1:
         launch(
@@ -281,12 +293,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                               num_splits=None):
+                               num_splits=None, masks=None):
     """Torch reference and CPU backend: gather every sequence's keys, padded to the longest, with
     one index op, and run scaled_dot_product_attention (fp32) with the padding masked.
     `num_splits` is accepted and ignored."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits)
-    layout = decode_layout(block_tables, seq_lens, k_cache.shape[1])
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_splits, masks)
+    layout = decode_layout(block_tables, seq_lens, k_cache.shape[1], masks=masks)
     return decode_attention_with_layout(q, k_cache, v_cache, layout, scale)
 
 
@@ -299,9 +311,9 @@ class DecodeLayout(NamedTuple):
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # gather buffers for K and V, or None
 
 
-def decode_layout(block_tables, seq_lens, block_size, cache=None) -> DecodeLayout:
+def decode_layout(block_tables, seq_lens, block_size, cache=None, masks=None) -> DecodeLayout:
     """The step's layout; with `cache` (a layer's K cache), also the gather buffers every layer
-    reuses."""
+    reuses; `masks` (int64 [num_seqs] or None) hide keys as the kernel's do."""
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     num_pages = (max_len + block_size - 1) // block_size
     if num_pages > block_tables.shape[1]:
@@ -309,6 +321,8 @@ def decode_layout(block_tables, seq_lens, block_size, cache=None) -> DecodeLayou
                          f"{block_tables.shape[1]} blocks of {block_size}")
     pages = block_tables[:, :num_pages].long()
     valid = torch.arange(max_len, device=seq_lens.device) < seq_lens[:, None]
+    if masks is not None:
+        valid = valid & seen_keys(seq_lens, masks, max_len)
     if max_len and bool(valid.all()):
         valid = None  # as transformers: no mask when no key is padding (same result, less work)
     scratch = None
@@ -316,6 +330,14 @@ def decode_layout(block_tables, seq_lens, block_size, cache=None) -> DecodeLayou
         shape = (pages.numel(), *cache.shape[1:])
         scratch = (cache.new_empty(shape), cache.new_empty(shape))
     return DecodeLayout(pages, valid, max_len, scratch)
+
+
+def seen_keys(seq_lens: torch.Tensor, masks: torch.Tensor, max_len: int) -> torch.Tensor:
+    """bool [num_seqs, max_len]: the keys each sequence's mask leaves seen (bit b of masks[i] for
+    key seq_lens[i] - 1 - b; keys 64 or more back are always seen)."""
+    back = seq_lens.long()[:, None] - 1 - torch.arange(max_len, device=seq_lens.device)
+    bits = (masks.long()[:, None] >> back.clamp(0, 63)) & 1
+    return (back >= 64) | (back < 0) | (bits == 1)
 
 
 def decode_attention_with_layout(q, k_cache, v_cache, layout: DecodeLayout, scale):

@@ -5,6 +5,8 @@ that attends decode rows and short queries with the pages read in place; `triton
 kernels (the CUDA path). Both take the same paged arguments, so the model never branches on the
 device. Each forward first writes the step's new K/V through the slot mapping, then attends
 through the block tables; a batch where every sequence has one query token takes the decode kernel.
+A sequence verifying a token tree attends as decode rows, one per token, each hiding the tree's
+tokens off its own path (`AttentionMetadata.tree_masks`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class AttentionMetadata:
     query_start_loc_host: np.ndarray  # the same, on the host
     all_decode: bool
     slots_valid: bool = True  # no negative (padding) slot in slot_mapping
+    # Where a sequence verifies a token tree: per token, the keys of its last 64 it hides
+    # (uint64, bit b for key seq_len - 1 - b; see tree_masks), and per sequence whether it is a
+    # tree. None: no tree this step.
+    tree_masks: np.ndarray | None = None
+    tree_seqs: np.ndarray | None = None
     torch_plan: TorchPlan | None = None  # the torch backend's per-step layout, built by its first layer
     triton_plan: TritonPlan | None = None  # the triton backend's, for a step that is not all decode
 
@@ -44,8 +51,14 @@ class AttentionMetadata:
         seq_lens: np.ndarray,
         query_start_loc: np.ndarray,
         device: torch.device,
+        tree_parents: np.ndarray | None = None,
     ) -> AttentionMetadata:
+        """`tree_parents`: the scheduler's (per token, the row of its request's tokens it
+        follows, -1 for the first; empty or None without a tree)."""
         query_lens = np.diff(query_start_loc)
+        masks = seqs = None
+        if tree_parents is not None and len(tree_parents):
+            masks, seqs = tree_masks(tree_parents, query_start_loc)
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
@@ -59,7 +72,27 @@ class AttentionMetadata:
             query_start_loc=dev(query_start_loc),
             query_start_loc_host=query_start_loc,
             all_decode=bool((query_lens == 1).all()),
+            tree_masks=masks,
+            tree_seqs=seqs,
         )
+
+
+def tree_masks(tree_parents: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(uint64 per token: the keys among its last 64 a token sees, bit b for the key b rows back;
+    bool per sequence: its tokens are not a chain). A token sees every key before its sequence's
+    first row of the step and its chain of parents: its mask is its parent's shifted by the rows
+    between them, plus itself (a chain's rows see everything)."""
+    masks = np.full(len(tree_parents), np.uint64(2**64 - 1), dtype=np.uint64)
+    rows = np.arange(len(tree_parents)) - np.repeat(query_start_loc[:-1], np.diff(query_start_loc))
+    off_chain = tree_parents != rows - 1
+    seqs = np.zeros(len(query_start_loc) - 1, dtype=bool)
+    for seq in np.unique(np.searchsorted(query_start_loc, np.flatnonzero(off_chain), side="right") - 1):
+        seqs[seq] = True
+        first = int(query_start_loc[seq])
+        for j, parent in enumerate(tree_parents[first : int(query_start_loc[seq + 1])].tolist()):
+            if parent >= 0:
+                masks[first + j] = (int(masks[first + parent]) << (j - parent) | 1) & (2**64 - 1)
+    return masks, seqs
 
 
 class AttentionBackend:
@@ -99,6 +132,7 @@ class InPlaceDecode:
 
     block_tables: np.ndarray  # int32 [rows, width], C-contiguous
     seq_lens: np.ndarray  # int32 [rows]
+    masks: np.ndarray | None = None  # uint64 [rows]: keys each row hides (a token tree's rows)
 
 
 @dataclass(slots=True)
@@ -125,12 +159,15 @@ class TorchPlan:
         q_lens = np.diff(qsl)
         dec = None
         dec_tokens = None
-        dec_seqs = np.flatnonzero(q_lens == 1)
+        as_rows = (q_lens == 1) | _trees(meta)
+        dec_seqs = np.flatnonzero(as_rows)
         if len(dec_seqs):
-            rows = _on(meta, dec_seqs)
-            dec = _decode_groups(meta.block_tables[rows], meta.seq_lens[rows], meta.seq_lens_host[dec_seqs], k_cache)
-            dec_tokens = _on(meta, _query_rows(qsl, dec_seqs)[0])
-        ext, ext_tokens = _extend_plan(meta, np.flatnonzero(q_lens != 1), k_cache.shape[1])
+            rows, seq_of_row, row_lens = _decode_rows(meta, dec_seqs)
+            masks = None if meta.tree_masks is None else _on(meta, meta.tree_masks[rows].view(np.int64))
+            dec = _decode_groups(meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), row_lens, k_cache,
+                                 masks)
+            dec_tokens = _on(meta, rows)
+        ext, ext_tokens = _extend_plan(meta, np.flatnonzero(~as_rows), k_cache.shape[1])
         return cls(keep, dec, dec_tokens, ext, ext_tokens if dec is not None else None)
 
     @classmethod
@@ -142,15 +179,22 @@ class TorchPlan:
             return cls(keep, InPlaceDecode(tables, meta.seq_lens_host.astype(np.int32, copy=False)), None, None, None)
         qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
-        short = q_lens <= extend.SHORT_QUERY
+        short = (q_lens <= extend.SHORT_QUERY) | _trees(meta)
         rows, seq_of_row, row_lens = _decode_rows(meta, np.flatnonzero(short))
         dec = None
         if len(rows):
-            dec = InPlaceDecode(np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row]), row_lens)
+            masks = None if meta.tree_masks is None else meta.tree_masks[rows]
+            dec = InPlaceDecode(np.ascontiguousarray(meta.block_tables.numpy(force=True)[seq_of_row]), row_lens, masks)
         if short.all():
             return cls(keep, dec, None, None, None)
         ext, ext_tokens = _extend_plan(meta, np.flatnonzero(~short), k_cache.shape[1])
         return cls(keep, dec, torch.from_numpy(rows) if dec is not None else None, ext, ext_tokens)
+
+
+def _trees(meta: AttentionMetadata) -> np.ndarray | bool:
+    """Per sequence, whether it verifies a token tree (its rows attend as decode rows whatever
+    their number)."""
+    return False if meta.tree_seqs is None else meta.tree_seqs
 
 
 def _decode_rows(meta: AttentionMetadata, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -189,17 +233,19 @@ def _extend_plan(meta: AttentionMetadata, seqs: np.ndarray, block_size: int):
     return layout, _on(meta, rows)
 
 
-def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache) -> DecodeGroups:
-    """Decode layouts (with gather buffers every layer reuses) per group of similar lengths."""
+def _decode_groups(block_tables, seq_lens, seq_lens_host, k_cache, masks=None) -> DecodeGroups:
+    """Decode layouts (with gather buffers every layer reuses) per group of similar lengths;
+    `masks` (int64 per row or None) hide keys as decode_layout takes them."""
     block_size = k_cache.shape[1]
     groups = length_groups(seq_lens_host, 2 * k_cache.shape[2] * k_cache.shape[3])
     if groups is None:
-        return [(None, decode.decode_layout(block_tables, seq_lens, block_size, k_cache))]
+        return [(None, decode.decode_layout(block_tables, seq_lens, block_size, k_cache, masks))]
     plan = []
     for rows in groups:
         rows = torch.from_numpy(rows).to(block_tables.device)
         plan.append((rows, decode.decode_layout(block_tables.index_select(0, rows), seq_lens.index_select(0, rows),
-                                                block_size, k_cache)))
+                                                block_size, k_cache,
+                                                None if masks is None else masks.index_select(0, rows))))
     return plan
 
 
@@ -209,7 +255,8 @@ def _decode_attention(q, k_cache, v_cache, plan: InPlaceDecode | DecodeGroups, s
     if isinstance(plan, InPlaceDecode):
         out = torch.empty(q.shape, dtype=q.dtype)
         _core.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), plan.block_tables,
-                                     plan.seq_lens, scale, out.numpy(), threads=torch.get_num_threads())
+                                     plan.seq_lens, scale, out.numpy(), threads=torch.get_num_threads(),
+                                     masks=plan.masks)
         return out
     if plan[0][0] is None:
         return decode.decode_attention_with_layout(q, k_cache, v_cache, plan[0][1], scale)
@@ -273,19 +320,21 @@ class TritonPlan:
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     extend_tiles: torch.Tensor  # int32 [num_tiles, 2]
+    decode_masks: torch.Tensor | None = None  # int64 per decode row: keys a tree's row hides
 
     @classmethod
     def build(cls, meta: AttentionMetadata, group: int) -> TritonPlan:
         """`group`: q heads per KV head (the extend kernel's tiles depend on it)."""
         qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
-        short = q_lens <= SPLIT_K_QUERY
+        short = (q_lens <= SPLIT_K_QUERY) | _trees(meta)
         tiles = _on(meta, extend.extend_tiles(qsl, group, np.flatnonzero(~short)))
         seqs = np.flatnonzero(short)
         if not len(seqs):
             return cls(None, None, None, tiles)
         rows, seq_of_row, row_lens = _decode_rows(meta, seqs)
-        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), tiles)
+        masks = None if meta.tree_masks is None else _on(meta, meta.tree_masks[rows].view(np.int64))
+        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), tiles, masks)
 
 
 class TritonBackend(AttentionBackend):
@@ -311,8 +360,9 @@ class TritonBackend(AttentionBackend):
         lens = torch.ones(2, dtype=torch.int32, device=dev)
         kv_write.write_kv_cache(k, k, k_cache, v_cache, torch.full((2,), -1, dtype=torch.int64, device=dev))
         for splits in (1, 2):
-            decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=splits,
-                                          workspace=self.workspace)
+            for masks in (None, torch.full((2,), -1, dtype=torch.int64, device=dev)):  # a tree's rows: masked
+                decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=splits,
+                                              workspace=self.workspace, masks=masks)
         qsl = np.arange(3, dtype=np.int32)
         extend.extend_attention(q, k_cache, v_cache, tables, torch.from_numpy(qsl).to(dev), lens, 1.0,
                                 tiles=_on_device(extend.extend_tiles(qsl, num_q_heads // num_kv_heads), dev))
@@ -330,7 +380,7 @@ class TritonBackend(AttentionBackend):
         if plan.decode_tokens is not None:
             out[plan.decode_tokens] = decode.paged_decode_attention(
                 q[plan.decode_tokens], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, scale,
-                workspace=self.workspace)
+                workspace=self.workspace, masks=plan.decode_masks)
         return out
 
 

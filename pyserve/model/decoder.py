@@ -253,7 +253,7 @@ class CausalLM(nn.Module):
                 attn = layer.self_attn
                 _core.decoder_layer(x_np, *layer.kernel_weights, attn.num_heads, attn.head_dim, attn.num_kv_heads,
                                     k_cache.numpy(), v_cache.numpy(), slots, rows.block_tables, rows.seq_lens,
-                                    cos, sin, attn.scale, threads=threads)
+                                    cos, sin, attn.scale, threads=threads, masks=rows.masks)
         else:
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
                 if i in self.aux_layer_ids:

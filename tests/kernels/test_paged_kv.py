@@ -146,6 +146,27 @@ def test_extend_ref_matches_dense_causal_attention(num_q_heads, num_kv_heads, se
         torch.testing.assert_close(out[rows].cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
+def tree_masks_for(seq_lens):
+    """Masks as a token tree's rows carry them: sequence i hides some of its last keys (bit b
+    for key len-1-b), never its own; the last sequence sees all."""
+    masks = [~0b0110 & ~(1 << 9), ~0b1, ~(0b1011 << 1), -1]
+    return torch.tensor(masks[: len(seq_lens)], dtype=torch.int64, device=DEVICE)
+
+
+def test_decode_ref_with_masks_matches_dense_attention_over_the_seen_keys():
+    k_cache, v_cache, tables, dense = make_paged_kv(SEQ_LENS, 2, torch.float32)
+    q = randn(len(SEQ_LENS), 4, HEAD_DIM, dtype=torch.float32)
+    masks = tree_masks_for(SEQ_LENS)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(SEQ_LENS), 0.25, masks=masks)
+    for i, (k, v) in enumerate(dense):
+        n = len(k)
+        seen = [t for t in range(n) if n - 1 - t >= 64 or (int(masks[i]) >> (n - 1 - t)) & 1]
+        want = dense_attention(q[i:i + 1].cpu(), k[seen], v[seen], [len(seen) - 1], 0.25)
+        torch.testing.assert_close(out[i:i + 1].cpu().double(), want, atol=1e-5, rtol=1e-5)
+    plain = paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(SEQ_LENS), 0.25)
+    assert not torch.allclose(out[0], plain[0]), "the mask hid nothing"
+
+
 # --- Triton launchers against the references ------------------------------------------------
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 20])  # 20: stage 2 merges two chunks of 16
@@ -156,6 +177,19 @@ def test_paged_decode_attention_matches_ref(num_q_heads, num_kv_heads, num_split
     args = (q, k_cache, v_cache, tables, i32(SEQ_LENS), HEAD_DIM**-0.5)
     out = paged_decode_attention(*args, num_splits=num_splits)
     torch.testing.assert_close(out, paged_decode_attention_ref(*args), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_attention_with_masks_matches_ref(num_splits):
+    # 40 keys in splits of 32 (num_splits=3 leaves the middle split's keys 32..39 with some
+    # hidden), and a mask hiding a whole tile's worth of keys in one sequence.
+    lens = [40, 7, 64, 16]
+    k_cache, v_cache, tables, _ = make_paged_kv(lens, 2, torch.float32)
+    q = randn(len(lens), 4, HEAD_DIM, dtype=torch.float32)
+    masks = torch.tensor([~(0xFFFF_FFFF << 1), ~0b110, 1, -1], dtype=torch.int64, device=DEVICE)
+    args = (q, k_cache, v_cache, tables, i32(lens), HEAD_DIM**-0.5)
+    out = paged_decode_attention(*args, num_splits=num_splits, masks=masks)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args, masks=masks), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])

@@ -17,7 +17,7 @@ from pyserve.model.attention import AttentionMetadata, InPlaceDecode, TorchBacke
 BLOCK, HKV, HQ, D = 4, 2, 4, 8
 
 
-def _paged_batch(seq_lens, q_lens, seed=0, num_blocks=None):
+def _paged_batch(seq_lens, q_lens, seed=0, num_blocks=None, tree_parents=None):
     """A random paged cache (of `num_blocks`, default just enough) holding every sequence's
     context, and the step's layout: each sequence's last `q_lens[i]` positions are this step's
     queries."""
@@ -34,7 +34,7 @@ def _paged_batch(seq_lens, q_lens, seed=0, num_blocks=None):
         slots += [tables[i, p // BLOCK] * BLOCK + p % BLOCK for p in range(n - q, n)]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = AttentionMetadata.build(np.array(slots, dtype=np.int64), tables, np.array(seq_lens, dtype=np.int32),
-                                   qsl, torch.device("cpu"))
+                                   qsl, torch.device("cpu"), tree_parents)
     n = int(qsl[-1])
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
     return q, k, v, k_cache, v_cache, meta, torch.from_numpy(tables)
@@ -77,6 +77,65 @@ def test_cpu_kernel_matches_the_reference_in_decode_and_mixed_batches(q_lens, ke
     assert len(meta.torch_plan.decode.seq_lens) == kernel_rows
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(kernel_caches[0], kc)  # both wrote the step's keys to the same slots
+
+
+# Sequence 1 verifies a token tree of 11 rows (its last token, then drafts: rows 1 and 2 follow
+# row 0, 3 follows 1, 4 follows 3, 5 follows 2, 6..10 follow 1): longer than a short query, it
+# still attends as decode rows. The others: a decode, a chain of drafts, a prefill chunk.
+TREE = [-1, 0, 0, 1, 3, 2, 1, 1, 1, 1, 1]
+STEP_Q_LENS = [1, len(TREE), 4, 30]
+STEP_SEQ_LENS = [9, 40, 17, 45]
+
+
+def _tree_step(seed=4):
+    parents = np.concatenate([[-1], TREE, np.arange(4) - 1, np.arange(30) - 1]).astype(np.int32)
+    return _paged_batch(STEP_SEQ_LENS, STEP_Q_LENS, seed=seed, tree_parents=parents)
+
+
+def test_tree_masks_see_the_keys_before_the_tree_and_the_own_path():
+    *_, meta, _ = _tree_step()
+    masks = meta.tree_masks[1:12]
+    assert meta.tree_seqs.tolist() == [False, True, False, False]
+    bits = lambda m, n: [(int(m) >> b) & 1 for b in range(n)]  # noqa: E731
+    assert bits(masks[0], 4) == [1, 1, 1, 1]  # the tree's root: everything before it
+    assert bits(masks[4], 6) == [1, 1, 0, 1, 1, 1]  # row 4: itself, 3, (2 hidden), 1, root, before
+    assert bits(masks[5], 7) == [1, 0, 0, 1, 0, 1, 1]  # row 5: itself, 2, root
+    assert bits(masks[10], 12) == [1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]  # row 10: itself, 1, root, before
+    assert (meta.tree_masks[12:] == np.uint64(2**64 - 1)).all()  # chains see all
+
+
+def _dense_tree_rows(q, kc, vc, tables, seq, rows, scale):
+    """Float64 attention of the tree's rows over the keys before the tree and their own path."""
+    n, first_row = STEP_SEQ_LENS[seq], sum(STEP_Q_LENS[:seq])
+    tree_start = n - len(TREE)
+    keys = lambda cache, p: cache[tables[seq, p // BLOCK], p % BLOCK].double()  # noqa: E731
+    out = []
+    for j in rows:
+        path, r = [], j
+        while r >= 0:
+            path.append(tree_start + r)
+            r = TREE[r]
+        seen = list(range(tree_start)) + sorted(path)
+        k = torch.stack([keys(kc, p) for p in seen]).repeat_interleave(HQ // HKV, 1)
+        v = torch.stack([keys(vc, p) for p in seen]).repeat_interleave(HQ // HKV, 1)
+        w = torch.softmax(torch.einsum("hd,khd->hk", q[first_row + j].double(), k) * scale, -1)
+        out.append(torch.einsum("hk,khd->hd", w, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "reference", "triton"])
+def test_a_token_tree_attends_over_its_own_paths_on_every_backend(backend):
+    q, k, v, kc, vc, meta, tables = _tree_step()
+    attend = {"cpu_kernel": TorchBackend(), "reference": TorchBackend(cpu_kernel=False),
+              "triton": TritonBackend()}[backend]
+    out = attend.forward(q, k, v, kc, vc, meta, 0.3)
+    want = _dense_tree_rows(q, kc, vc, tables, 1, range(len(TREE)), 0.3)
+    torch.testing.assert_close(out[1:12].double(), want, atol=1e-5, rtol=1e-5)
+    q2, k2, v2, kc2, vc2, plain, _ = _paged_batch(STEP_SEQ_LENS, STEP_Q_LENS, seed=4)
+    rest = np.r_[0, 12:len(q)]
+    reference = TorchBackend(cpu_kernel=False).forward(q2, k2, v2, kc2, vc2, plain, 0.3)
+    torch.testing.assert_close(out[rest], reference[rest], atol=1e-5, rtol=1e-5)  # the other rows as before
+    assert not torch.allclose(out[5], reference[5], atol=1e-3), "the tree's mask hid nothing"
 
 
 def test_cpu_kernel_refuses_bad_arguments_naming_them():
