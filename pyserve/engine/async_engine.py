@@ -99,7 +99,9 @@ class AsyncEngine:
             max_model_len=self.max_model_len,
             max_loras=config.max_loras,
             enable_prefix_caching=config.enable_prefix_caching,
-            num_lookahead_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            # a tree's drafts beyond a step's budget are cut by the scheduler (it keeps the first)
+            num_lookahead_tokens=0 if spec is None else max(
+                spec.num_speculative_tokens, min(spec.tree_nodes, config.max_num_batched_tokens - 1)),
         )
         eos = self.tokenizer.eos_token_id
         eos_ids = list(cfg.eos_token_ids) or ([eos] if eos is not None else [])

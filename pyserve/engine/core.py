@@ -28,6 +28,7 @@ from pyserve.actors.loop_thread import resolve
 from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.participants.base import Step, StepParticipant, overriding
 from pyserve.engine.step_budget import StepBudget
+from pyserve.speculative.proposer import DraftTree
 from pyserve.speculative.speculator import speculation_stats
 from pyserve.step.request import Abort, Add, EngineRequest, RequestRefused, StepOutput, StepRows
 
@@ -161,7 +162,10 @@ class EngineCore(Actor):
         for after_output in self._after_output:  # may run a draft model
             await after_output(step)
         for rid, tokens in step.drafts.items():
-            self.scheduler.set_spec_tokens(rid, tokens)
+            if isinstance(tokens, DraftTree):
+                self.scheduler.set_spec_tokens(rid, tokens.tokens, tokens.parents)
+            else:
+                self.scheduler.set_spec_tokens(rid, tokens)
 
     def _fork(self, ready: list[int]) -> None:
         """Starts the samples waiting on each ready parent, sharing its computed blocks."""

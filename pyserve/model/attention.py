@@ -52,13 +52,17 @@ class AttentionMetadata:
         query_start_loc: np.ndarray,
         device: torch.device,
         tree_parents: np.ndarray | None = None,
+        masks: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """`tree_parents`: the scheduler's (per token, the row of its request's tokens it
-        follows, -1 for the first; empty or None without a tree)."""
+        follows, -1 for the first; empty or None without a tree); or, for a step of one-token
+        queries, their `masks` (uint64, as tree_masks gives them)."""
         query_lens = np.diff(query_start_loc)
-        masks = seqs = None
+        seqs = None
         if tree_parents is not None and len(tree_parents):
             masks, seqs = tree_masks(tree_parents, query_start_loc)
+        elif masks is not None and not (query_lens == 1).all():
+            raise ValueError("AttentionMetadata.build: masks are for steps of one-token queries")
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
@@ -153,8 +157,8 @@ class TorchPlan:
         if cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32:
             return cls._in_place(meta, k_cache, keep)
         if meta.all_decode:
-            return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache), None,
-                       None, None)
+            return cls(keep, _decode_groups(meta.block_tables, meta.seq_lens, meta.seq_lens_host, k_cache,
+                                            _masks_on(meta, None)), None, None, None)
         qsl = meta.query_start_loc_host
         q_lens = np.diff(qsl)
         dec = None
@@ -163,7 +167,7 @@ class TorchPlan:
         dec_seqs = np.flatnonzero(as_rows)
         if len(dec_seqs):
             rows, seq_of_row, row_lens = _decode_rows(meta, dec_seqs)
-            masks = None if meta.tree_masks is None else _on(meta, meta.tree_masks[rows].view(np.int64))
+            masks = _masks_on(meta, rows)
             dec = _decode_groups(meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), row_lens, k_cache,
                                  masks)
             dec_tokens = _on(meta, rows)
@@ -176,7 +180,8 @@ class TorchPlan:
         through the extend reference, which computes them blockwise."""
         if meta.all_decode:  # one row per sequence: its own table and length
             tables = np.ascontiguousarray(meta.block_tables.numpy(force=True))
-            return cls(keep, InPlaceDecode(tables, meta.seq_lens_host.astype(np.int32, copy=False)), None, None, None)
+            return cls(keep, InPlaceDecode(tables, meta.seq_lens_host.astype(np.int32, copy=False), meta.tree_masks),
+                       None, None, None)
         qsl = meta.query_start_loc_host.astype(np.int64)
         q_lens = np.diff(qsl)
         short = (q_lens <= extend.SHORT_QUERY) | _trees(meta)
@@ -189,6 +194,14 @@ class TorchPlan:
             return cls(keep, dec, None, None, None)
         ext, ext_tokens = _extend_plan(meta, np.flatnonzero(~short), k_cache.shape[1])
         return cls(keep, dec, torch.from_numpy(rows) if dec is not None else None, ext, ext_tokens)
+
+
+def _masks_on(meta: AttentionMetadata, rows: np.ndarray | None) -> torch.Tensor | None:
+    """The tree masks of q rows `rows` (None: all) as int64 on the model's device, or None."""
+    if meta.tree_masks is None:
+        return None
+    masks = meta.tree_masks if rows is None else meta.tree_masks[rows]
+    return _on(meta, masks.view(np.int64))
 
 
 def _trees(meta: AttentionMetadata) -> np.ndarray | bool:
@@ -333,8 +346,8 @@ class TritonPlan:
         if not len(seqs):
             return cls(None, None, None, tiles)
         rows, seq_of_row, row_lens = _decode_rows(meta, seqs)
-        masks = None if meta.tree_masks is None else _on(meta, meta.tree_masks[rows].view(np.int64))
-        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), tiles, masks)
+        return cls(_on(meta, rows), meta.block_tables[_on(meta, seq_of_row)], _on(meta, row_lens), tiles,
+                   _masks_on(meta, rows))
 
 
 class TritonBackend(AttentionBackend):
@@ -371,7 +384,7 @@ class TritonBackend(AttentionBackend):
         kv_write.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.all_decode:
             return decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                                 workspace=self.workspace)
+                                                 workspace=self.workspace, masks=_masks_on(meta, None))
         plan = meta.triton_plan
         if plan is None:
             plan = meta.triton_plan = TritonPlan.build(meta, q.shape[1] // k_cache.shape[2])

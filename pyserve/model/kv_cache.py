@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import torch
 
 from pyserve.model.config import ModelConfig
@@ -70,3 +71,14 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch
     for k, v in kv_caches:
         k[dst] = k[src]
         v[dst] = v[src]
+
+
+def move_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: np.ndarray, dst: np.ndarray) -> None:
+    """Copies the keys and values of slot `src[i]` to slot `dst[i]` in every layer (a token
+    tree's kept path to the slots after its last token); every source is read before any
+    destination is written."""
+    src_t, dst_t = torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64))
+    for k, v in kv_caches:
+        for cache in (k, v):
+            rows = cache.view(-1, *cache.shape[2:])
+            rows[dst_t.to(rows.device)] = rows[src_t.to(rows.device)]

@@ -75,6 +75,8 @@ class ServerMetrics:
             ("spec_decode_num_drafts", "Sequence steps that verified speculative draft tokens."),
             ("spec_decode_num_draft_tokens", "Speculative draft tokens verified."),
             ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."),
+            ("spec_decode_num_trees", "Sequence steps that verified a token tree of drafts."),
+            ("spec_decode_num_tree_nodes", "Draft tokens verified in token trees."),
         ]:
             per_model(f"pyserve:{key}_total", help_text, key, counter=True)
         per_model("pyserve:spec_decode_mean_acceptance_length",
@@ -83,7 +85,8 @@ class ServerMetrics:
         per_model("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
                   "spec_decode_depth")
         for key, help_text in [
-            ("spec_decode_num_draft_tokens_per_pos", "Speculative draft tokens verified, by draft position (from 0)."),
+            ("spec_decode_num_draft_tokens_per_pos", "Speculative draft tokens verified, by draft position (from 0; "
+             "a token tree's by depth)."),
             ("spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position."),
         ]:
             gauge = reg.add(Gauge.counter(f"pyserve:{key}_total", help_text))

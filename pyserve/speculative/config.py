@@ -15,6 +15,8 @@ from pyserve.model.hub import fetch_model, is_hub_id
 METHODS = ("ngram", "draft_model", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_TREE_NODES = 16
+MAX_TREE_NODES = 63  # a tree's rows hide keys through 64-bit masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,9 @@ class SpeculativeConfig:
     # Choose the depth per step (0 = plain decoding) from measurements; by default only where
     # the user left num_speculative_tokens out (a depth the user fixed is honoured).
     adaptive: bool = True
+    # eagle3: at most this many drafts a step in a token tree (0: one chain); None: the method's
+    # default (DEFAULT_TREE_NODES for eagle3).
+    tree_nodes: int | None = None
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | str | None, default_models: dict[str, str] | None = None
@@ -63,6 +68,14 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.prompt_lookup_max must be >= prompt_lookup_min")
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
+        tree_nodes = fields["tree_nodes"]
+        if tree_nodes is None:
+            fields["tree_nodes"] = DEFAULT_TREE_NODES if method == "eagle3" else 0
+        elif method != "eagle3":
+            raise ValueError("speculative_config.tree_nodes is only for the method eagle3")
+        elif not isinstance(tree_nodes, int) or isinstance(tree_nodes, bool) or not 0 <= tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"speculative_config.tree_nodes must be an integer from 0 to {MAX_TREE_NODES}, "
+                             f"got {tree_nodes!r}")
         if method in MODEL_METHODS:
             model = os.path.expanduser(fields["model"]) if fields["model"] else (default_models or {}).get(method)
             if model is None:

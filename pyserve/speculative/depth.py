@@ -51,6 +51,7 @@ PROBE_EVERY = 16  # steps at depth 0 before a probe
 PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
 SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
 RECHECK_FIRST, RECHECK_MOST = 8, 128  # probe intervals a priced-out bucket waits before exploring again
+EXPLORE_NODE_PRICE = 0.5  # a token tree's price per draft off its chain before a row's cost is measured
 
 
 class LinearFit:
@@ -261,6 +262,21 @@ class DepthController:
                     bucket.explore_again()
                     return max(1, self.max_k // 2)
         return k
+
+    def node_price(self, batch_size: int, num_candidates: int, k: int) -> float:
+        """The chance of being kept a draft of a token tree off its chain must have to pay for its
+        row: a verified draft adds b seconds to the step (the fitted slope) and a draft kept with
+        chance w adds w tokens, so it pays where w > b * (tokens per second of the step at depth
+        k). EXPLORE_NODE_PRICE until the bucket has a slope."""
+        bucket = self._bucket(batch_size)
+        if not bucket.spec.count:
+            return EXPLORE_NODE_PRICE
+        a, b = bucket.spec_line()
+        alpha = min(self.acceptance, 0.999)
+        extra = (1.0 - alpha ** (k + 1)) / (1.0 - alpha) - 1.0
+        tokens = batch_size + num_candidates * self.fill * extra
+        seconds = a + b * num_candidates * k * self.fill + bucket.proposal_seconds(k)
+        return min(1.0, b * tokens / seconds) if seconds > 0 else EXPLORE_NODE_PRICE
 
     def _priced_out_below(self, batch_size: int) -> bool:
         """Whether a smaller batch-size bucket found that even guesses kept PROBE_ACCEPTANCE of the

@@ -34,7 +34,8 @@ from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.whole_model import FEED_ROWS
 from pyserve.speculative.eagle_head import EagleHead
 from pyserve.speculative.eagle_kernel import eagle_greedy, head_view
-from pyserve.speculative.proposer import ProposalBatch
+from pyserve.speculative.eagle_tree import grow_trees
+from pyserve.speculative.proposer import DraftTree, ProposalBatch
 
 RECORDED_STEPS = 64  # target steps whose pairs are kept for feeding
 RECORDED_BYTES = 256 << 20  # and at most these bytes of their features (long prompts' chunks are large)
@@ -102,10 +103,12 @@ class EagleProposer:
         probs = self.draft_probs.pop(request_id, None)
         return None if probs is None else probs[:num_drafts]
 
-    def record(self, out, features: torch.Tensor, num_sampled: np.ndarray, sampled: np.ndarray) -> None:
+    def record(self, out, features: torch.Tensor, num_sampled: np.ndarray, sampled: np.ndarray,
+               tree_paths: dict[int, np.ndarray] | None = None) -> None:
         """Keeps the step's pairs whose next token is known. `features`: the target's aux hidden
         states of every scheduled token; `num_sampled`/`sampled`: the StepResult's, for the
-        requests with logits in order."""
+        requests with logits in order; `tree_paths`: its rows kept of each token tree (by the
+        same order)."""
         n = out.num_reqs
         if len(out.input_ids) == n and len(num_sampled) == n:  # a decode step: one pair a request
             self._keep(RecordedStep(features, out.req_ids.astype(np.int64), out.positions.astype(np.int64),
@@ -117,6 +120,7 @@ class EagleProposer:
         counts[with_logits] = num_sampled
         ends = np.zeros(n, dtype=np.int64)
         ends[with_logits] = np.cumsum(num_sampled)
+        paths = {int(with_logits[i]): path for i, path in (tree_paths or {}).items()}
         extra, requests, positions, rows, tokens = [], [], [], [], []
         for i, rid in enumerate(out.req_ids.tolist()):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
@@ -134,9 +138,14 @@ class EagleProposer:
                 requests.append(np.array([rid]))
                 positions.append(pos[:1] - 1)
                 tokens.append(ids[:1])
-            rows.append(np.arange(lo, lo + len(nxt)))
+            path = paths.get(i)
+            if path is not None:  # a token tree: the kept rows, at the positions after its last token
+                rows.append(lo + path)
+                positions.append(pos[0] + np.arange(len(path)))
+            else:
+                rows.append(np.arange(lo, lo + len(nxt)))
+                positions.append(pos[: len(nxt)])
             requests.append(np.full(len(nxt), rid))
-            positions.append(pos[: len(nxt)])
             tokens.append(nxt)
         if extra:
             features = torch.cat([features, *extra])
@@ -218,7 +227,7 @@ class EagleProposer:
         return self.head(hidden, embeds, torch.from_numpy(positions).to(dev), self.kv_caches[0], meta, self.backend)
 
     @torch.inference_mode()
-    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:
+    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int] | DraftTree]:
         """Up to batch.k guesses per request whose head output is current (its last pair is at its
         newest token); a seeded request's guess at sequence index t reads the keyed noise the
         target's sampling of index t reads (model.noise)."""
@@ -226,6 +235,8 @@ class EagleProposer:
         lens = np.array([len(s) for s in batch.token_ids], dtype=np.int64)
         capacity = (batch.block_tables > 0).sum(axis=1) * bs
         depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
+        if batch.max_nodes:
+            return self._propose_trees(batch, lens, depth, np.minimum(capacity, self.max_model_len))
         if self.view is not None and all(r.params.greedy for r in reqs):
             drafts = self._propose_in_kernel([r.internal_id for r in reqs], lens, batch.block_tables, depth, batch.k)
             if drafts is not None:
@@ -271,6 +282,52 @@ class EagleProposer:
             if p:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
+
+    def _propose_trees(self, batch: ProposalBatch, lens: np.ndarray, depth: np.ndarray,
+                       limit: np.ndarray) -> list[list[int] | DraftTree]:
+        """Token trees (speculative/eagle_tree.py) for every request whose head output is current,
+        greedy or sampled alike (the tree's verification samples the target at every node)."""
+        ids = [r.internal_id for r in batch.requests]
+        states = self._feed_all(ids, lens, batch.block_tables, batch.k)
+        states = [states.get(rid) for rid in ids]
+        ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
+        depth = np.where(ready, depth, 0)
+        live = np.flatnonzero(depth > 0)
+        drafts: list[list[int] | DraftTree] = [[] for _ in ids]
+        if not len(live):
+            return drafts
+        tables = batch.block_tables[live]
+        pos0 = lens[live] - 2
+
+        def forward(hidden, tokens, positions, slot_positions, requests, masks):
+            return self._forward_rows(hidden, tokens, positions, slot_positions, tables[requests], masks)
+
+        grown = grow_trees(forward, self._top_children, torch.cat([states[i][1] for i in live]), pos0, depth[live],
+                           limit[live] - pos0 - 1, batch.node_price, batch.max_nodes)
+        for i, tree in zip(live.tolist(), grown):
+            drafts[i] = tree
+        return drafts
+
+    def _forward_rows(self, hidden: torch.Tensor, tokens: np.ndarray, positions: np.ndarray,
+                      slot_positions: np.ndarray, block_tables: np.ndarray, masks: np.ndarray) -> torch.Tensor:
+        """The head over rows that each attend as one decode row: row i's token at `positions[i]`,
+        its keys written at slot position `slot_positions[i]` of its table `block_tables[i]`,
+        seeing the keys up to there that `masks[i]` leaves."""
+        bs = self.block_size
+        rows = np.arange(len(tokens))
+        slots = block_tables[rows, slot_positions // bs].astype(np.int64) * bs + slot_positions % bs
+        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), (slot_positions + 1).astype(np.int32),
+                                       np.arange(len(tokens) + 1, dtype=np.int32), self.device, masks=masks)
+        embeds = self.embedding(torch.from_numpy(tokens).to(self.device))
+        return self.head(hidden, embeds, torch.from_numpy(positions).to(self.device), self.kv_caches[0], meta,
+                         self.backend)
+
+    def _top_children(self, hidden: torch.Tensor, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's `width` likeliest next tokens by the head (target ids) and their
+        log-probabilities, best first."""
+        logprobs = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)
+        best, index = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+        return self.target_ids[index].cpu().numpy(), best.cpu().numpy()
 
     def _propose_in_kernel(self, request_ids: list[int], lens: np.ndarray, block_tables: np.ndarray,
                            depth: np.ndarray, k: int) -> list[list[int]] | None:

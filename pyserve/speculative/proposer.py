@@ -22,10 +22,39 @@ from pyserve.step.request import EngineRequest
 class ProposalBatch:
     requests: list[EngineRequest]  # the requests to propose for
     block_tables: np.ndarray  # int32 [len(requests), width]: each request's blocks (0 = none)
-    k: int  # draft tokens wanted per request (a proposer may return fewer)
+    k: int  # draft tokens wanted per request (a proposer may return fewer); a tree's depth
     # Each request's tokens (prompt, then output) as of the step just run, for a proposer that
     # `reads_tokens` (the scheduler holds them; None otherwise).
     token_ids: list[np.ndarray] | None = None
+    # A proposer of token trees: at most this many drafts a tree (0: chains only), and the
+    # chance of being kept a draft off the likeliest chain must have to be worth its row.
+    max_nodes: int = 0
+    node_price: float = 1.0
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """A token tree of drafts: `parents[j]` is 0 where draft j follows the request's last token,
+    else i for draft i - 1 (always before j). Its likeliest chain comes first (draft j's parent
+    is j for its first drafts), so that when the target keeps that chain nothing moves."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def chain(self) -> list[int]:
+        """The leading chain's drafts."""
+        n = next((j for j, p in enumerate(self.parents) if p != j), len(self.parents))
+        return self.tokens[:n]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        depths = [0]
+        for p in self.parents:
+            depths.append(depths[p] + 1)
+        return max(depths)
 
 
 class Proposer(Protocol):
@@ -36,8 +65,9 @@ class Proposer(Protocol):
     # proposal's cost by depth.
     catch_up_seconds: float
 
-    async def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        """Up to `batch.k` draft tokens per request, in order."""
+    async def propose(self, batch: ProposalBatch) -> list[list[int] | DraftTree]:
+        """Up to `batch.k` draft tokens per request, in order, or a tree of them (only where
+        `batch.max_nodes` asks for trees)."""
         ...
 
     def forget(self, request_ids: list[int]) -> None:
@@ -50,8 +80,8 @@ class ModelProposer(Protocol):
     head): it proposes on the EngineCore's thread, keeps each guess's
     distribution for the verification, and hears how many of a request's drafts were kept."""
 
-    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int]]:
-        """Draft tokens per request; `seeds`: each request's noise seed (None: unseeded)."""
+    def propose(self, batch: ProposalBatch, seeds: list[int | None]) -> list[list[int] | DraftTree]:
+        """Draft tokens (or trees) per request; `seeds`: each request's noise seed (None: unseeded)."""
         ...
 
     def take_draft_probs(self, request_id: int, num_drafts: int):
@@ -103,7 +133,7 @@ class WorkerProposer:
     def __init__(self, worker):
         self.worker = worker
 
-    async def propose(self, batch: ProposalBatch) -> list[list[int]]:
+    async def propose(self, batch: ProposalBatch) -> list[list[int] | DraftTree]:
         return self.worker.propose(batch)
 
     @property

@@ -10,7 +10,7 @@ import numpy as np
 
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
-from pyserve.speculative.proposer import ProposalBatch, Proposer
+from pyserve.speculative.proposer import DraftTree, ProposalBatch, Proposer
 from pyserve.step.request import EngineRequest
 from pyserve.structured.matchers import GrammarMatchers
 
@@ -32,6 +32,10 @@ class Speculator:
         self.forced_tokens = forced_tokens  # and replaced by the grammar's forced tokens when those go further
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
                                      has_draft_cost=config.method != "ngram")
+        self.max_tree_nodes = config.tree_nodes  # 0: chains
+        self.num_trees = 0  # verifications of a token tree, and the drafts they held
+        self.num_tree_nodes = 0
+        self.tree_depths: dict[int, int] = {}  # request -> the depth of the tree it verifies next
         self.num_drafts = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -49,13 +53,17 @@ class Speculator:
         verify next step, by request (the EngineCore hands them to the scheduler)."""
         if (out.num_scheduled_tokens == 1 + out.num_spec_tokens).all():  # decode-only steps feed the cost model
             self.depth.observe_step(out.num_reqs, int(out.num_spec_tokens.sum()), seconds)
-        for s, n in zip(out.num_spec_tokens.tolist(), num_sampled.tolist()):
+        for rid, s, n in zip(out.req_ids.tolist(), out.num_spec_tokens.tolist(), num_sampled.tolist()):
+            depth = self.tree_depths.pop(rid, s)  # a chain's depth is its length
             if s and n:
                 self.num_drafts += 1
                 self.num_draft_tokens += s
                 self.num_accepted_tokens += n - 1
-                self.depth.observe_verification(s, n - 1)
-                for j in range(min(s, len(self.drafted_per_position))):
+                self.depth.observe_verification(min(s, depth), n - 1)
+                if depth < s:
+                    self.num_trees += 1
+                    self.num_tree_nodes += s
+                for j in range(min(depth, len(self.drafted_per_position))):
                     self.drafted_per_position[j] += 1
                     self.accepted_per_position[j] += j < n - 1
         gone = set(out.finished_req_ids.tolist()) | finished
@@ -75,14 +83,21 @@ class Speculator:
             return {}
         start = time.perf_counter()
         tokens_read = [token_ids(r.internal_id) for r in candidates] if self.proposer.reads_tokens else None
-        drafts = await self.proposer.propose(ProposalBatch(candidates, out.block_tables[rows], k, tokens_read))
+        batch = ProposalBatch(candidates, out.block_tables[rows], k, tokens_read)
+        if self.max_tree_nodes:
+            batch.max_nodes = self.max_tree_nodes
+            batch.node_price = self.depth.node_price(out.num_reqs, len(candidates), k)
+        drafts = await self.proposer.propose(batch)
         seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
-        self.depth.observe_proposal(len(candidates), k, sum(map(len, drafts)), seconds)
-        out_drafts = {}
+        self.depth.observe_proposal(len(candidates), k, sum(min(len(d), k) for d in drafts), seconds)
+        out_drafts: dict[int, list[int] | DraftTree] = {}
         for req, tokens in zip(candidates, drafts):
-            if self.grammar is not None and req.internal_id in self.grammar:
-                tokens = self._constrained(req.internal_id, list(tokens), k)
-            if tokens:
+            if self.grammar is not None and req.internal_id in self.grammar:  # grammar masks follow chains
+                chain = tokens.chain() if isinstance(tokens, DraftTree) else list(tokens)
+                tokens = self._constrained(req.internal_id, chain, k)
+            if isinstance(tokens, DraftTree):
+                self.tree_depths[req.internal_id] = tokens.depth
+            if len(tokens):
                 out_drafts[req.internal_id] = tokens
         return out_drafts
 
@@ -98,18 +113,23 @@ class Speculator:
 
     def forget(self, request_ids: list[int]) -> None:
         """Drops the proposer's state of requests that finished, were aborted or preempted."""
+        for rid in request_ids:
+            self.tree_depths.pop(rid, None)
         self.proposer.forget(request_ids)
 
     def stats(self) -> dict[str, float | int]:
         return speculation_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.last_depth,
-                                 list(self.drafted_per_position), list(self.accepted_per_position))
+                                 list(self.drafted_per_position), list(self.accepted_per_position),
+                                 self.num_trees, self.num_tree_nodes)
 
 
 def speculation_stats(num_drafts: int = 0, num_draft_tokens: int = 0, num_accepted_tokens: int = 0,
                       depth: int = 0, drafted_per_position: list[int] | None = None,
-                      accepted_per_position: list[int] | None = None) -> dict[str, float | int | list[int]]:
+                      accepted_per_position: list[int] | None = None, num_trees: int = 0,
+                      num_tree_nodes: int = 0) -> dict[str, float | int | list[int]]:
     """Speculation's statistics by their /metrics names (all 0, the per-position lists empty, for
-    an engine that does not speculate)."""
+    an engine that does not speculate). Per position: by depth (a token tree counts once at each
+    of its depths)."""
     return {
         "spec_decode_num_drafts": num_drafts,
         "spec_decode_num_draft_tokens": num_draft_tokens,
@@ -118,4 +138,6 @@ def speculation_stats(num_drafts: int = 0, num_draft_tokens: int = 0, num_accept
         "spec_decode_depth": depth,
         "spec_decode_num_draft_tokens_per_pos": drafted_per_position or [],
         "spec_decode_num_accepted_tokens_per_pos": accepted_per_position or [],
+        "spec_decode_num_trees": num_trees,
+        "spec_decode_num_tree_nodes": num_tree_nodes,
     }

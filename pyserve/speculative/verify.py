@@ -2,7 +2,14 @@
 accepts, then one more token from the target (greedy: the target's argmax), so the output follows
 the target's distribution. Unseeded requests by exact rejection sampling; seeded ones by their
 keyed noise, coupled (which makes their output plain sampling's token for token). Rows without drafts go
-through the plain sampler. Runs in the worker, on the step's logits."""
+through the plain sampler. A token tree is verified by a walk: every row of the tree is sampled as
+plain decoding would sample that token (greedy: the argmax; seeded: its keyed noise; unseeded: fresh
+noise), and from the request's last token the walk follows the child equal to the target's token
+while there is one; the target's token at the last node kept comes after. Each token is then the
+target's own sample given the tokens before it, whatever the tree held: exact for any tree (the
+chance to go on is the target's mass on the children), where rejection sampling with several
+children would need children drawn independently from the draft. Runs in the worker, on the step's
+logits."""
 
 from __future__ import annotations
 
@@ -15,6 +22,20 @@ from pyserve.step.request import EngineRequest, StepResult, StepRows
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.speculative.proposer import ModelProposer
+
+
+def _tree_parents_by_row(out, num_rows: int) -> list[np.ndarray | None]:
+    """Per request row with logits: its tokens' parents (rows within the request, -1 first) where
+    it verifies a token tree, else None."""
+    if not len(out.tree_parents):
+        return [None] * num_rows
+    qsl = out.query_start_loc
+    result = []
+    for s in np.flatnonzero(out.num_logits > 0).tolist():
+        parents = out.tree_parents[qsl[s] : qsl[s + 1]]
+        is_tree = bool((parents != np.arange(len(parents)) - 1).any())
+        result.append(parents.astype(np.int64) if is_tree else None)
+    return result
 
 
 class Verifier:
@@ -45,8 +66,10 @@ class Verifier:
         reqs = rows.requests
         offsets = np.concatenate([[0], np.cumsum(counts)])
         sure = np.array([c > 1 and int(o) in certain for c, o in zip(counts, offsets[:-1])], dtype=bool)
+        tree_parents = _tree_parents_by_row(out, len(reqs))
+        tree = np.array([p is not None for p in tree_parents], dtype=bool)
         plain = np.flatnonzero((counts == 1) | sure)
-        spec = np.flatnonzero((counts > 1) & ~sure)
+        spec = np.flatnonzero((counts > 1) & ~sure & ~tree)
         per_row: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(reqs)
         plain_result = None
         if len(plain):
@@ -68,13 +91,59 @@ class Verifier:
                 accepted = self._verify(out, logits, reqs, counts, spec, spec_rows)
             for i, tokens in zip(spec, accepted):
                 per_row[i] = tokens
+        paths = None
+        if tree.any():
+            paths = self._walk_trees(out, logits, rows, offsets, np.flatnonzero(tree), tree_parents, sample)
+            for i, path in paths.items():
+                per_row[i] = path[1]
+            paths = {i: path[0] for i, path in paths.items()}
         num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
-        result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled)
+        result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled, tree_paths=paths)
         if plain_result is not None and plain_result.logprobs is not None:
             # Where each plain row's sampled token sits (rows with drafts never ask for logprobs).
             at = np.cumsum(num_sampled)[plain] - 1
             result.logprobs = plain_result.logprobs.scattered(at, int(num_sampled.sum()))
         return result
+
+    def _walk_trees(self, out, logits, rows: StepRows, offsets, trees, tree_parents, sample
+                    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per request row of `trees`: (the step rows it kept, its tokens), by the walk (module
+        doc). Every tree row's token in one call of `sample`, row j of a request keyed as its
+        output token num_output + depth(j)."""
+        logit_rows, requests, num_output = [], [], []
+        depths = {}
+        for i in trees.tolist():
+            parents = tree_parents[i]
+            depth = np.zeros(len(parents), dtype=np.int64)
+            for j in range(1, len(parents)):
+                depth[j] = depth[parents[j]] + 1
+            depths[i] = depth
+            logit_rows.append(np.arange(offsets[i], offsets[i + 1]))
+            requests += [rows.requests[i]] * len(parents)
+            num_output += (rows.num_output[i] + depth).tolist()
+        picked = sample(logits[torch.from_numpy(np.concatenate(logit_rows)).to(self.device)],
+                        StepRows(requests, num_output)).token_ids
+        results = {}
+        start = 0
+        for i in trees.tolist():
+            parents = tree_parents[i]
+            targets = picked[start : start + len(parents)]
+            start += len(parents)
+            drafts = out.input_ids[out.logits_indices[offsets[i] : offsets[i + 1]]]
+            path = [0]
+            while True:
+                node = path[-1]
+                child = next((j for j in range(node + 1, len(parents))
+                              if parents[j] == node and drafts[j] == targets[node]), None)
+                if child is None:
+                    break
+                path.append(child)
+            kept = np.asarray(path, dtype=np.int64)
+            results[i] = (kept, np.concatenate([drafts[kept[1:]].astype(np.int64), targets[path[-1] : path[-1] + 1]]))
+            if self.proposer is not None:
+                self.proposer.take_draft_probs(rows.requests[i].internal_id, len(parents) - 1)
+                self.proposer.accepted(rows.requests[i].internal_id, len(path) - 1)
+        return results
 
     @staticmethod
     def _drafts(out, counts, spec, spec_rows) -> tuple[np.ndarray, np.ndarray]:

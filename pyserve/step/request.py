@@ -131,6 +131,9 @@ class StepResult:
     logprobs: Logprobs | None = None  # one row per token, when any row asked
     # For each entry of the step's PromptRows: the prompt indices it scored and their logprobs.
     prompt_logprobs: list[tuple[np.ndarray, Logprobs]] | None = None
+    # Per request row that verified a token tree: the rows of its step it kept (0, its last
+    # token, then the accepted drafts' rows in order); their KV belongs at rows 0, 1, 2, ...
+    tree_paths: dict[int, np.ndarray] | None = None
 
 
 @dataclass(slots=True)

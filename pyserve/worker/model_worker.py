@@ -23,7 +23,7 @@ from pyserve.model.attention import AttentionMetadata, TorchBackend, make_backen
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS
 from pyserve.model.decode_graphs import DecodeGraphs
-from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks
+from pyserve.model.kv_cache import allocate_kv_cache, auto_num_blocks, copy_blocks, move_slots
 from pyserve.model.loader import load_model
 from pyserve.model.noise import NoiseKey
 from pyserve.model.quantized_linear import check_device, check_method, weight_bytes
@@ -39,7 +39,7 @@ from pyserve.speculative.draft_model import DraftModelProposer
 from pyserve.speculative.eagle import EagleProposer
 from pyserve.speculative.eagle_config import HeadConfig
 from pyserve.speculative.eagle_head import finish_head, load_head
-from pyserve.speculative.proposer import ModelProposer, ProposalBatch
+from pyserve.speculative.proposer import DraftTree, ModelProposer, ProposalBatch
 from pyserve.speculative.verify import Verifier
 from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 from pyserve.worker.lockstep import Lockstep
@@ -285,9 +285,25 @@ class ModelWorker:
         (0 = the base model); `prompt_rows` the requests whose prompt tokens in this step get
         logprobs (StepResult.prompt_logprobs)."""
         result = self._execute(out, rows, adapter_ids, prompt_rows)
+        if result.tree_paths:
+            self._keep_paths(out, result.tree_paths)
         if self.eagle is not None and out.num_reqs:
-            self.eagle.record(out, self.model.aux_hidden, result.num_sampled, result.token_ids)
+            self.eagle.record(out, self.model.aux_hidden, result.num_sampled, result.token_ids, result.tree_paths)
         return result
+
+    def _keep_paths(self, out, paths: dict[int, np.ndarray]) -> None:
+        """Moves the KV of each token tree's kept rows to the slots after the request's last
+        token, where the scheduler counts them (the tree puts its likeliest chain first, so
+        when that chain was kept nothing moves)."""
+        with_logits = np.flatnonzero(out.num_logits > 0)
+        src, dst = [], []
+        for i, path in paths.items():
+            first = int(out.query_start_loc[with_logits[i]])
+            moved = path != np.arange(len(path))
+            src.append(out.slot_mapping[first + path[moved]])
+            dst.append(out.slot_mapping[first + np.flatnonzero(moved)])
+        if sum(map(len, src)):
+            move_slots(self.kv_caches, np.concatenate(src), np.concatenate(dst))
 
     def _execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None,
                  prompt_rows: PromptRows | None) -> StepResult:
@@ -315,7 +331,8 @@ class ModelWorker:
                 input_ids, positions, meta, _ = self.step_buffers.stage(out)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[:out.num_reqs]
             return self._sample(self._logits(hidden, rows)[0], rows)
-        if self.whole_model is not None and prompt_rows is None and len(out.input_ids) <= FEW_ROWS:
+        if self.whole_model is not None and prompt_rows is None and len(out.input_ids) <= FEW_ROWS \
+                and not len(out.tree_parents):  # its rows' slots follow their positions: no tree
             logits = self.whole_model.forward(out.input_ids, out.positions,
                                               np.repeat(np.arange(out.num_reqs), np.diff(out.query_start_loc)),
                                               out.block_tables, out.logits_indices)
@@ -323,7 +340,7 @@ class ModelWorker:
                 return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
             return self._sample_logits(out, rows, logits)
         meta = AttentionMetadata.build(
-            out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev
+            out.slot_mapping, out.block_tables, out.seq_lens, out.query_start_loc, dev, out.tree_parents
         )
         input_ids = torch.from_numpy(out.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(out.positions).to(dev, non_blocking=True)
@@ -417,7 +434,7 @@ class ModelWorker:
                                 res.sampled_logprobs.cpu().numpy(), res.sampled_ranks.cpu().numpy())
         return StepResult(res.token_ids.cpu().numpy(), np.ones(len(reqs), dtype=np.int64), logprobs)
 
-    def propose(self, batch: ProposalBatch) -> list[list[int]]:
+    def propose(self, batch: ProposalBatch) -> list[list[int] | DraftTree]:
         """Draft tokens from the worker's proposer (a draft model or an EAGLE head), on the EngineCore's thread."""
         return self.proposer.propose(batch, [noise_seed(r) for r in batch.requests])
 

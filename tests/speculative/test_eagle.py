@@ -43,8 +43,10 @@ def head_dir(tmp_path_factory):
     return out
 
 
-def spec(head_dir, k=3, adaptive=False):
-    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k, "adaptive": adaptive}
+def spec(head_dir, k=3, adaptive=False, tree_nodes=None):
+    """The head's config: token trees by default (eagle3's), chains with tree_nodes=0."""
+    config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k, "adaptive": adaptive}
+    return config if tree_nodes is None else {**config, "tree_nodes": tree_nodes}
 
 
 def outputs(llm, prompts, params):
@@ -81,7 +83,9 @@ def test_greedy_outputs_equal_plain_decoding(head_dir):
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     drafted, kept = stats["spec_decode_num_draft_tokens_per_pos"], stats["spec_decode_num_accepted_tokens_per_pos"]
     assert len(drafted) == len(kept) == 3
-    assert drafted[0] == stats["spec_decode_num_drafts"] and sum(drafted) == stats["spec_decode_num_draft_tokens"]
+    assert drafted[0] == stats["spec_decode_num_drafts"] and stats["spec_decode_num_trees"] > 0
+    # Per position counts a tree once a depth: its drafts off the chain are the difference.
+    assert 0 < stats["spec_decode_num_draft_tokens"] - sum(drafted) < stats["spec_decode_num_tree_nodes"]
     assert sum(kept) == stats["spec_decode_num_accepted_tokens"]
     assert all(k <= d for k, d in zip(kept, drafted)) and kept == sorted(kept, reverse=True)
     with LLM(str(TARGET_DIR), speculative_config=spec(head_dir), block_size=4, num_kv_blocks=40) as llm:
@@ -146,7 +150,8 @@ def test_drafts_are_the_trained_heads_chained_guesses(head_dir, monkeypatch, in_
     monkeypatch.setattr(eagle, "eagle_greedy", lambda *a: kernel_calls.append(1) or kernel(*a))
     if not in_kernel:
         monkeypatch.setattr(eagle, "head_view", lambda head, embedding: None)
-    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir, k=4), block_size=4, num_kv_blocks=256) as llm:
+    config = spec(head_dir, k=4, tree_nodes=0)  # chains: a tree's chain is these guesses too, grown op by op
+    with LLM(str(TARGET_DIR), speculative_config=config, block_size=4, num_kv_blocks=256) as llm:
         out = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0]
     assert len(kernel_calls) >= len(calls) if in_kernel else kernel_calls == []
     sequence = [*out.prompt_token_ids, *out.outputs[0].token_ids]
@@ -283,7 +288,7 @@ def test_a_quantized_target_drafts_with_a_head_quantized_alike_in_one_call(head_
     engine = {"block_size": 4, "num_kv_blocks": 256, "quantization": quantization}
     with LLM(str(TARGET_DIR), **engine) as llm:
         plain = outputs(llm, PROMPTS[:2], greedy)
-    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir), **engine) as llm:
+    with LLM(str(TARGET_DIR), speculative_config=spec(head_dir, tree_nodes=0), **engine) as llm:
         assert outputs(llm, PROMPTS[:2], greedy) == plain
         assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert len(kernel_calls) > 5

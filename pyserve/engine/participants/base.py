@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pyserve.speculative.proposer import DraftTree
 from pyserve.step.request import EngineRequest, Logprobs, PromptRows, StepResult, StepRows
 
 
@@ -40,7 +41,7 @@ class Step:
     failures: dict[int, str] = field(default_factory=dict)  # request -> why it failed
     closed_by_budget: set[int] = field(default_factory=set)  # stopped, their JSON closed for want of tokens
     prompt_logprobs: dict[int, Logprobs] | None = None  # of prompts whose first token came now
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # to verify next step
+    drafts: dict[int, list[int] | DraftTree] = field(default_factory=dict)  # to verify next step
     speculated: bool = False  # the speculator chose a depth > 0 after this step
 
 
