@@ -1,5 +1,6 @@
 """EAGLE-3 on a real model: SmolLM2-135M-Instruct (its GGUF file), batch 1 on the CPU, plain
-decoding, n-gram lookup and an EAGLE-3 head side by side on held-out prompts: chat requests written
+decoding, n-gram lookup and an EAGLE-3 head (token trees, the default; and one chain a step)
+side by side on held-out prompts: chat requests written
 for this bench and HumanEval's first prompts as completion requests (neither is in the head's
 training mix, pyserve.eagle_training.prompts). Precisions: `file` (the file as served by default:
 Q4_1 projections on the 4-bit path, its Q8_0 embedding), `fp32` (the file widened,
@@ -84,7 +85,9 @@ def main() -> None:
         sys.exit("SmolLM2 is not fetched: python -m pyserve.testing.real_models smollm2-135m-instruct")
     training = ensure_head(str(model), args.head)
     configs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-               "eagle": {"method": "eagle3", "model": str(args.head), "num_speculative_tokens": args.depth}}
+               "eagle": {"method": "eagle3", "model": str(args.head), "num_speculative_tokens": args.depth},
+               "eagle_chain": {"method": "eagle3", "model": str(args.head), "num_speculative_tokens": args.depth,
+                               "tree_nodes": 0}}
     workloads = {"chat": [[{"role": "user", "content": c}] for c in CHAT[: args.prompts]],
                  "code": [[{"role": "user", "content": c}] for c in humaneval_prompts(args.prompts)]}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -121,10 +124,10 @@ def main() -> None:
     harness.write_report(args.out, report)
     print(f"\nhead: held-out mean accepted {training['held_out_mean_accepted']} at depth "
           f"{len(training['held_out_acceptance_by_position'])}, trained {training['steps']} steps")
-    print(f"{'workload':<11} {'plain tok/s':>11}  ngram (warm, cold, acceptance)   eagle (warm, cold, acceptance)")
+    print(f"{'workload':<11} {'plain tok/s':>11}  ngram / eagle (trees) / eagle_chain: warm, cold, (acceptance)")
     for name, row in results.items():
         cells = "   ".join(f"{row[m + '_ratio']:.2f}x {row[m + '_cold_ratio']:.2f}x ({row[m + '_mean_acceptance_length']})"
-                           for m in ("ngram", "eagle"))
+                           for m in ("ngram", "eagle", "eagle_chain"))
         print(f"{name:<11} {row['plain_tokens_per_s']:>11.1f}  {cells}")
 
 

@@ -27,6 +27,10 @@ Steps:
                     weight-read roofline (weight bytes / copy bandwidth)
   speculative_graphs  draft-model speculation (the target as its own draft), the draft's steps
                     on CUDA graphs and eager: the same tokens, greedy and sampled; tok/s
+  eagle_trees       token-tree verification: the decode kernel with tree masks (64 requests x 16
+                    rows, 4k context) vs its reference and vs the same rows unmasked (time); the
+                    embedded target with its EAGLE head verifying trees on the Triton backend:
+                    greedy tokens equal plain decoding's, tok/s of both
 
 `--dry-run` runs every step at tiny shapes on the CPU under the Triton interpreter (fp32 and
 fp16), so CI keeps the script working; its timings mean nothing.
@@ -523,8 +527,61 @@ def speculative_graphs(c: Check) -> list[dict]:
     return rows
 
 
+def eagle_trees(c: Check) -> list[dict]:
+    """Tree masks in the decode kernel against the reference, their cost against unmasked rows,
+    and an EAGLE engine verifying trees: the same greedy tokens as plain decoding."""
+    import numpy as np
+
+    from pyserve import LLM, SamplingParams
+    from pyserve.default_model import TARGET_DIR
+    from pyserve.kernels.paged_decode_attention import (DecodeWorkspace, paged_decode_attention,
+                                                        paged_decode_attention_ref)
+    from pyserve.model.attention import tree_masks
+
+    torch, s = c.torch, c.s
+    dtype = c.dtype(s["dtypes"][0])
+    requests, rows_per = (3, 5) if c.dry else (64, 16)
+    context = s["bw_context"]
+    parents = np.array([-1, 0, 0, 1, 2, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][:rows_per], dtype=np.int32)
+    qsl = np.arange(requests + 1, dtype=np.int32) * rows_per
+    masks = torch.from_numpy(tree_masks(np.tile(parents, requests), qsl)[0].view(np.int64)).to(c.dev)
+    lens = [context - rows_per + 1 + j for _ in range(requests) for j in range(rows_per)]
+    k, v, tables = c.paged([context] * requests, s["kv_heads"], s["head_dim"], dtype)
+    tables = tables.repeat_interleave(rows_per, 0)
+    q = c.randn(len(lens), s["q_heads"], s["head_dim"], dtype=dtype)
+    args = (q, k, v, tables, c.i32(lens), s["head_dim"]**-0.5)
+    ws = DecodeWorkspace()
+    got = paged_decode_attention(*args, workspace=ws, masks=masks)
+    want = paged_decode_attention_ref(*args, masks=masks)
+    e = err(got, want)
+    masked = c.ms(partial(paged_decode_attention, *args, workspace=ws, masks=masks))
+    plain = c.ms(partial(paged_decode_attention, *args, workspace=ws))
+    rows = [{"name": f"tree rows {requests}x{rows_per} ctx={context}", "max_err": e, "ms": masked,
+             "of_unmasked": masked / plain, "ok": e <= TOL[s["dtypes"][0]]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=s["tokens"] * 8, ignore_eos=True)
+    prompts = ["def parse(text):\n", "class Stack:\n    def push(self, x):\n"]
+    tokens, rates = {}, {}
+    for name, spec in (("plain", None), ("eagle trees", {"method": "eagle3", "num_speculative_tokens": 4,
+                                                        "adaptive": False, "tree_nodes": 16})):
+        llm = LLM(str(TARGET_DIR), device=s["device"], attention_backend="triton", num_kv_blocks=256,
+                  speculative_config=spec)
+        llm.generate(prompts, greedy, use_tqdm=False)  # warm-up: compiles
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+        stats = llm.stats()
+        llm.close()
+    same = tokens["plain"] == tokens["eagle trees"]
+    rows.append({"name": "embedded target + head, trees, batch 2", "same_tokens_as_plain": same,
+                 "tok_s": rates["eagle trees"], "plain_tok_s": rates["plain"],
+                 "trees": stats["spec_decode_num_trees"],
+                 "acceptance_length": stats["spec_decode_mean_acceptance_length"], "ok": same})
+    return rows
+
+
 STEPS = [kernel_tests, correctness, large_kv_pool, decode_bandwidth, extend_rows, prefill, lora, quantized_matmul,
-         rejection, compile_count, launch_host_time, cuda_graph, batch1_decode, speculative_graphs]
+         rejection, compile_count, launch_host_time, cuda_graph, batch1_decode, speculative_graphs, eagle_trees]
 
 
 def markdown(report: dict) -> str:

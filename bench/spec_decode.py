@@ -13,8 +13,9 @@ Workloads (prompts from the held-out standard-library modules the family never t
           4, 16, 64 code continuations at once, adaptive depth (goal: never below 0.95x of plain);
           with `code` they give the speedup against batch size that bench/plots.py draws
 The draft model verifies up to 8 guesses a step (its guesses are mostly accepted on this family,
-so deeper verification pays), the EAGLE head up to 6, n-gram lookup up to 4; adaptive depth picks
-the depth each step.
+so deeper verification pays), the EAGLE head up to 6 (`eagle`: token trees of up to 16 drafts, the
+default; `eagle_chain`: one chain), n-gram lookup up to 4; adaptive depth picks the depth each
+step.
 Each figure is output tokens per second; "warm" ratios are the median over --runs interleaved
 runs after a first one (a server that has been up for a while has measured its costs), "cold"
 the ratio in that first run of a fresh engine on the workload (a server's first requests). Also
@@ -35,7 +36,8 @@ CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
     "draft": {"method": "draft_model", "num_speculative_tokens": 8, "adaptive": True},
-    "eagle": {"method": "eagle3", "num_speculative_tokens": 6, "adaptive": True},
+    "eagle": {"method": "eagle3", "num_speculative_tokens": 6, "adaptive": True},  # token trees (the default)
+    "eagle_chain": {"method": "eagle3", "num_speculative_tokens": 6, "adaptive": True, "tree_nodes": 0},
 }
 
 
@@ -67,8 +69,8 @@ def workloads(max_tokens: int) -> dict[str, tuple[list[str], list[str], bool]]:
     starts = ["\n".join(f.splitlines()[:3]) + "\n" for f in fns]
     # 64 distinct prompts need the shorter functions too (42 are 300-1200 characters long)
     many = ["\n".join(f.splitlines()[:3]) + "\n" for f in held_out_functions(64, min_chars=150, max_chars=10**6)]
-    methods = ["eagle", "draft", "ngram"]
-    return {"reuse": (reuse, ["ngram", "eagle"], True), "code": (starts[1:9], methods, True),
+    methods = ["eagle", "eagle_chain", "draft", "ngram"]
+    return {"reuse": (reuse, ["ngram", "eagle", "eagle_chain"], True), "code": (starts[1:9], methods, True),
             "unseen": (UNSEEN, methods, True),
             **{f"batch{n}": (many[:n], methods, False) for n in (4, 16, 64)}}
 

@@ -10,7 +10,8 @@ keeps a reference to its features and index arrays (`RecordedStep`), so steps at
 next to nothing. A proposal first feeds the head each candidate's pairs recorded since its last
 feed, in one forward (so the head's KV holds every position from real features; drafted positions
 are rewritten when their real features arrive), then chains its guesses from the head's output at
-the newest token, as the draft model does. A request that sat out proposals (depth 0) for more
+the newest token, as the draft model does, or grows a token tree from it (speculative/eagle_tree.py;
+a verified tree's kept rows are recorded at the positions after the last token). A request that sat out proposals (depth 0) for more
 than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its oldest pairs: their head KV
 stays as it was, as does that of positions a prefix-cache hit skipped (the cached block's first
 computation wrote it); a guess may be worse there, never wrong (the target verifies every draft). Feeding a request more than k + 1 pairs

@@ -93,10 +93,10 @@ class Verifier:
                 per_row[i] = tokens
         paths = None
         if tree.any():
-            paths = self._walk_trees(out, logits, rows, offsets, np.flatnonzero(tree), tree_parents, sample)
-            for i, path in paths.items():
-                per_row[i] = path[1]
-            paths = {i: path[0] for i, path in paths.items()}
+            walked = self._walk_trees(out, logits, rows, offsets, np.flatnonzero(tree), tree_parents, sample)
+            for i, (_, tokens) in walked.items():
+                per_row[i] = tokens
+            paths = {i: kept for i, (kept, _) in walked.items()}
         num_sampled = np.array([len(t) for t in per_row], dtype=np.int64)
         result = StepResult(token_ids=np.concatenate(per_row), num_sampled=num_sampled, tree_paths=paths)
         if plain_result is not None and plain_result.logprobs is not None:
@@ -111,13 +111,11 @@ class Verifier:
         doc). Every tree row's token in one call of `sample`, row j of a request keyed as its
         output token num_output + depth(j)."""
         logit_rows, requests, num_output = [], [], []
-        depths = {}
         for i in trees.tolist():
             parents = tree_parents[i]
             depth = np.zeros(len(parents), dtype=np.int64)
             for j in range(1, len(parents)):
                 depth[j] = depth[parents[j]] + 1
-            depths[i] = depth
             logit_rows.append(np.arange(offsets[i], offsets[i + 1]))
             requests += [rows.requests[i]] * len(parents)
             num_output += (rows.num_output[i] + depth).tolist()
