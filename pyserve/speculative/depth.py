@@ -51,7 +51,7 @@ PROBE_EVERY = 16  # steps at depth 0 before a probe
 PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
 SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
 RECHECK_FIRST, RECHECK_MOST = 8, 128  # probe intervals a priced-out bucket waits before exploring again
-EXPLORE_NODE_PRICE = 0.5  # a token tree's price per draft off its chain before a row's cost is measured
+EXPLORE_NODE_PRICE = 0.2  # a token tree's price per draft off its chain before a row's cost is measured
 
 
 class LinearFit:

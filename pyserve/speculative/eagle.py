@@ -35,7 +35,7 @@ from pyserve.model.sampler import Sampler, SamplingRows
 from pyserve.model.whole_model import FEED_ROWS
 from pyserve.speculative.eagle_head import EagleHead
 from pyserve.speculative.eagle_kernel import eagle_greedy, head_view
-from pyserve.speculative.eagle_tree import grow_trees
+from pyserve.speculative.eagle_tree import OFF_CHAIN_MOST, grow_trees
 from pyserve.speculative.proposer import DraftTree, ProposalBatch
 
 RECORDED_STEPS = 64  # target steps whose pairs are kept for feeding
@@ -236,7 +236,7 @@ class EagleProposer:
         lens = np.array([len(s) for s in batch.token_ids], dtype=np.int64)
         capacity = (batch.block_tables > 0).sum(axis=1) * bs
         depth = np.minimum(batch.k, np.minimum(capacity, self.max_model_len) - lens + 1).clip(min=0)
-        if batch.max_nodes:
+        if batch.max_nodes and batch.node_price < OFF_CHAIN_MOST:  # else no draft off the chain could pay
             return self._propose_trees(batch, lens, depth, np.minimum(capacity, self.max_model_len))
         if self.view is not None and all(r.params.greedy for r in reqs):
             drafts = self._propose_in_kernel([r.internal_id for r in reqs], lens, batch.block_tables, depth, batch.k)

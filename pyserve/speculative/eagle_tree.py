@@ -26,6 +26,9 @@ import torch
 from pyserve.speculative.proposer import DraftTree
 
 TREE_WIDTH = 4  # children taken per fed candidate, and candidates fed per depth besides the chain's
+# The most the head's chance for a draft off the likeliest chain can be: where it leaves the
+# chain, a sibling at least as likely is on it. A row priced at this or more keeps chains only.
+OFF_CHAIN_MOST = 0.5
 MAX_EXPANSIONS = 63  # head slots a growth uses past the newest pair (a row's mask covers 64 keys)
 ALL_BITS = 2**64 - 1
 

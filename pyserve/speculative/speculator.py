@@ -11,6 +11,7 @@ import numpy as np
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
 from pyserve.speculative.proposer import DraftTree, ProposalBatch, Proposer
+from pyserve.speculative.tree_choice import TreeChoice
 from pyserve.step.request import EngineRequest
 from pyserve.structured.matchers import GrammarMatchers
 
@@ -33,6 +34,9 @@ class Speculator:
         self.depth = DepthController(config.num_speculative_tokens, config.adaptive,
                                      has_draft_cost=config.method != "ngram")
         self.max_tree_nodes = config.tree_nodes  # 0: chains
+        self.tree_choice = TreeChoice()
+        # The last proposal, awaiting its verification step: (batch size, a tree?, its seconds).
+        self.last_proposal: tuple[int, bool, float] | None = None
         self.num_trees = 0  # verifications of a token tree, and the drafts they held
         self.num_tree_nodes = 0
         self.tree_depths: dict[int, int] = {}  # request -> the depth of the tree it verifies next
@@ -53,6 +57,10 @@ class Speculator:
         verify next step, by request (the EngineCore hands them to the scheduler)."""
         if (out.num_scheduled_tokens == 1 + out.num_spec_tokens).all():  # decode-only steps feed the cost model
             self.depth.observe_step(out.num_reqs, int(out.num_spec_tokens.sum()), seconds)
+            if self.last_proposal is not None and self.last_proposal[0] == out.num_reqs:
+                _, tree, proposal_seconds = self.last_proposal
+                self.tree_choice.observe(out.num_reqs, tree, int(num_sampled.sum()), seconds + proposal_seconds)
+        self.last_proposal = None
         for rid, s, n in zip(out.req_ids.tolist(), out.num_spec_tokens.tolist(), num_sampled.tolist()):
             depth = self.tree_depths.pop(rid, s)  # a chain's depth is its length
             if s and n:
@@ -84,11 +92,14 @@ class Speculator:
         start = time.perf_counter()
         tokens_read = [token_ids(r.internal_id) for r in candidates] if self.proposer.reads_tokens else None
         batch = ProposalBatch(candidates, out.block_tables[rows], k, tokens_read)
-        if self.max_tree_nodes:
+        tree = bool(self.max_tree_nodes) and self.tree_choice.trees(out.num_reqs)
+        if tree:
             batch.max_nodes = self.max_tree_nodes
             batch.node_price = self.depth.node_price(out.num_reqs, len(candidates), k)
         drafts = await self.proposer.propose(batch)
         seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
+        if self.max_tree_nodes:
+            self.last_proposal = (out.num_reqs, tree, seconds)
         self.depth.observe_proposal(len(candidates), k, sum(min(len(d), k) for d in drafts), seconds)
         out_drafts: dict[int, list[int] | DraftTree] = {}
         for req, tokens in zip(candidates, drafts):

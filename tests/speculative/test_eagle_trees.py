@@ -15,9 +15,10 @@ import torch
 from pyserve import LLM, SamplingParams
 from pyserve.default_model import HEAD_DIR, TARGET_DIR
 from pyserve.speculative.config import DEFAULT_TREE_NODES, SpeculativeConfig
-from pyserve.speculative.depth import DepthController
+from pyserve.speculative.depth import EXPLORE_NODE_PRICE, DepthController
 from pyserve.speculative.eagle_tree import ALL_BITS, grow_trees
 from pyserve.speculative.proposer import DraftTree
+from pyserve.speculative.tree_choice import EXPLORE_CYCLES, RECHECK_EVERY, TreeChoice
 from pyserve.speculative.verify import Verifier
 from pyserve.step.request import StepResult, StepRows
 
@@ -137,7 +138,9 @@ def test_a_sampled_walk_gives_the_targets_distribution():
 
 @pytest.fixture
 def trees_everywhere(monkeypatch):
-    """Every candidate above price 0 is worth a row: each proposal is as wide as allowed."""
+    """Every proposal grows a tree, and every candidate above price 0 is worth a row: each is
+    as wide as allowed."""
+    monkeypatch.setattr(TreeChoice, "trees", lambda self, batch_size: True)
     monkeypatch.setattr(DepthController, "node_price", lambda self, *a: 0.0)
     import pyserve.worker.model_worker as worker
 
@@ -198,7 +201,7 @@ def test_the_price_of_a_row_follows_the_measured_step_costs():
     """Before a step with drafts was timed: the exploring price; then b * tokens / seconds of a
     step at the depth, so dearer rows ask more of a draft."""
     cheap, dear = DepthController(4), DepthController(4)
-    assert cheap.node_price(1, 1, 3) == 0.5
+    assert cheap.node_price(1, 1, 3) == EXPLORE_NODE_PRICE
     for c, slope in ((cheap, 0.0001), (dear, 0.004)):
         for drafts in [0, 0, 0, 2, 2, 4, 4, 8, 8, 3, 6]:  # a shape's first step is a warm-up
             c.observe_step(1, drafts, 0.01 + slope * drafts)
@@ -206,3 +209,20 @@ def test_the_price_of_a_row_follows_the_measured_step_costs():
     assert 0 < low < high <= 1.0
     a, b = dear._bucket(1).spec_line()
     assert math.isclose(b, 0.004, rel_tol=1e-6)
+
+
+def test_trees_or_chains_by_the_rate_each_measured():
+    choice = TreeChoice()
+    seen = []
+    for _ in range(2 * EXPLORE_CYCLES):  # alternating, trees first
+        tree = choice.trees(1)
+        seen.append(tree)
+        choice.observe(1, tree, 3 if tree else 2, 0.010)  # trees: 300 tok/s, chains: 200
+    assert seen == [True, False] * EXPLORE_CYCLES
+    picks = [choice.trees(1) for _ in range(2 * RECHECK_EVERY)]
+    assert picks.count(False) == 2 and picks[RECHECK_EVERY - 2] and picks[RECHECK_EVERY - 1] is False
+    assert choice.trees(16) is True  # another bucket explores on its own
+    for _ in range(40):  # trees got dearer: chains win from then on
+        choice.observe(1, True, 3, 0.030)
+    assert choice.rate(1, True) < choice.rate(1, False)
+    assert [choice.trees(1) for _ in range(5)].count(False) >= 4
