@@ -41,11 +41,6 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
 
-    def chain(self) -> list[int]:
-        """The leading chain's drafts."""
-        n = next((j for j, p in enumerate(self.parents) if p != j), len(self.parents))
-        return self.tokens[:n]
-
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -103,9 +103,8 @@ class Speculator:
         self.depth.observe_proposal(len(candidates), k, sum(min(len(d), k) for d in drafts), seconds)
         out_drafts: dict[int, list[int] | DraftTree] = {}
         for req, tokens in zip(candidates, drafts):
-            if self.grammar is not None and req.internal_id in self.grammar:  # grammar masks follow chains
-                chain = tokens.chain() if isinstance(tokens, DraftTree) else list(tokens)
-                tokens = self._constrained(req.internal_id, chain, k)
+            if self.grammar is not None and req.internal_id in self.grammar and not isinstance(tokens, DraftTree):
+                tokens = self._constrained(req.internal_id, list(tokens), k)  # a tree's refused drafts are masked
             if isinstance(tokens, DraftTree):
                 self.tree_depths[req.internal_id] = tokens.depth
             if len(tokens):

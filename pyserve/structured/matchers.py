@@ -3,8 +3,10 @@
 Per step: `start_masks` computes, on a thread of its own while the forward runs, the token
 bitmask of every logits row of a constrained request (a verifying request's rows too: row j is
 masked as the matcher stands after its first j drafts, then the matcher is rolled back);
-the worker applies them before sampling. After the step, `advance` feeds each matcher the tokens
-the scheduler kept. Drafts are cut to the prefix the grammar allows before they are verified.
+the worker applies them before sampling; a token tree's rows are masked path by path, each leaf's
+path as a chain of drafts. After the step, `advance` feeds each matcher the tokens the scheduler
+kept. A chain of drafts is cut to the prefix the grammar allows before it is verified (a tree's
+drafts the grammar refuses are masked out of their parent's row, so the walk never keeps them).
 Steps with no constrained request pay nothing. No tensors here: the masks are numpy arrays.
 """
 
@@ -49,6 +51,8 @@ class MaskRow:
     first_row: int
     drafts: list[int]
     left: int | None = None  # tokens the request may still write, its first row's included
+    # A token tree: each row's parent row (-1 for the first; row j verifies drafts[j - 1]).
+    parents: list[int] | None = None
 
 
 class GrammarMatchers:
@@ -57,7 +61,9 @@ class GrammarMatchers:
         self._eos = frozenset(eos_token_ids)
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._json: dict[int, tuple[JsonTrack, JsonVocab]] = {}  # outputs that are or hold JSON
-        self._stuck: dict[int, str] = {}  # requests a mask left no token: why (advance fails them)
+        # Rows of a request's step a mask left no token (row -> why): advance fails the request
+        # where it kept a token of such a row.
+        self._stuck: dict[int, dict[int, str]] = {}
         self._fed: dict[int, int] = {}  # tokens each JSON output holds so far
         self._closing_from: dict[int, int] = {}  # the first of its tokens a closing mask narrowed
         self._closing: dict[JsonVocab, ClosingTokens] = {}  # built on a vocabulary's first closing
@@ -86,12 +92,16 @@ class GrammarMatchers:
         ended for want of tokens, not by the model alone."""
         return self._fed.get(internal_id, 0) > self._closing_from.get(internal_id, 1 << 62)
 
-    def advance(self, internal_id: int, token_ids: list[int]) -> str | None:
+    def advance(self, internal_id: int, token_ids: list[int], rows: list[int] | None = None) -> str | None:
         """Feeds the tokens a step kept; says why when the matcher cannot follow them (the
         grammar engine failed, or a token was not one the mask allowed: the mask had none left).
-        EOS after a complete output is the end, not a token to feed (a stopped matcher refuses it)."""
-        if internal_id in self._stuck:
-            return self._stuck[internal_id]
+        `rows`: the request's rows of the step the tokens came from (a token tree's kept path;
+        by default its first rows). EOS after a complete output is the end, not a token to feed
+        (a stopped matcher refuses it)."""
+        stuck = self._stuck.pop(internal_id, {})
+        why = next((stuck[r] for r in (range(len(token_ids)) if rows is None else rows) if r in stuck), None)
+        if why is not None:
+            return why
         m = self._matchers[internal_id]
         n = m.try_consume_tokens(token_ids)
         rest = token_ids[n:]
@@ -137,9 +147,12 @@ class GrammarMatchers:
         bits = np.full((sum(sizes), self.words), -1, dtype=np.int32)
         logits_rows = np.empty(len(bits), dtype=np.int64)
         plain, with_drafts, at = [], [], 0
+        trees = []
         for r, size in zip(rows, sizes):
             m = self._matchers[r.internal_id]
-            if r.drafts:
+            if r.parents is not None:
+                trees.append((r, at))
+            elif r.drafts:
                 with_drafts.append((m, at, r.drafts))
             else:
                 plain.append((m, at))
@@ -151,18 +164,39 @@ class GrammarMatchers:
         if with_drafts:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, size, len(bits))
         for r, at in zip(rows, np.cumsum(sizes) - sizes):
-            if r.internal_id in self._json:
+            if r.internal_id in self._json and r.parents is None:
                 self._hold_json_rules(r, bits[at : at + 1 + len(r.drafts)])
+        for r, at in trees:
+            self._tree_masks(r, bits[at : at + 1 + len(r.drafts)])
         certain = frozenset(logits_rows[at] for _, at, drafts in with_drafts
                             if _only_the_drafts(bits[at : at + len(drafts)], drafts))
         self.mask_seconds.append(time.perf_counter() - start)
         return TokenMasks(logits_rows, bits, certain)
 
-    def _hold_json_rules(self, r: MaskRow, bits: np.ndarray) -> None:
+    def _tree_masks(self, r: MaskRow, bits: np.ndarray) -> None:
+        """A token tree's rows: the path from its first row to each leaf masked as a chain of
+        drafts (with JSON's rules), its rows copied to theirs (a row on several paths gets the same
+        mask from each)."""
+        m = self._matchers[r.internal_id]
+        inner = set(r.parents)
+        for leaf in (j for j in range(len(r.parents)) if j not in inner):
+            path = [leaf]
+            while r.parents[path[-1]] > 0:
+                path.append(r.parents[path[-1]])
+            path.reverse()
+            drafts = [r.drafts[j - 1] for j in path]
+            chain = np.full((1 + len(path), self.words), -1, dtype=np.int32)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token([(m, 0, drafts)], chain.ctypes.data,
+                                                                    self.words * 4, len(chain))
+            if r.internal_id in self._json:
+                self._hold_json_rules(MaskRow(r.internal_id, r.first_row, drafts, r.left), chain, [0, *path])
+            bits[[0, *path]] = chain
+
+    def _hold_json_rules(self, r: MaskRow, bits: np.ndarray, rows: list[int] | None = None) -> None:
         """Takes out of each row of one request the tokens json_rules bans there (row j: after
         its first j drafts), then, in the last tokens of its budget, those json_close leaves
-        out (the guard's, then all but the closing ones). A row left with no token marks the
-        request stuck."""
+        out (the guard's, then all but the closing ones). A row left with no token is marked
+        stuck (`rows`: each row's index in the request's step, a tree path's; default j)."""
         track, vocab = self._json[r.internal_id]
         words = bits.view(np.uint32)
         for j in range(len(bits)):
@@ -173,8 +207,8 @@ class GrammarMatchers:
             if banned is not None:
                 np.bitwise_and.at(words[j], banned >> 5, ~(np.uint32(1) << (banned & 31).astype(np.uint32)))
                 if not words[j].any():
-                    self._stuck[r.internal_id] = ("no token keeps the output's JSON keys unique and its numbers "
-                                                  "within a double's digits here")
+                    self._stuck.setdefault(r.internal_id, {})[j if rows is None else rows[j]] = (
+                        "no token keeps the output's JSON keys unique and its numbers within a double's digits here")
             if r.left is None:
                 continue
             if hold_to_budget(track, r.left - j, words[j], lambda: self._closing_tokens(vocab)) == "closing":

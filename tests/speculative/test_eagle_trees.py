@@ -5,6 +5,7 @@ outputs equal plain decoding with trees on every step."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -54,7 +55,7 @@ def test_a_tree_keeps_its_likeliest_chain_first_then_the_drafts_worth_a_row():
     # Candidates: 1 (.7) 2 (.3); 11 (.49) 12 (.21) 21 (.21) 22 (.09); 111 (.343) 112 (.147) 121 ...
     # Kept: the chain 1, 11, 111, then 2, 12, 21 (above .2), each after its parent.
     assert trees == [DraftTree([1, 11, 111, 2, 12, 21], [0, 1, 2, 0, 1, 4])]
-    assert trees[0].chain() == [1, 11, 111] and trees[0].depth == 3
+    assert trees[0].depth == 3
     # Fed: depth 1's two candidates at position 21, slots 21 and 22; then depth 2's best two (11,
     # 12) at position 22, slots 23 and 24. Each sees itself, its fed ancestors and the keys
     # before slot 21: 11 (slot 23) sees 1 (two back), not 2 (one back).
@@ -186,6 +187,25 @@ def test_seeded_and_unseeded_samples_with_trees(trees_everywhere):
         free = outputs(llm, PROMPTS[2:], SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True))
         assert llm.stats()["spec_decode_num_trees"] > 0
     assert [len(c) for o in free for c in o] == [24, 24]
+
+
+def test_constrained_requests_verify_trees_masked_path_by_path(trees_everywhere):
+    """JSON-schema and regex requests beside a free one, trees on every step: each row masked
+    as the grammar stands after its own path; the tokens are plain decoding's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+              "required": ["name", "size"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0.0, max_tokens=24, structured_outputs={"regex": r"def [a-z_]+\(x\):"}),
+              SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)]
+    engine = dict(block_size=4, num_kv_blocks=256)
+    with LLM(str(TARGET_DIR), **engine) as llm:
+        plain = outputs(llm, PROMPTS[:3], params)
+    with LLM(str(TARGET_DIR), speculative_config=TREES, **engine) as llm:
+        got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        stats = llm.stats()
+    assert [[c.token_ids for c in o.outputs] for o in got] == plain
+    assert set(json.loads(got[0].outputs[0].text)) == {"name", "size"}
+    assert stats["spec_decode_num_trees"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_tree_nodes_is_eagle3s_and_bounded():

@@ -40,13 +40,13 @@ class GrammarStep(StepParticipant):
         counts = out.num_logits[step.with_logits]
         firsts = np.cumsum(counts) - counts
         mask_rows = []
-        for req, first, count, written in zip(step.rows.requests, firsts.tolist(), counts.tolist(),
-                                              step.rows.num_output):
+        for i, req, first, count, written in zip(np.flatnonzero(step.with_logits).tolist(), step.rows.requests,
+                                                 firsts.tolist(), counts.tolist(), step.rows.num_output):
             if req.internal_id in self.matchers:
                 drafts = out.input_ids[out.logits_indices[first + 1 : first + count]].tolist() if count > 1 else []
                 max_tokens = req.params.max_tokens
                 left = None if max_tokens is None else max_tokens - written
-                mask_rows.append(MaskRow(req.internal_id, first, drafts, left))
+                mask_rows.append(MaskRow(req.internal_id, first, drafts, left, _tree_parents(out, i)))
         if mask_rows:
             step.rows.token_masks = self.matchers.start_masks(mask_rows)
 
@@ -58,8 +58,11 @@ class GrammarStep(StepParticipant):
             return
         update = step.update
         tokens, starts = update.token_ids, update.starts
+        paths = (step.result.tree_paths if step.result is not None else None) or {}
+        path_of = {step.rows.requests[i].internal_id: path.tolist() for i, path in paths.items()}
         for i, rid in enumerate(update.req_ids):
-            why = self.matchers.advance(rid, tokens[starts[i] : starts[i + 1]]) if rid in self.matchers else None
+            why = self.matchers.advance(rid, tokens[starts[i] : starts[i + 1]], path_of.get(rid)) \
+                if rid in self.matchers else None
             if why is not None:
                 log.warning("grammar_failed", internal_id=rid, reason=why)
                 step.failures[rid] = why
@@ -88,3 +91,11 @@ class GrammarStep(StepParticipant):
 
     def stats(self) -> dict[str, float | int]:
         return {"grammar_forced_tokens": self.num_forced_tokens}
+
+
+def _tree_parents(out, seq: int) -> list[int] | None:
+    """Scheduled request `seq`'s rows' parents where it verifies a token tree, else None."""
+    if not len(out.tree_parents):
+        return None
+    parents = out.tree_parents[out.query_start_loc[seq] : out.query_start_loc[seq + 1]]
+    return parents.tolist() if (parents != np.arange(len(parents)) - 1).any() else None
