@@ -157,8 +157,8 @@ def outputs(llm, prompts, params):
 
 def test_greedy_outputs_with_trees_equal_plain_decoding(trees_everywhere):
     """The shipped head, trees of up to 12 drafts on every step, a mixed batch with prompts in
-    16-token chunks and a repeated prompt (prefix cache): plain decoding's tokens, paths off the
-    chain kept (their KV moved) and per-depth counters."""
+    32-token chunks and a repeated prompt (prefix cache): plain decoding's tokens, paths off the
+    chain kept (their KV moved) and per-depth counters; then a KV pool small enough to preempt."""
     prompts = PROMPTS + PROMPTS[:1]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=32)
@@ -173,6 +173,9 @@ def test_greedy_outputs_with_trees_equal_plain_decoding(trees_everywhere):
     drafted = stats["spec_decode_num_draft_tokens_per_pos"]
     assert len(drafted) == 3 and drafted[0] == stats["spec_decode_num_drafts"]
     assert stats["spec_decode_mean_acceptance_length"] > 2.0
+    with LLM(str(TARGET_DIR), speculative_config=TREES, block_size=4, num_kv_blocks=40) as llm:  # preempts
+        assert outputs(llm, prompts, greedy) == plain
+        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_decode_num_trees"] > 0
 
 
 def test_seeded_and_unseeded_samples_with_trees(trees_everywhere):
