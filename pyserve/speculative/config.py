@@ -16,7 +16,7 @@ METHODS = ("ngram", "draft_model", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_TREE_NODES = 16
-MAX_TREE_NODES = 63  # a tree's rows hide keys through 64-bit masks
+MAX_TREE_NODES = 63  # the scheduler's MAX_TREE_DRAFTS: a tree's rows hide keys through 64-bit masks
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,4 +52,4 @@ pub use kv_manager::KvCacheManager;
 pub use output::{ScheduledRequest, SchedulerOutput, UpdateResult};
 pub use radix::{Namespace, NodeId, RadixCache};
 pub use request::{FinishReason, NewRequest, Request, RequestId, RequestStatus};
-pub use scheduler::{Scheduler, SchedulerStats, BACKGROUND_PRIORITY};
+pub use scheduler::{Scheduler, SchedulerStats, BACKGROUND_PRIORITY, MAX_TREE_DRAFTS};

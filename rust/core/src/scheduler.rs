@@ -30,6 +30,10 @@ pub const BACKGROUND_PRIORITY: i32 = 1_000_000;
 /// One request's share of the step in flight, with its `num_computed_tokens` before the step.
 type Planned = (Slot, ScheduledRequest, usize);
 
+/// The most drafts a token tree may hold: with the request's last token, 64 rows, so that each
+/// row's view of the tree fits a 64-bit mask (the attention kernels' `masks`).
+pub const MAX_TREE_DRAFTS: usize = 63;
+
 /// Counters since construction, plus gauges of now. The names are the engine's and /metrics'
 /// (`pyserve:<name>`).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -232,13 +236,19 @@ impl Scheduler {
         self.set_spec_tree(id, tokens, &[])
     }
 
-    /// Sets a token tree of drafts: draft `j`'s parent is `parents[j]`, 0 for the request's
+    /// Sets a token tree of drafts (at most [`MAX_TREE_DRAFTS`]): draft `j`'s parent is `parents[j]`, 0 for the request's
     /// last token or `i` (`1 <= i <= j`) for draft `i - 1`; empty `parents`: a chain. Drafts
     /// are verified at once, each seeing only the tokens before its own path; the verification
     /// keeps one path. Drafts past the request's token limit (counted by number, not depth) are
     /// dropped.
     pub fn set_spec_tree(&mut self, id: RequestId, tokens: &[u32], parents: &[u32]) -> Result<()> {
         if !parents.is_empty() {
+            if parents.len() > MAX_TREE_DRAFTS {
+                return Err(request_err(
+                    "spec_parents",
+                    format!("a tree of {} drafts: at most {MAX_TREE_DRAFTS}", parents.len()),
+                ));
+            }
             if parents.len() != tokens.len() {
                 return Err(request_err(
                     "spec_parents",

@@ -372,6 +372,7 @@ fn a_tree_cut_by_the_budget_keeps_its_first_drafts_and_a_bad_tree_is_refused() {
     let err = s.set_spec_tree(1, &[20, 21], &[0, 2]).unwrap_err();
     assert!(err.to_string().contains("spec_parents"), "{err}");
     assert!(s.set_spec_tree(1, &[20, 21], &[0]).is_err());
+    assert!(s.set_spec_tree(1, &[20; 64], &[0; 64]).unwrap_err().to_string().contains("at most 63"));
     // Two more tokens may come: a tree of three drafts keeps two.
     s.set_spec_tree(1, &[20, 21, 22], &[0, 0, 1]).unwrap();
     assert_eq!(s.request(1).unwrap().spec_parents, vec![0, 0]);
