@@ -62,7 +62,7 @@ class Speculator:
                 self.tree_choice.observe(out.num_reqs, tree, int(num_sampled.sum()), seconds + proposal_seconds)
         self.last_proposal = None
         for rid, s, n in zip(out.req_ids.tolist(), out.num_spec_tokens.tolist(), num_sampled.tolist()):
-            depth = self.tree_depths.pop(rid, s)  # a chain's depth is its length
+            depth = min(self.tree_depths.pop(rid, s), s)  # a chain's depth is its length (a cut tree: no deeper)
             if s and n:
                 self.num_drafts += 1
                 self.num_draft_tokens += s
