@@ -78,6 +78,7 @@ class EagleProposer:
         self.fed_to: dict[int, int] = {}  # request -> the last position the head was fed
         self.recorded_bytes = 0  # of the kept steps' features
         self.draft_probs: dict[int, torch.Tensor] = {}  # request -> [k, V] f32 of its drafts
+        self.forgotten: set[int] = set()  # requests whose recorded pairs are still to be dropped
         self.catch_up_seconds = 0.0  # of the last proposal, feeding requests that were behind
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
@@ -85,12 +86,19 @@ class EagleProposer:
 
     def forget(self, request_ids: list[int]) -> None:
         """The requests finished or were preempted: their recorded pairs go too (a preempted
-        request is recorded again as it is recomputed)."""
-        gone = np.asarray(request_ids, dtype=np.int64)
+        request is recorded again as it is recomputed), taken out of the record at once before
+        the next record or proposal (a batch's requests finish one by one)."""
         for rid in request_ids:
             self.held.pop(rid, None)
             self.fed_to.pop(rid, None)
             self.draft_probs.pop(rid, None)
+        self.forgotten.update(request_ids)
+
+    def _drop_forgotten(self) -> None:
+        if not self.forgotten:
+            return
+        gone = np.fromiter(self.forgotten, dtype=np.int64)
+        self.forgotten.clear()
         for i, step in enumerate(self.steps):
             keep = ~np.isin(step.requests, gone)
             if not keep.all():
@@ -110,6 +118,7 @@ class EagleProposer:
         states of every scheduled token; `num_sampled`/`sampled`: the StepResult's, for the
         requests with logits in order; `tree_paths`: its rows kept of each token tree (by the
         same order)."""
+        self._drop_forgotten()
         n = out.num_reqs
         if len(out.input_ids) == n and len(num_sampled) == n:  # a decode step: one pair a request
             self._keep(RecordedStep(features, out.req_ids.astype(np.int64), out.positions.astype(np.int64),
@@ -232,6 +241,7 @@ class EagleProposer:
         """Up to batch.k guesses per request whose head output is current (its last pair is at its
         newest token); a seeded request's guess at sequence index t reads the keyed noise the
         target's sampling of index t reads (model.noise)."""
+        self._drop_forgotten()
         reqs, bs = batch.requests, self.block_size
         lens = np.array([len(s) for s in batch.token_ids], dtype=np.int64)
         capacity = (batch.block_tables > 0).sum(axis=1) * bs
