@@ -1,21 +1,22 @@
-"""The EAGLE proposer: an EAGLE-3 head (speculative/eagle_head.py) drafting from the hidden states
-the target's own forward produced, with no second pass of the target.
+"""The EAGLE proposer: an EAGLE-3 head (speculative/eagle_head.py) drafting from the hidden states the
+target's own forward produced, with no second pass of the target.
 
 After every target step (`record`), the positions whose next token is now known become pairs (the
 target's features at p, the token at p + 1): a prompt chunk's positions with the prompt's next
-tokens, a decoding row's position with its sampled token, a verifying row's positions up to the
-last accepted draft with the tokens the verification kept. A chunk's last position, whose next
-token comes with the next chunk, waits for it (`held`). Recording costs no head forward: a step
-keeps a reference to its features and index arrays (`RecordedStep`), so steps at depth 0 cost
-next to nothing. A proposal first feeds the head each candidate's pairs recorded since its last
-feed, in one forward (so the head's KV holds every position from real features; drafted positions
-are rewritten when their real features arrive), then chains its guesses from the head's output at
-the newest token, as the draft model does, or grows a token tree from it (speculative/eagle_tree.py;
-a verified tree's kept rows are recorded at the positions after the last token). A request that sat out proposals (depth 0) for more
-than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its oldest pairs: their head KV
-stays as it was, as does that of positions a prefix-cache hit skipped (the cached block's first
-computation wrote it); a guess may be worse there, never wrong (the target verifies every draft). Feeding a request more than k + 1 pairs
-(a new prompt, steps at depth 0) is timed apart (`catch_up_seconds`).
+tokens, a decoding row's position with its sampled token, a verifying row's positions up to the last
+accepted draft with the tokens the verification kept. A chunk's last position, whose next token
+comes with the next chunk, waits for it (`held`). Recording costs no head forward: a step keeps a
+reference to its features and index arrays (`RecordedStep`), so steps at depth 0 cost next to
+nothing. A proposal first feeds the head each candidate's pairs recorded since its last feed, in one
+forward (so the head's KV holds every position from real features; drafted positions are rewritten
+when their real features arrive), then chains its guesses from the head's output at the newest
+token, as the draft model does, or grows a token tree from it (speculative/eagle_tree.py; a verified
+tree's kept rows are recorded at the positions after the last token). A request that sat out
+proposals (depth 0) for more than RECORDED_STEPS steps (or RECORDED_BYTES of features) loses its
+oldest pairs: their head KV stays as it was, as does that of positions a prefix-cache hit skipped
+(the cached block's first computation wrote it); a guess may be worse there, never wrong (the target
+verifies every draft). Feeding a request more than k + 1 pairs (a new prompt, steps at depth 0) is
+timed apart (`catch_up_seconds`).
 """
 
 from __future__ import annotations

@@ -52,6 +52,15 @@ class DraftTree:
         return max(depths)
 
 
+def tree_parents_of(out, seq: int) -> np.ndarray | None:
+    """Where scheduled request `seq` of a step (a SchedulerOutput) verifies a token tree, its
+    rows' parents (rows within its tokens, -1 for the first), else None."""
+    if not len(out.tree_parents):
+        return None
+    parents = out.tree_parents[out.query_start_loc[seq] : out.query_start_loc[seq + 1]]
+    return parents.astype(np.int64) if (parents != np.arange(len(parents)) - 1).any() else None
+
+
 class Proposer(Protocol):
     reads_tokens: bool  # wants ProposalBatch.token_ids
     drafts_replaceable: bool  # other drafts may be verified in place of its own (it keeps no state of them)

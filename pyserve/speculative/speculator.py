@@ -67,7 +67,7 @@ class Speculator:
                 self.num_drafts += 1
                 self.num_draft_tokens += s
                 self.num_accepted_tokens += n - 1
-                self.depth.observe_verification(min(s, depth), n - 1)
+                self.depth.observe_verification(depth, n - 1)
                 if depth < s:
                     self.num_trees += 1
                     self.num_tree_nodes += s

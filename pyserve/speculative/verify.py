@@ -21,21 +21,7 @@ import torch
 from pyserve.step.request import EngineRequest, StepResult, StepRows
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.model.sampler import Sampler, SamplingRows
-from pyserve.speculative.proposer import ModelProposer
-
-
-def _tree_parents_by_row(out, num_rows: int) -> list[np.ndarray | None]:
-    """Per request row with logits: its tokens' parents (rows within the request, -1 first) where
-    it verifies a token tree, else None."""
-    if not len(out.tree_parents):
-        return [None] * num_rows
-    qsl = out.query_start_loc
-    result = []
-    for s in np.flatnonzero(out.num_logits > 0).tolist():
-        parents = out.tree_parents[qsl[s] : qsl[s + 1]]
-        is_tree = bool((parents != np.arange(len(parents)) - 1).any())
-        result.append(parents.astype(np.int64) if is_tree else None)
-    return result
+from pyserve.speculative.proposer import ModelProposer, tree_parents_of
 
 
 class Verifier:
@@ -66,7 +52,7 @@ class Verifier:
         reqs = rows.requests
         offsets = np.concatenate([[0], np.cumsum(counts)])
         sure = np.array([c > 1 and int(o) in certain for c, o in zip(counts, offsets[:-1])], dtype=bool)
-        tree_parents = _tree_parents_by_row(out, len(reqs))
+        tree_parents = [tree_parents_of(out, seq) for seq in np.flatnonzero(out.num_logits > 0).tolist()]
         tree = np.array([p is not None for p in tree_parents], dtype=bool)
         plain = np.flatnonzero((counts == 1) | sure)
         spec = np.flatnonzero((counts > 1) & ~sure & ~tree)

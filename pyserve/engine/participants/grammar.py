@@ -8,6 +8,7 @@ import numpy as np
 import structlog
 
 from pyserve.engine.participants.base import Step, StepParticipant
+from pyserve.speculative.proposer import tree_parents_of
 from pyserve.speculative.speculator import can_speculate
 from pyserve.step.request import EngineRequest
 from pyserve.structured.matchers import GrammarMatchers, MaskRow
@@ -46,7 +47,8 @@ class GrammarStep(StepParticipant):
                 drafts = out.input_ids[out.logits_indices[first + 1 : first + count]].tolist() if count > 1 else []
                 max_tokens = req.params.max_tokens
                 left = None if max_tokens is None else max_tokens - written
-                mask_rows.append(MaskRow(req.internal_id, first, drafts, left, _tree_parents(out, i)))
+                tree = tree_parents_of(out, i)
+                mask_rows.append(MaskRow(req.internal_id, first, drafts, left, None if tree is None else tree.tolist()))
         if mask_rows:
             step.rows.token_masks = self.matchers.start_masks(mask_rows)
 
@@ -92,10 +94,3 @@ class GrammarStep(StepParticipant):
     def stats(self) -> dict[str, float | int]:
         return {"grammar_forced_tokens": self.num_forced_tokens}
 
-
-def _tree_parents(out, seq: int) -> list[int] | None:
-    """Scheduled request `seq`'s rows' parents where it verifies a token tree, else None."""
-    if not len(out.tree_parents):
-        return None
-    parents = out.tree_parents[out.query_start_loc[seq] : out.query_start_loc[seq + 1]]
-    return parents.tolist() if (parents != np.arange(len(parents)) - 1).any() else None

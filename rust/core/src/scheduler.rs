@@ -236,11 +236,11 @@ impl Scheduler {
         self.set_spec_tree(id, tokens, &[])
     }
 
-    /// Sets a token tree of drafts (at most [`MAX_TREE_DRAFTS`]): draft `j`'s parent is `parents[j]`, 0 for the request's
-    /// last token or `i` (`1 <= i <= j`) for draft `i - 1`; empty `parents`: a chain. Drafts
-    /// are verified at once, each seeing only the tokens before its own path; the verification
-    /// keeps one path. Drafts past the request's token limit (counted by number, not depth) are
-    /// dropped.
+    /// Sets a token tree of drafts (at most [`MAX_TREE_DRAFTS`]): draft `j`'s parent is
+    /// `parents[j]`, 0 for the request's last token or `i` (`1 <= i <= j`) for draft `i - 1`;
+    /// empty `parents`: a chain. Drafts are verified at once, each seeing only the tokens before
+    /// its own path; the verification keeps one path. Drafts past the request's token limit
+    /// (counted by number, not depth) are dropped.
     pub fn set_spec_tree(&mut self, id: RequestId, tokens: &[u32], parents: &[u32]) -> Result<()> {
         if !parents.is_empty() {
             if parents.len() > MAX_TREE_DRAFTS {

@@ -339,9 +339,10 @@ fn a_token_tree_takes_slots_in_order_and_positions_by_depth() {
     s.add_request(req(1, vec![5, 6, 7], 16)).unwrap();
     s.add_request(req(2, vec![8, 9], 16)).unwrap();
     s.schedule().unwrap();
-    s.update(&[10, 11], &[1, 1]).unwrap(); // tokens 5 6 7 10 and 8 9 11: both decode now
-                                           // Request 1's tree: 20 and 21 follow its last token, 22 follows 20, 23 follows 22, 24
-                                           // follows 21. Request 2 verifies a chain.
+    // Tokens 5 6 7 10 and 8 9 11: both decode now.
+    s.update(&[10, 11], &[1, 1]).unwrap();
+    // Request 1's tree: 20 and 21 follow its last token, 22 follows 20, 23 follows 22, 24
+    // follows 21. Request 2 verifies a chain.
     s.set_spec_tree(1, &[20, 21, 22, 23, 24], &[0, 0, 1, 3, 2]).unwrap();
     s.set_spec_tokens(2, &[30, 31]).unwrap();
     let out = s.schedule().unwrap();
