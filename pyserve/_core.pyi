@@ -116,8 +116,8 @@ def paged_decode_attention(
     """Decode attention on the CPU with the pages read in place: q and out [num_seqs, num_q_heads,
     head_dim] f32, caches [num_blocks, block_size, num_kv_heads, head_dim] f32, block_tables
     [num_seqs, width] int32, seq_lens [num_seqs] int32, masks None or [num_seqs] uint64 (bit b
-    clear hides a sequence's key seq_len - 1 - b: a token tree's rows); all C-contiguous. Writes out; raises
-    ValueError naming the argument at fault. With `threads` > 1 the sequences are spread over
+    clear hides a sequence's key seq_len - 1 - b: a token tree's rows); all C-contiguous. Writes
+    out; raises ValueError naming the argument at fault. With `threads` > 1 the sequences are spread over
     the calling thread's OpenMP team (torch's libgomp), where one is loaded."""
 
 def lora_add(
