@@ -115,9 +115,9 @@ def paged_decode_attention(
 ) -> None:
     """Decode attention on the CPU with the pages read in place: q and out [num_seqs, num_q_heads,
     head_dim] f32, caches [num_blocks, block_size, num_kv_heads, head_dim] f32, block_tables
-    [num_seqs, width] int32, seq_lens [num_seqs] int32, masks None or [num_seqs] uint64 (bit b
-    clear hides a sequence's key seq_len - 1 - b: a token tree's rows); all C-contiguous. Writes
-    out; raises ValueError naming the argument at fault. With `threads` > 1 the sequences are spread over
+    [num_seqs, width] int32, seq_lens [num_seqs] int32, masks None or [num_seqs] uint64 (bit b clear
+    hides a sequence's key seq_len - 1 - b: a token tree's rows); all C-contiguous. Writes out;
+    raises ValueError naming the argument at fault. With `threads` > 1 the sequences are spread over
     the calling thread's OpenMP team (torch's libgomp), where one is loaded."""
 
 def lora_add(
@@ -247,13 +247,12 @@ def decoder_layer(
     masks: np.ndarray | None = None,
 ) -> None:
     """One Llama-family decoder layer over a few rows, x [rows, hidden] (the residual stream)
-    updated in place: RMSNorm, fused q/k/v projection, rotary, the new K/V written at `slots`,
-    paged attention of each row over its own prefix (block_tables [rows, width] int32, seq_lens
-    [rows] int32, masks as paged_decode_attention takes them), output projection, residual add + RMSNorm, fused gate/up, SiLU product, down
-    projection, residual add. Linears are any `Projection`; caches
-    [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the
-    index arrays. The bits of the same kernels called op by op. Raises ValueError naming what is
-    at fault."""
+    updated in place: RMSNorm, fused q/k/v projection, rotary, the new K/V written at `slots`, paged
+    attention of each row over its own prefix (block_tables [rows, width] int32, seq_lens [rows]
+    int32, masks as paged_decode_attention takes them), output projection, residual add + RMSNorm,
+    fused gate/up, SiLU product, down projection, residual add. Linears are any `Projection`; caches
+    [num_blocks, block_size, kv_heads, head_dim]; cos, sin [rows, head_dim]; all f32 but the index
+    arrays. The bits of the same kernels called op by op. Raises ValueError naming what is at fault."""
 
 def model_forward(
     model: object,
