@@ -99,7 +99,8 @@ class GrammarMatchers:
         by default its first rows). EOS after a complete output is the end, not a token to feed
         (a stopped matcher refuses it)."""
         stuck = self._stuck.pop(internal_id, {})
-        why = next((stuck[r] for r in (range(len(token_ids)) if rows is None else rows) if r in stuck), None)
+        kept = range(len(token_ids)) if rows is None else rows[: len(token_ids)]  # a stop may end it early
+        why = next((stuck[r] for r in kept if r in stuck), None)
         if why is not None:
             return why
         m = self._matchers[internal_id]
