@@ -88,6 +88,27 @@ def test_masks_of_an_open_schema_leave_out_a_repeated_key(tok):
     matchers.close()
 
 
+def test_a_token_trees_rows_are_masked_as_each_ones_own_path(tok):
+    """Rows of a tree (its last token, then drafts "s" and a closing quote after it and "s" after
+    "s"): each row's mask is the one its path gives as a chain, JSON's rules included."""
+    compiler = GrammarCompiler(tok.inner.to_str, VOCAB, EOS)
+    grammar = compiler.compile(StructuredOutputsParams(json={"type": "object"}))
+    matchers = GrammarMatchers(VOCAB, EOS)
+    matchers.add(1, grammar)
+    for t in tok.encode('{"s": "s", "s', add_special_tokens=False):
+        matchers.start_masks([MaskRow(1, 0, [])]).result()
+        assert matchers.advance(1, [t]) is None
+    s, x = tok.encode("s", add_special_tokens=False)[0], tok.encode('"', add_special_tokens=False)[0]
+    tree = matchers.start_masks([MaskRow(1, 0, [s, x, s], parents=[-1, 0, 0, 1])]).result()
+    via_s = matchers.start_masks([MaskRow(1, 0, [s, s])]).result()
+    via_x = matchers.start_masks([MaskRow(1, 0, [x])]).result()
+    np.testing.assert_array_equal(tree.bits[[0, 1, 3]], via_s.bits)
+    np.testing.assert_array_equal(tree.bits[2], via_x.bits[1])
+    assert not np.array_equal(tree.bits[1], tree.bits[2])  # the branches differ
+    assert tree.certain == frozenset()  # a tree's drafts are always verified
+    matchers.close()
+
+
 def _pairs_unique(pairs):
     keys = [k for k, _ in pairs]
     assert len(keys) == len(set(keys)), keys
