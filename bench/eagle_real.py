@@ -99,6 +99,7 @@ def main() -> None:
             head = harness.header(__file__)  # after the engines: torch is imported
             harness.print_header(head)
         for name, prompts in workloads.items():
+            before = {m: engines[m].stats() for m in configs}
             runs = harness.interleaved({m: lambda m=m: run(engines[m], prompts, params) for m in configs},
                                        args.runs + 1)
             reference = runs["plain"][0][1]
@@ -114,7 +115,7 @@ def main() -> None:
                 row[f"{m}_tokens_per_s"] = round(harness.median(rates[m]), 1)
                 row[f"{m}_ratio"] = round(harness.median_ratio(rates[m], rates["plain"]), 3)
                 row[f"{m}_cold_ratio"] = round(runs[m][0][0] / runs["plain"][0][0], 3)
-                row[f"{m}_mean_acceptance_length"] = round(engines[m].stats()["spec_decode_mean_acceptance_length"], 2)
+                row[f"{m}_mean_acceptance_length"] = round(harness.acceptance_length(before[m], engines[m].stats()), 2)
             results[f"{precision}/{name}"] = row
             print(f"{precision}/{name}", json.dumps(row), flush=True)
         for llm in engines.values():

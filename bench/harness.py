@@ -119,3 +119,11 @@ def write_report(path: Path, report: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def acceptance_length(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """Tokens per verifying sequence step (accepted drafts + 1) between two `LLM.stats()`: a
+    workload's own figure where one engine serves several (the engine's counter is since start)."""
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    return 1.0 + accepted / drafts if drafts else 0.0

@@ -95,6 +95,7 @@ def main() -> None:
     results = {}
     for name, (prompts, methods, one_at_a_time) in workloads(args.max_tokens).items():
         # round 0 is the cold one; the rest are warm (a long-running server explored its depths)
+        before = {m: engines[m].stats() for m in methods}
         runs = harness.interleaved({m: lambda m=m: run(engines[m], prompts, params, one_at_a_time)
                                     for m in ["plain", *methods]}, args.runs + 1)
         reference = runs["plain"][0][1]
@@ -108,8 +109,7 @@ def main() -> None:
             row[f"{m}_tokens_per_s"] = round(harness.median(rates[m]), 1)
             row[f"{m}_ratio"] = round(harness.median_ratio(rates[m], rates["plain"]), 3)
             row[f"{m}_cold_ratio"] = round(runs[m][0][0] / runs["plain"][0][0], 3)
-            stats = engines[m].stats()
-            row[f"{m}_mean_acceptance_length"] = round(stats["spec_decode_mean_acceptance_length"], 2)
+            row[f"{m}_mean_acceptance_length"] = round(harness.acceptance_length(before[m], engines[m].stats()), 2)
         results[name] = row
         print(name, json.dumps(row), flush=True)
     for llm in engines.values():
