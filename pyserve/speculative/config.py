@@ -30,9 +30,9 @@ class SpeculativeConfig:
     # Choose the depth per step (0 = plain decoding) from measurements; by default only where
     # the user left num_speculative_tokens out (a depth the user fixed is honoured).
     adaptive: bool = True
-    # eagle3: at most this many drafts a step in a token tree (0: one chain); None: the method's
-    # default (DEFAULT_TREE_NODES for eagle3).
-    tree_nodes: int | None = None
+    # eagle3: at most this many drafts a step in a token tree (0: one chain); left out of a
+    # config: DEFAULT_TREE_NODES for eagle3.
+    tree_nodes: int = 0
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | str | None, default_models: dict[str, str] | None = None
@@ -69,7 +69,7 @@ class SpeculativeConfig:
         if not isinstance(fields["adaptive"], bool):
             raise ValueError("speculative_config.adaptive must be true or false")
         tree_nodes = fields["tree_nodes"]
-        if tree_nodes is None:
+        if "tree_nodes" not in raw:
             fields["tree_nodes"] = DEFAULT_TREE_NODES if method == "eagle3" else 0
         elif method != "eagle3":
             raise ValueError("speculative_config.tree_nodes is only for the method eagle3")
