@@ -226,13 +226,21 @@ class EagleProposer:
                  block_tables: np.ndarray) -> torch.Tensor:
         """The head over rows (request rows[j]'s pair at positions[j], in increasing positions per
         request, each request's rows together), writing their KV."""
-        bs = self.block_size
-        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
         qsl = np.r_[starts, len(rows)].astype(np.int32)
         seq_lens = (positions[qsl[1:] - 1] + 1).astype(np.int32)
         tables = np.ascontiguousarray(block_tables[rows[starts]])
-        meta = AttentionMetadata.build(slots, tables, seq_lens, qsl, self.device)
+        meta = AttentionMetadata.build(self._slots(block_tables, rows, positions), tables, seq_lens, qsl, self.device)
+        return self._run_head(hidden, tokens, positions, meta)
+
+    def _slots(self, block_tables: np.ndarray, rows: np.ndarray, slot_positions: np.ndarray) -> np.ndarray:
+        """int64: the cache slot of position `slot_positions[i]` in the table `block_tables[rows[i]]`."""
+        bs = self.block_size
+        return block_tables[rows, slot_positions // bs].astype(np.int64) * bs + slot_positions % bs
+
+    def _run_head(self, hidden: torch.Tensor, tokens: np.ndarray, positions: np.ndarray,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The head over rows laid out by `meta`: `hidden` and the embedding of `tokens` at `positions`."""
         dev = self.device
         embeds = self.embedding(torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev))
         return self.head(hidden, embeds, torch.from_numpy(positions).to(dev), self.kv_caches[0], meta, self.backend)
@@ -253,12 +261,8 @@ class EagleProposer:
             drafts = self._propose_in_kernel([r.internal_id for r in reqs], lens, batch.block_tables, depth, batch.k)
             if drafts is not None:
                 return drafts
-        states = self._feed_all([r.internal_id for r in reqs], lens, batch.block_tables, batch.k)
-        states = [states.get(r.internal_id) for r in reqs]
-        ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
-        depth[~ready] = 0
+        states, depth, live = self._fed(batch, lens, depth)
         drafts: list[list[int]] = [[] for _ in reqs]
-        live = np.flatnonzero(depth > 0)
         if not len(live):
             return drafts
         greedy = all(reqs[i].params.greedy for i in live)
@@ -295,17 +299,24 @@ class EagleProposer:
                 self.draft_probs[r.internal_id] = torch.stack(p)
         return drafts
 
+    def _fed(self, batch: ProposalBatch, lens: np.ndarray, depth: np.ndarray
+             ) -> tuple[list[tuple[int, torch.Tensor] | None], np.ndarray, np.ndarray]:
+        """Feeds the requests' unfed pairs op by op: (each request's newest pair's position and the
+        head's output there, or None; `depth` left only for requests whose newest pair is at their
+        newest token; the indices of those with depth)."""
+        ids = [r.internal_id for r in batch.requests]
+        fed = self._feed_all(ids, lens, batch.block_tables, batch.k)
+        states = [fed.get(rid) for rid in ids]
+        ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
+        depth = np.where(ready, depth, 0)
+        return states, depth, np.flatnonzero(depth > 0)
+
     def _propose_trees(self, batch: ProposalBatch, lens: np.ndarray, depth: np.ndarray,
                        limit: np.ndarray) -> list[list[int] | DraftTree]:
         """Token trees (speculative/eagle_tree.py) for every request whose head output is current,
         greedy or sampled alike (the tree's verification samples the target at every node)."""
-        ids = [r.internal_id for r in batch.requests]
-        states = self._feed_all(ids, lens, batch.block_tables, batch.k)
-        states = [states.get(rid) for rid in ids]
-        ready = np.array([s is not None and s[0] == n - 2 for s, n in zip(states, lens)])
-        depth = np.where(ready, depth, 0)
-        live = np.flatnonzero(depth > 0)
-        drafts: list[list[int] | DraftTree] = [[] for _ in ids]
+        states, depth, live = self._fed(batch, lens, depth)
+        drafts: list[list[int] | DraftTree] = [[] for _ in batch.requests]
         if not len(live):
             return drafts
         tables = batch.block_tables[live]
@@ -325,14 +336,11 @@ class EagleProposer:
         """The head over rows that each attend as one decode row: row i's token at `positions[i]`,
         its keys written at slot position `slot_positions[i]` of its table `block_tables[i]`,
         seeing the keys up to there that `masks[i]` leaves."""
-        bs = self.block_size
-        rows = np.arange(len(tokens))
-        slots = block_tables[rows, slot_positions // bs].astype(np.int64) * bs + slot_positions % bs
-        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables), (slot_positions + 1).astype(np.int32),
-                                       np.arange(len(tokens) + 1, dtype=np.int32), self.device, masks=masks)
-        embeds = self.embedding(torch.from_numpy(tokens).to(self.device))
-        return self.head(hidden, embeds, torch.from_numpy(positions).to(self.device), self.kv_caches[0], meta,
-                         self.backend)
+        slots = self._slots(block_tables, np.arange(len(tokens)), slot_positions)
+        meta = AttentionMetadata.build(slots, np.ascontiguousarray(block_tables),
+                                       (slot_positions + 1).astype(np.int32), np.arange(len(tokens) + 1, dtype=np.int32),
+                                       self.device, masks=masks)
+        return self._run_head(hidden, tokens, positions, meta)
 
     def _top_children(self, hidden: torch.Tensor, width: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's `width` likeliest next tokens by the head (target ids) and their
