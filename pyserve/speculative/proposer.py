@@ -44,12 +44,15 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
-    def depth(self) -> int:
-        depths = [0]
-        for p in self.parents:
-            depths.append(depths[p] + 1)
-        return max(depths)
+
+
+def row_depths(parents: np.ndarray) -> np.ndarray:
+    """int64 per row of a token tree: its depth below the first row (0), from each row's parent
+    row (-1 for the first; always an earlier row)."""
+    depths = np.zeros(len(parents), dtype=np.int64)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
 
 
 def tree_parents_of(out, seq: int) -> np.ndarray | None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from pyserve.speculative.config import SpeculativeConfig
 from pyserve.speculative.depth import DepthController
-from pyserve.speculative.proposer import DraftTree, ProposalBatch, Proposer
+from pyserve.speculative.proposer import DraftTree, ProposalBatch, Proposer, row_depths, tree_parents_of
 from pyserve.speculative.tree_choice import TreeChoice
 from pyserve.step.request import EngineRequest
 from pyserve.structured.matchers import GrammarMatchers
@@ -39,7 +39,6 @@ class Speculator:
         self.last_proposal: tuple[int, bool, float] | None = None
         self.num_trees = 0  # verifications of a token tree, and the drafts they held
         self.num_tree_nodes = 0
-        self.tree_depths: dict[int, int] = {}  # request -> the depth of the tree it verifies next
         self.num_drafts = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -61,9 +60,10 @@ class Speculator:
                 _, tree, proposal_seconds = self.last_proposal
                 self.tree_choice.observe(out.num_reqs, tree, int(num_sampled.sum()), seconds + proposal_seconds)
         self.last_proposal = None
-        for rid, s, n in zip(out.req_ids.tolist(), out.num_spec_tokens.tolist(), num_sampled.tolist()):
-            depth = min(self.tree_depths.pop(rid, s), s)  # a chain's depth is its length (a cut tree: no deeper)
+        for seq, (s, n) in enumerate(zip(out.num_spec_tokens.tolist(), num_sampled.tolist())):
             if s and n:
+                tree = tree_parents_of(out, seq)
+                depth = s if tree is None else int(row_depths(tree).max())  # a chain's depth is its length
                 self.num_drafts += 1
                 self.num_draft_tokens += s
                 self.num_accepted_tokens += n - 1
@@ -105,8 +105,6 @@ class Speculator:
         for req, tokens in zip(candidates, drafts):
             if self.grammar is not None and req.internal_id in self.grammar and not isinstance(tokens, DraftTree):
                 tokens = self._constrained(req.internal_id, list(tokens), k)  # a tree's refused drafts are masked
-            if isinstance(tokens, DraftTree):
-                self.tree_depths[req.internal_id] = tokens.depth
             if len(tokens):
                 out_drafts[req.internal_id] = tokens
         return out_drafts
@@ -123,8 +121,6 @@ class Speculator:
 
     def forget(self, request_ids: list[int]) -> None:
         """Drops the proposer's state of requests that finished, were aborted or preempted."""
-        for rid in request_ids:
-            self.tree_depths.pop(rid, None)
         self.proposer.forget(request_ids)
 
     def stats(self) -> dict[str, float | int]:

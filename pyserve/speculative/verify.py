@@ -21,7 +21,7 @@ import torch
 from pyserve.step.request import EngineRequest, StepResult, StepRows
 from pyserve.kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from pyserve.model.sampler import Sampler, SamplingRows
-from pyserve.speculative.proposer import ModelProposer, tree_parents_of
+from pyserve.speculative.proposer import ModelProposer, row_depths, tree_parents_of
 
 
 class Verifier:
@@ -99,12 +99,9 @@ class Verifier:
         logit_rows, requests, num_output = [], [], []
         for i in trees.tolist():
             parents = tree_parents[i]
-            depth = np.zeros(len(parents), dtype=np.int64)
-            for j in range(1, len(parents)):
-                depth[j] = depth[parents[j]] + 1
             logit_rows.append(np.arange(offsets[i], offsets[i + 1]))
             requests += [rows.requests[i]] * len(parents)
-            num_output += (rows.num_output[i] + depth).tolist()
+            num_output += (rows.num_output[i] + row_depths(parents)).tolist()
         picked = sample(logits[torch.from_numpy(np.concatenate(logit_rows)).to(self.device)],
                         StepRows(requests, num_output)).token_ids
         results = {}

@@ -18,7 +18,7 @@ from pyserve.default_model import HEAD_DIR, TARGET_DIR
 from pyserve.speculative.config import DEFAULT_TREE_NODES, SpeculativeConfig
 from pyserve.speculative.depth import EXPLORE_NODE_PRICE, DepthController
 from pyserve.speculative.eagle_tree import ALL_BITS, grow_trees
-from pyserve.speculative.proposer import DraftTree
+from pyserve.speculative.proposer import DraftTree, row_depths
 from pyserve.speculative.tree_choice import EXPLORE_CYCLES, RECHECK_EVERY, TreeChoice
 from pyserve.speculative.verify import Verifier
 from pyserve.step.request import StepResult, StepRows
@@ -55,7 +55,7 @@ def test_a_tree_keeps_its_likeliest_chain_first_then_the_drafts_worth_a_row():
     # Candidates: 1 (.7) 2 (.3); 11 (.49) 12 (.21) 21 (.21) 22 (.09); 111 (.343) 112 (.147) 121 ...
     # Kept: the chain 1, 11, 111, then 2, 12, 21 (above .2), each after its parent.
     assert trees == [DraftTree([1, 11, 111, 2, 12, 21], [0, 1, 2, 0, 1, 4])]
-    assert trees[0].depth == 3
+    assert row_depths(np.array([-1, *trees[0].parents])).max() == 3
     # Fed: depth 1's two candidates at position 21, slots 21 and 22; then depth 2's best two (11,
     # 12) at position 22, slots 23 and 24. Each sees itself, its fed ancestors and the keys
     # before slot 21: 11 (slot 23) sees 1 (two back), not 2 (one back).
