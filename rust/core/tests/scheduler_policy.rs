@@ -331,16 +331,24 @@ fn update_rejects_mismatched_results_and_keeps_the_step() {
     assert_eq!(s.update(&[7], &[1]).unwrap().num_appended, vec![1]);
 }
 
-#[test]
-fn a_token_tree_takes_slots_in_order_and_positions_by_depth() {
+/// A scheduler (blocks of 4, no prefix cache) whose requests (id, prompt, max_tokens) have
+/// computed their prompts and got `first` as their first tokens: each decodes from here.
+fn decoding(requests: &[(u64, Vec<u32>, usize)], first: &[u32]) -> Scheduler {
     let mut c = config(32, 4, 64);
     c.enable_prefix_caching = false;
     let mut s = Scheduler::new(c).unwrap();
-    s.add_request(req(1, vec![5, 6, 7], 16)).unwrap();
-    s.add_request(req(2, vec![8, 9], 16)).unwrap();
+    for (id, prompt, max_tokens) in requests {
+        s.add_request(req(*id, prompt.clone(), *max_tokens)).unwrap();
+    }
     s.schedule().unwrap();
-    // Tokens 5 6 7 10 and 8 9 11: both decode now.
-    s.update(&[10, 11], &[1, 1]).unwrap();
+    s.update(first, &vec![1; first.len()]).unwrap();
+    s
+}
+
+#[test]
+fn a_token_tree_takes_slots_in_order_and_positions_by_depth() {
+    // Tokens 5 6 7 10 and 8 9 11.
+    let mut s = decoding(&[(1, vec![5, 6, 7], 16), (2, vec![8, 9], 16)], &[10, 11]);
     // Request 1's tree: 20 and 21 follow its last token, 22 follows 20, 23 follows 22, 24
     // follows 21. Request 2 verifies a chain.
     s.set_spec_tree(1, &[20, 21, 22, 23, 24], &[0, 0, 1, 3, 2]).unwrap();
@@ -363,13 +371,8 @@ fn a_token_tree_takes_slots_in_order_and_positions_by_depth() {
 }
 
 #[test]
-fn a_tree_cut_by_the_budget_keeps_its_first_drafts_and_a_bad_tree_is_refused() {
-    let mut c = config(32, 4, 64);
-    c.enable_prefix_caching = false;
-    let mut s = Scheduler::new(c).unwrap();
-    s.add_request(req(1, vec![5, 6, 7], 3)).unwrap();
-    s.schedule().unwrap();
-    s.update(&[10], &[1]).unwrap();
+fn a_tree_past_the_token_limit_keeps_its_first_drafts_and_a_bad_tree_is_refused() {
+    let mut s = decoding(&[(1, vec![5, 6, 7], 3)], &[10]);
     let err = s.set_spec_tree(1, &[20, 21], &[0, 2]).unwrap_err();
     assert!(err.to_string().contains("spec_parents"), "{err}");
     assert!(s.set_spec_tree(1, &[20, 21], &[0]).is_err());
@@ -379,4 +382,15 @@ fn a_tree_cut_by_the_budget_keeps_its_first_drafts_and_a_bad_tree_is_refused() {
     assert_eq!(s.request(1).unwrap().spec_parents, vec![0, 0]);
     let out = s.schedule().unwrap();
     assert_eq!(out.positions, vec![3, 4, 4]);
+}
+
+#[test]
+fn a_tree_after_requests_without_one_gives_them_chains_in_tree_parents() {
+    let mut s = decoding(&[(1, vec![5, 6, 7], 16), (2, vec![8, 9], 16), (3, vec![4], 16)], &[10, 11, 12]);
+    s.set_spec_tokens(2, &[30, 31]).unwrap(); // request 1 decodes plainly, 2 verifies a chain
+    s.set_spec_tree(3, &[40, 41, 42], &[0, 0, 2]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.input_ids, vec![10, 11, 30, 31, 12, 40, 41, 42]);
+    assert_eq!(out.tree_parents, vec![-1, -1, 0, 1, -1, 0, 0, 2]);
+    assert_eq!(out.positions, vec![3, 2, 3, 4, 1, 2, 2, 3]);
 }
