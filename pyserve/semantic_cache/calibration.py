@@ -38,8 +38,12 @@ def pair_similarities(encoder: Encoder, pairs: list[dict]) -> np.ndarray:
     return np.where(apart, NEVER, sims)
 
 
+def calibration_pairs(path: Path = PAIRS) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def calibrate_encoder(encoder: Encoder, error_bound: float, path: Path = PAIRS) -> Calibration:
-    pairs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    pairs = calibration_pairs(path)
     sims = pair_similarities(encoder, pairs)
     same = np.array([p["same"] for p in pairs])
     threshold = calibrate(sims[~same].tolist(), error_bound)

@@ -61,11 +61,13 @@ class Guard:
     relations: frozenset[tuple[str, str]]  # the content words either side of a direction word
 
     def admits(self, other: Guard) -> bool:
-        if self.anchors != other.anchors:
+        if self.anchors != other.anchors or self.one_word_apart(other):
             return False
-        if sum((self.words - other.words).values()) == 1 and sum((other.words - self.words).values()) == 1:
-            return False  # one word replaced by another
         return not any((b, a) in other.relations for a, b in self.relations if a != b)
+
+    def one_word_apart(self, other: Guard) -> bool:
+        """Whether the content words differ by one word replaced by another."""
+        return sum((self.words - other.words).values()) == 1 and sum((other.words - self.words).values()) == 1
 
 
 def guard_of(text: str) -> Guard:
