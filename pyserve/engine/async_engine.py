@@ -78,7 +78,6 @@ class AsyncEngine:
         else: no thread hop per step)."""
         self.config = config
         self.own_thread = own_thread
-        self._engine_thread: LoopThread | None = None
         self.model_path = fetch_model(config.model, config.revision, config.gguf_file)  # downloads a hub id
         self.model_config = load_config(self.model_path)
         cfg = self.model_config
@@ -89,8 +88,21 @@ class AsyncEngine:
         spec = self.spec_config
         draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
         head_config = HeadConfig.from_dir(spec.model, cfg) if spec is not None and spec.method == "eagle3" else None
-        self.worker = ModelWorker.from_config(config, cfg, model_dir=self.model_path, max_model_len=self.max_model_len,
-                                              speculative=spec, draft_config=draft_config, head_config=head_config)
+        # The model is built on the thread that will run its forwards: libgomp gives every thread
+        # that starts parallel work a team of its own, and once the teams hold more threads than
+        # the machine has cores their idle threads stop spinning between parallel regions, so
+        # every kernel call pays for waking them (SmolLM2's batch-1 decode ran at 0.7x on two cores).
+        self._engine_thread = LoopThread("pyserve-engine") if own_thread else None
+
+        def build() -> ModelWorker:
+            return ModelWorker.from_config(config, cfg, model_dir=self.model_path, max_model_len=self.max_model_len,
+                                           speculative=spec, draft_config=draft_config, head_config=head_config)
+
+        try:
+            self.worker = build() if self._engine_thread is None else self._engine_thread.call(build)
+        except BaseException:
+            self._close_engine_thread()
+            raise
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
             block_size=config.block_size,
@@ -126,6 +138,11 @@ class AsyncEngine:
         self._lora_locks: dict[int, asyncio.Lock] = {}
         self._pending_adds: set[asyncio.Future[None]] = set()  # Add messages not yet answered
 
+    def _close_engine_thread(self) -> None:
+        if self._engine_thread is not None:
+            self._engine_thread.close()
+            self._engine_thread = None
+
     def _participants(self, spec: SpeculativeConfig | None) -> list[StepParticipant]:
         """The step's optional parts, in the order the EngineCore calls them: speculation
         before the grammar, whose forced tokens go out as drafts where the speculator drafted
@@ -152,7 +169,7 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.system.start(self.output_processor, *([self.watchdog] if self.watchdog else []))
-        if self.own_thread:
+        if self.own_thread and self._engine_thread is None:  # started again after a stop
             self._engine_thread = LoopThread("pyserve-engine")
         self.system.start(self.engine_core, thread=self._engine_thread)
         self.worker.on_failure(self.system.fail_threadsafe)  # a tensor-parallel rank that dies
@@ -167,9 +184,7 @@ class AsyncEngine:
         self.worker.close()
         self.grammar_matchers.close()
         self.grammar_compiler.close()
-        if self._engine_thread is not None:
-            self._engine_thread.close()
-            self._engine_thread = None
+        self._close_engine_thread()
         gc.unfreeze()  # a stopped engine's cycles are collectable again
 
     async def add_request(

@@ -16,6 +16,7 @@ import pyserve
 from pyserve import SamplingParams
 from pyserve.engine.async_engine import AsyncEngine
 from pyserve.config import EngineConfig
+from pyserve.worker.model_worker import ModelWorker
 
 PACKAGE = Path(pyserve.__file__).parent
 
@@ -64,7 +65,14 @@ def test_an_llm_left_open_ends_quietly(llama_dir, tmp_path, ending):
 
 
 @pytest.mark.parametrize("own_thread", [True, False])
-async def test_the_forwards_run_on_the_engines_thread_or_the_callers_loop(llama_dir, own_thread):
+async def test_the_model_is_built_and_run_on_the_engines_thread_or_the_callers_loop(llama_dir, own_thread,
+                                                                                    monkeypatch):
+    """One thread computes with the model's tensors, its loading included (one OpenMP team:
+    see AsyncEngine.__init__)."""
+    built_on = []
+    from_config = ModelWorker.from_config
+    monkeypatch.setattr(ModelWorker, "from_config",
+                        lambda *a, **k: (built_on.append(threading.current_thread().name), from_config(*a, **k))[1])
     engine = AsyncEngine(EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64,
                                       watchdog_timeout=None), own_thread=own_thread)
     ran_on = []
@@ -79,6 +87,7 @@ async def test_the_forwards_run_on_the_engines_thread_or_the_callers_loop(llama_
     assert len(stream.output.outputs[0].token_ids) == 4
     here = threading.current_thread().name
     assert ran_on and set(ran_on) == ({"pyserve-engine"} if own_thread else {here})
+    assert built_on == ["pyserve-engine" if own_thread else here]
 
 
 async def test_a_priority_past_the_schedulers_range_is_refused_and_the_engine_serves_on(llama_dir):
