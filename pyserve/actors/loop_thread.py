@@ -50,6 +50,35 @@ class LoopThread:
                 pass
 
 
+class SharedLoopThread:
+    """One LoopThread for every holder: started by the first `acquire`, closed by the last
+    `release`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._thread: LoopThread | None = None
+        self._holders = 0
+        self._lock = threading.Lock()
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def acquire(self) -> LoopThread:
+        with self._lock:
+            if self._thread is None:
+                self._thread = LoopThread(self.name)
+            self._holders += 1
+            return self._thread
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._thread is not None:
+                self._thread.close()
+                self._thread = None
+
+
 def resolve(future: asyncio.Future[Any], error: BaseException | None = None) -> None:
     """Sets `future`'s result (None) or `error` from any thread, on the future's own loop; a
     future already done is left as it is."""

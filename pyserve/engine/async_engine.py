@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
-from pyserve.actors.loop_thread import LoopThread, resolve
+from pyserve.actors.loop_thread import SharedLoopThread, resolve
 from pyserve.config import EngineConfig
 from pyserve.engine.background import BackgroundLimit
 from pyserve.engine.core import EngineCore
@@ -43,6 +43,9 @@ from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.worker.model_worker import ModelWorker
 
 GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
+# The thread of every CPU engine in the process: they take turns, step by step (one OpenMP team;
+# see AsyncEngine.__init__). A GPU engine has a thread of its own.
+CPU_ENGINE_THREAD = SharedLoopThread("pyserve-engine")
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
 
 
@@ -77,7 +80,6 @@ class AsyncEngine:
         it the EngineCore shares the caller's loop (the offline LLM, whose loop serves nothing
         else: no thread hop per step)."""
         self.config = config
-        self.own_thread = own_thread
         self.model_path = fetch_model(config.model, config.revision, config.gguf_file)  # downloads a hub id
         self.model_config = load_config(self.model_path)
         cfg = self.model_config
@@ -88,11 +90,14 @@ class AsyncEngine:
         spec = self.spec_config
         draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
         head_config = HeadConfig.from_dir(spec.model, cfg) if spec is not None and spec.method == "eagle3" else None
-        # The model is built on the thread that will run its forwards: libgomp gives every thread
-        # that starts parallel work a team of its own, and once the teams hold more threads than
-        # the machine has cores their idle threads stop spinning between parallel regions, so
-        # every kernel call pays for waking them (SmolLM2's batch-1 decode ran at 0.7x on two cores).
-        self._engine_thread = LoopThread("pyserve-engine") if own_thread else None
+        # The model is built on the thread that will run its forwards, and the CPU engines of a
+        # process share that thread: libgomp gives every thread that starts parallel work a team
+        # of its own, and once the teams hold more threads than the machine has cores their idle
+        # threads stop spinning between parallel regions, so every kernel call pays for waking
+        # them (SmolLM2's batch-1 decode ran at 0.7x on two cores beside a second team).
+        self._threads = None if not own_thread else (
+            CPU_ENGINE_THREAD if ModelWorker.runs_on_cpu(config) else SharedLoopThread("pyserve-engine"))
+        self._engine_thread = None if self._threads is None else self._threads.acquire()
 
         def build() -> ModelWorker:
             return ModelWorker.from_config(config, cfg, model_dir=self.model_path, max_model_len=self.max_model_len,
@@ -140,7 +145,7 @@ class AsyncEngine:
 
     def _close_engine_thread(self) -> None:
         if self._engine_thread is not None:
-            self._engine_thread.close()
+            self._threads.release()
             self._engine_thread = None
 
     def _participants(self, spec: SpeculativeConfig | None) -> list[StepParticipant]:
@@ -169,8 +174,8 @@ class AsyncEngine:
 
     async def start(self) -> None:
         self.system.start(self.output_processor, *([self.watchdog] if self.watchdog else []))
-        if self.own_thread and self._engine_thread is None:  # started again after a stop
-            self._engine_thread = LoopThread("pyserve-engine")
+        if self._threads is not None and self._engine_thread is None:  # started again after a stop
+            self._engine_thread = self._threads.acquire()
         self.system.start(self.engine_core, thread=self._engine_thread)
         self.worker.on_failure(self.system.fail_threadsafe)  # a tensor-parallel rank that dies
         # What exists now lives as long as the engine (modules, tokenizer, imported libraries:

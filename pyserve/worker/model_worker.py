@@ -53,6 +53,10 @@ class ModelWorker:
     """The model's weights, KV cache, sampler and verifier on one device (rank 0 of a
     tensor-parallel group); built by `from_config`."""
 
+    @staticmethod
+    def runs_on_cpu(config: EngineConfig) -> bool:
+        return resolve_device(config.device).type == "cpu"
+
     @classmethod
     def from_config(cls, config: EngineConfig, model_config: ModelConfig, *, model_dir: str, max_model_len: int,
                     speculative: SpeculativeConfig | None, draft_config: ModelConfig | None,

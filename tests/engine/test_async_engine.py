@@ -14,7 +14,7 @@ import pytest
 
 import pyserve
 from pyserve import SamplingParams
-from pyserve.engine.async_engine import AsyncEngine
+from pyserve.engine.async_engine import CPU_ENGINE_THREAD, AsyncEngine
 from pyserve.config import EngineConfig
 from pyserve.worker.model_worker import ModelWorker
 
@@ -88,6 +88,34 @@ async def test_the_model_is_built_and_run_on_the_engines_thread_or_the_callers_l
     here = threading.current_thread().name
     assert ran_on and set(ran_on) == ({"pyserve-engine"} if own_thread else {here})
     assert built_on == ["pyserve-engine" if own_thread else here]
+
+
+async def test_the_cpu_engines_of_a_process_share_one_thread_and_serve_side_by_side(llama_dir):
+    idents = []
+    from_config = ModelWorker.from_config
+
+    def record(*a, **k):
+        idents.append(threading.get_ident())
+        return from_config(*a, **k)
+
+    config = EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64, watchdog_timeout=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelWorker, "from_config", record)
+        engines = [AsyncEngine(config), AsyncEngine(config)]
+    for engine in engines:
+        await engine.start()
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        streams = [await engine.add_request(f"r{i}", [5, 6, 7], params) for i, engine in enumerate(engines)]
+        await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in streams)), 60)
+        assert CPU_ENGINE_THREAD.holders == 2
+    finally:
+        for engine in engines:
+            await engine.stop()
+    assert len(set(idents)) == 1 and idents[0] != threading.get_ident()
+    tokens = [s.output.outputs[0].token_ids for s in streams]
+    assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+    assert CPU_ENGINE_THREAD.holders == 0  # the thread closed with its last engine
 
 
 async def test_a_priority_past_the_schedulers_range_is_refused_and_the_engine_serves_on(llama_dir):
