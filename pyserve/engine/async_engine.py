@@ -75,10 +75,11 @@ class AsyncEngine:
     `model_path`, `num_kv_blocks`. The actors and the worker inside are not part of it."""
 
     def __init__(self, config: EngineConfig, own_thread: bool = True):
-        """`own_thread`: the EngineCore, which runs the model's forwards inline, gets a thread and
-        loop of its own, so the caller's loop keeps serving during a forward (the server); without
-        it the EngineCore shares the caller's loop (the offline LLM, whose loop serves nothing
-        else: no thread hop per step)."""
+        """`own_thread`: the EngineCore, which runs the model's forwards inline, runs on an engine
+        thread and its loop (one for all the process's CPU engines, which take turns step by step;
+        so one engine's forward that never returns holds the others too), so the caller's loop
+        keeps serving during a forward (the server); without it the EngineCore shares the caller's
+        loop (the offline LLM, whose loop serves nothing else: no thread hop per step)."""
         self.config = config
         self.model_path = fetch_model(config.model, config.revision, config.gguf_file)  # downloads a hub id
         self.model_config = load_config(self.model_path)
