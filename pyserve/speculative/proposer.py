@@ -45,7 +45,6 @@ class DraftTree:
         return len(self.tokens)
 
 
-
 def row_depths(parents: np.ndarray) -> np.ndarray:
     """int64 per row of a token tree: its depth below the first row (0), from each row's parent
     row (-1 for the first; always an earlier row)."""
