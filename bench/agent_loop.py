@@ -16,9 +16,10 @@ a server's steady state holds them. The four ways are interleaved loop by loop. 
 way: total time of a loop (median over loops), step TTFT p50 (the first streamed delta; an
 empty answer's end), the share of each step's input tokens that were cached (steps after the
 first), the least share of the previous step's prompt (its whole blocks of 16) that a step
-found cached, and the least share of a step's prompt that the previous step's prompt makes up (what
-a cache of earlier prompts could serve at most: the rest is new to the server; where the chat
-template renders the model's calls, its output could be served too, SmolLM2's renders none). Ratios: each way's total time against chat's and against chat-no-cache's.
+found cached, and the least share of a step's prompt that the previous step's prompt makes up
+(what a cache of earlier prompts could serve at most: the rest is new to the server; where the
+chat template renders the model's calls, its output could be served too, SmolLM2's renders
+none). Ratios: each way's total time against chat's and against chat-no-cache's.
 
   python bench/agent_loop.py [--model smollm2-135m-instruct] [--steps 8] [--loops 3]
 """

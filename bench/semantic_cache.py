@@ -70,13 +70,14 @@ def pair_rates(encoder, threshold: float) -> dict:
         guard_a, guard_b = guard_of(conversation(p["a"])), guard_of(conversation(p["b"]))
         store.insert(str(i), a[i], guard_a, b"answer", "t", "m", threshold)
         hit = store.lookup(str(i), b[i], guard_b).entry is not None
+        admits = guard_a.admits(guard_b)
         kinds = [p["kind"]] + (["tricks"] if p["kind"] in ("number", "name", "negation") else [])
         for kind in kinds:
             tally.setdefault(kind, [0, 0])
             baseline.setdefault(kind, [0, 0])
             tally[kind][0] += hit
             tally[kind][1] += 1
-            admitted[kind] = admitted.get(kind, 0) + guard_a.admits(guard_b)
+            admitted[kind] = admitted.get(kind, 0) + admits
             baseline[kind][0] += float(raw_a[i] @ raw_b[i]) >= GPTCACHE_THRESHOLD
             baseline[kind][1] += 1
 
