@@ -1,9 +1,10 @@
-"""A linear layer over a GGUF file's Q4_K, Q6_K or Q5_0 rows as the file holds them (4.5, 6.56 and
-5.5 bits a weight), served in place on a CPU: `_core.linear_kquant` reads the blocks with x
-quantized to int8 per 256 inputs (per 32 for Q5_0), llama.cpp's arithmetic for these types
-(rust/cpu_kernels/src/linear_kquant.rs). Held as Int4Linear's groups (5 bits) or Int8Linear's
-rows (8 bits, Q5_0's weights re-rounded) instead, every decode step would read more bytes and the
-load would convert them.
+"""A linear layer over a GGUF file's quantized rows as the file holds them, served in place on a
+CPU: Q4_K, Q6_K, Q5_0 and Q8_0 (4.5, 6.56, 5.5 and 8.5 bits a weight). `_core.linear_kquant` reads
+the blocks with x quantized to int8 per 256 inputs (per 32 for Q5_0), llama.cpp's arithmetic for
+these types, and for Q8_0 to int16 per 32 inputs (rust/cpu_kernels/src/linear_kquant.rs,
+linear_q8_0.rs). Held as Int4Linear's groups (5 bits) or Int8Linear's rows (8 bits, re-rounded)
+instead, the load would convert them and, for the K-quants and Q5_0, every decode step would read
+more bytes. (Q4_0 / Q4_1 are Int4Linear's groups as they are, on int16 activations: linear_q4.rs.)
 Off the CPU (CUDA) the GGUF loader converts them for the Triton kernels; `forward` on inputs
 other than f32 on a CPU multiplies the widened weight, the reference the kernel is tested against."""
 
@@ -16,7 +17,7 @@ from torch import nn
 from pyserve import _core
 from pyserve.model.gguf.blocks import fan_in, row_bytes, widened
 
-KQUANT_TYPES = ("Q4_K", "Q6_K", "Q5_0")
+KQUANT_TYPES = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")
 
 
 class KQuantLinear(nn.Module):

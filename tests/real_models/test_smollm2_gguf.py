@@ -53,7 +53,7 @@ def test_dequantized_gguf_gives_transformers_greedy_tokens(reference):
 
 
 def test_native_int4_path_agrees_with_the_reference_top1(smollm2, reference):
-    """Q4_1 blocks on the int4 path and the Q8_0 head on the int8 path, teacher-forced along the
+    """Q4_1 blocks on the int4 path and the Q8_0 head as the file holds it, teacher-forced along the
     reference's tokens: the share of them that are its own top-1 choice."""
     ids, refs, _ = reference
     llm = LLM(model=str(smollm2), max_model_len=1024)

@@ -1,20 +1,21 @@
 """A GGUF file's tensors under the Hugging Face names pyserve's model uses, and the served layer of
 each quantized projection:
-- Q4_K, Q6_K and Q5_0 on a CPU: a KQuantLinear over the file's blocks as they are (the mapped
-  file itself, 4.5, 6.56 and 5.5 bits a weight; model/kquant_linear.py); on other devices they
-  take the conversions below (the Triton kernels' layouts);
-- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) and Q4_K (256 weights a
-  block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32): an Int4Linear
-  in groups of 32, the nibbles repacked into its order, each group's scale and offset in f16 as the
-  file has them (Q4_0's offset is -8 scales): the same weights, bit for bit, no widening; Q4_K's
-  scale d * sc and offset -dmin * m are products rounded to f16 (within 2^-11 of each);
-- Q8_0, Q5_0 (off the CPU), Q5_1, Q5_K and Q6_K: an Int8Linear, whose kernels take one scale per row: each row
-  widened (gguf's arithmetic) and re-rounded to int8 (half a step at most, the step the row's
-  largest weight / 127): tests/model/test_gguf.py bounds it; on Qwen2.5-Coder-0.5B's Q4_K_M file
-  RMS(error) / RMS(weight) is 0.9% for Q8_0 and Q5_0, 1.6% for Q6_K (2.0-2.7% the worst tensor);
-  The 4-bit repacking and Q8_0 / Q5_0 / Q6_K's rounding run in Rust a row at a time
-  (rust/cpu_kernels/src/gguf_blocks.rs: the same bits as numpy over gguf's widened tensor, which
-  took most of a load's time); Q5_1 / Q5_K go through gguf's widening;
+- Q4_K, Q5_0, Q6_K and Q8_0 on a CPU: a KQuantLinear over the file's blocks as they are (the
+  mapped file itself; model/kquant_linear.py); on other devices they take the conversions below
+  (the Triton kernels' layouts);
+- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum), and Q4_K (256 weights a
+  block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32) off the CPU:
+  an Int4Linear in groups of 32, the nibbles repacked into its order, each group's scale and
+  offset in f16 as the file has them (Q4_0's offset is -8 scales): the same weights, bit for bit,
+  no widening; Q4_K's scale d * sc and offset -dmin * m are products rounded to f16 (within 2^-11
+  of each);
+- Q8_0, Q5_0, Q6_K off the CPU, and Q5_1 and Q5_K anywhere: an Int8Linear, whose kernels take one
+  scale per row: each row widened (gguf's arithmetic) and re-rounded to int8 (half a step at most,
+  the step the row's largest weight / 127): tests/model/test_gguf.py bounds it; on
+  Qwen2.5-Coder-0.5B's Q4_K_M file RMS(error) / RMS(weight) is 0.9% for Q8_0 and Q5_0, 1.6% for
+  Q6_K (2.0-2.7% the worst tensor). The 4-bit repacking and Q8_0 / Q5_0 / Q6_K's rounding run in
+  Rust a row at a time (rust/cpu_kernels/src/gguf_blocks.rs); Q5_1 / Q5_K go through gguf's
+  widening;
 - Q2_K / Q3_K: dequantized once with the `gguf` package (llama.cpp's reference arithmetic) into a
   full-precision layer (no file of them measured on the int8 path yet);
 - F32 / F16 / BF16 as they are (an F32 tensor on the CPU is the mapped file itself).

@@ -33,6 +33,9 @@ mod linear_q4k_vnni;
 #[cfg(target_arch = "x86_64")]
 mod linear_q5_avx2;
 mod linear_q8;
+mod linear_q8_0;
+#[cfg(target_arch = "x86_64")]
+mod linear_q8_0_avx2;
 #[cfg(target_arch = "x86_64")]
 mod linear_q8_avx512;
 mod linear_w8a8;

@@ -1,9 +1,9 @@
-//! Linear layers over a GGUF file's K-quant and Q5_0 rows as the file holds them: Q4_K (4.5 bits
-//! a weight), Q6_K (6.5625) and Q5_0 (5.5), read in place, where converting them to `linear_q4`'s
-//! groups of 32 (5 bits) or `linear_q8`'s rows (8 bits, and Q5_0's weights re-rounded) would make
-//! every step read more bytes. Layouts are `gguf_blocks`' (llama.cpp's ggml-common.h): a row of
-//! `fan_in` weights is fan_in / 256 super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes, or fan_in / 32
-//! blocks of 22 (Q5_0).
+//! Linear layers over a GGUF file's K-quant, Q5_0 and Q8_0 rows as the file holds them: Q4_K (4.5
+//! bits a weight), Q6_K (6.5625), Q5_0 (5.5) and Q8_0 (8.5), read in place, where converting them
+//! to `linear_q4`'s groups of 32 (5 bits) or `linear_q8`'s rows (8 bits, and the weights
+//! re-rounded) would make every step read more bytes, or the load convert every row. Layouts are
+//! `gguf_blocks`' (llama.cpp's ggml-common.h): a row of `fan_in` weights is fan_in / 256
+//! super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes, or fan_in / 32 blocks of 22 (Q5_0) or 34 (Q8_0).
 //!
 //! Activations are quantized as llama.cpp quantizes them for these types (its Q8_K, and Q8_0 for
 //! Q5_0): int8 with one scale per block of 256 inputs (32 for Q5_0; max |x| / 127, x / scale
@@ -14,7 +14,8 @@
 //!   else `linear_kquant_avx2`);
 //! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
 //!   sc an int8), times the x scale;
-//! - Q5_0: d * ((q - 16) . xq) (q in 0..32), times the x scale (`linear_q5_avx2`).
+//! - Q5_0: d * ((q - 16) . xq) (q in 0..32), times the x scale (`linear_q5_avx2`);
+//! - Q8_0 takes int16 activations instead (`linear_q8_0` says why).
 //!
 //! The same arithmetic as llama.cpp's on the same file, and the same bytes a step; the int16
 //! activations of `linear_q4` would cost these layers twice the multiplies (measured: the int16
@@ -53,9 +54,9 @@ impl KQuantWeights<'_> {
 
     fn check(&self) -> Result<(), LinearError> {
         let (k, n) = (self.fan_in, self.fan_out);
-        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K | BlockKind::Q5_0) {
+        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K | BlockKind::Q5_0 | BlockKind::Q8_0) {
             return Err(LinearError::new(format!(
-                "kind: {:?} is not a block type this kernel reads (Q4_K, Q6_K, Q5_0)",
+                "kind: {:?} is not a block type this kernel reads (Q4_K, Q6_K, Q5_0, Q8_0)",
                 self.kind
             )));
         }
@@ -103,6 +104,10 @@ pub fn linear_kquant_on(
     weights.check()?;
     let (k, n) = (weights.fan_in, weights.fan_out);
     check_rows(x, k, n, weights.bias, y)?;
+    if weights.kind == BlockKind::Q8_0 {
+        crate::linear_q8_0::linear_q8_0_on(pool, x, weights, y);
+        return Ok(());
+    }
     for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         let mut quantized = Int8Rows::of(xs, k, weights.activation_block());
         if uses_q4k_lanes(weights.kind) {
@@ -511,7 +516,7 @@ mod tests {
         let err =
             |w: &KQuantWeights<'_>, x: &[f32]| linear_kquant(x, w, &mut [0.0; 3]).unwrap_err().to_string();
         assert!(linear_kquant(&[0.0; 256], &ok, &mut [0.0; 3]).is_ok());
-        assert!(err(&KQuantWeights { kind: BlockKind::Q8_0, ..ok }, &[0.0; 256]).starts_with("kind:"));
+        assert!(err(&KQuantWeights { kind: BlockKind::Q4_1, ..ok }, &[0.0; 256]).starts_with("kind:"));
         assert!(err(&KQuantWeights { kind: BlockKind::Q6K, ..ok }, &[0.0; 256]).starts_with("blocks:"));
         assert!(err(&KQuantWeights { blocks: &b[..431], ..ok }, &[0.0; 256]).starts_with("blocks:"));
         assert!(err(&KQuantWeights { fan_in: 128, ..ok }, &[0.0; 128]).starts_with("fan_in:"));
