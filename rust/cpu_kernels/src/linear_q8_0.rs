@@ -7,9 +7,9 @@
 //! int8 activations (llama.cpp's q8_0 . q8_0, as Q5_0 and the K-quants take them here) multiply
 //! faster, but a Q8_0 tensor is most often a file's head, where they cost a small model its
 //! answers: SmolLM2-135M-Instruct's Q8_0 head on them answered "What is the capital of France?"
-//! with another first token than the widened file, on int16 ones as it does (top-1 agreement
-//! along 1,024 reference tokens 0.984 against 0.985 for f32 activations, 0.976 with the Q4_1
-//! layers on int8 too).
+//! with another first token than the widened file. Top-1 agreement with the widened file along
+//! 1,024 reference tokens (its Q4_1 layers on `linear_q4`): 0.984 with the head on int8
+//! activations, 1.000 on int16 ones; 0.985 before, the head re-rounded to int8 rows at load.
 //!
 //! Every output is summed in one fixed order (its blocks in turn, lane by lane, then the lanes'
 //! order) whatever the rows beside it, the tile it falls in or the thread: a row gets the same
