@@ -15,6 +15,7 @@ from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import UnsupportedModelError
 from pyserve.model.errors import WeightsError
 from pyserve.model.gguf import gguf_path
+from pyserve.model.gguf.blocks import BLOCK_SIZES
 from pyserve.model.gguf.tokenizer import build_tokenizer
 from pyserve.model.block_embedding import BlockEmbedding
 from pyserve.model.gguf.weights import int8_rows, q4_blocks
@@ -362,3 +363,9 @@ def test_rows_widen_to_ggufs_dequantization_bit_for_bit(kind):
 
     blocks = _blocks(kind, 23, 512, seed=5)
     assert torch.equal(torch.from_numpy(_dequantize(blocks, kind, "t")), _dequantized(blocks, kind))
+
+
+def test_the_block_sizes_held_here_are_the_gguf_packages():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    assert {kind: GGML_QUANT_SIZES[GGMLQuantizationType[kind]] for kind in BLOCK_SIZES} == BLOCK_SIZES

@@ -1,28 +1,38 @@
-"""A GGUF block type's row sizes (from the `gguf` package's table) and the widening of its rows to
-f32 in Rust (`_core.gguf_widen`: gguf's arithmetic, bit for bit, a row at a time), shared by the
-loader (model/gguf/weights.py) and the layers that keep a file's blocks (KQuantLinear,
-BlockEmbedding)."""
+"""A GGUF block type's row sizes and the widening of its rows to f32 in Rust (`_core.gguf_widen`:
+gguf's arithmetic, bit for bit, a row at a time), shared by the loader (model/gguf/weights.py) and
+the layers that keep a file's blocks (KQuantLinear, BlockEmbedding). The sizes of the types served
+in place are held here (llama.cpp's ggml-common.h; tests/model/test_gguf.py checks them against
+the `gguf` package's table), so that loading a file whose metadata is cached does not import
+`gguf` (~0.05 s); other types take that table."""
 
 from __future__ import annotations
 
 import numpy as np
 
 WIDENED_IN_RUST = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")  # the types gguf_widen reads
+# (weights, bytes) of a block
+BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q5_0": (32, 22),
+               "Q6_K": (256, 210)}
+
+
+def block_size(kind: str) -> tuple[int, int]:
+    """(weights, bytes) of a block of a GGUF type."""
+    if kind in BLOCK_SIZES:
+        return BLOCK_SIZES[kind]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
 
 
 def fan_in(kind: str, bytes_per_row: int) -> int:
     """Weights in a row of `bytes_per_row` bytes of a block type."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    weights, size = block_size(kind)
     return bytes_per_row // size * weights
 
 
 def row_bytes(kind: str, k: int) -> int:
     """Bytes of a row of `k` weights of a block type; -1 where k is not a whole number of its blocks."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    weights, size = block_size(kind)
     return -1 if k % weights else k // weights * size
 
 
