@@ -109,6 +109,16 @@ class AsyncEngine:
         except BaseException:
             self._close_engine_thread()
             raise
+        try:
+            self._assemble(spec)
+        except BaseException:  # the worker's ranks and the thread's hold go with the engine that failed
+            self.worker.close()
+            self._close_engine_thread()
+            raise
+
+    def _assemble(self, spec: SpeculativeConfig | None) -> None:
+        """The scheduler, output processing, grammars and actors around the built worker."""
+        config, cfg = self.config, self.model_config
         self.scheduler = _core.Scheduler(
             num_blocks=self.worker.num_kv_blocks,
             block_size=config.block_size,

@@ -118,6 +118,35 @@ async def test_the_cpu_engines_of_a_process_share_one_thread_and_serve_side_by_s
     assert CPU_ENGINE_THREAD.holders == 0  # the thread closed with its last engine
 
 
+def test_an_engine_failing_after_its_model_is_built_lets_go_of_the_shared_thread(llama_dir, monkeypatch):
+    """An error while the engine is assembled around its built worker releases its hold on the
+    CPU engines' thread: the thread closes with no engine left, and the next engine serves."""
+    import pyserve.engine.async_engine as async_engine
+
+    config = EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64, watchdog_timeout=None)
+    closed = []
+    close = ModelWorker.close
+    monkeypatch.setattr(ModelWorker, "close", lambda self: (closed.append(self), close(self)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(async_engine, "EngineCore", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("assembly")))
+        with pytest.raises(RuntimeError, match="assembly"):
+            AsyncEngine(config)
+    assert CPU_ENGINE_THREAD.holders == 0 and len(closed) == 1
+
+    async def serve() -> list[int]:
+        engine = AsyncEngine(config)
+        await engine.start()
+        try:
+            stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+            await asyncio.wait_for(stream.done.wait(), 60)
+            return stream.output.outputs[0].token_ids
+        finally:
+            await engine.stop()
+
+    assert len(asyncio.run(serve())) == 4
+    assert CPU_ENGINE_THREAD.holders == 0
+
+
 async def test_a_priority_past_the_schedulers_range_is_refused_and_the_engine_serves_on(llama_dir):
     engine = AsyncEngine(EngineConfig(model=str(llama_dir), device="cpu", block_size=4, num_kv_blocks=64,
                                       watchdog_timeout=None), own_thread=False)
