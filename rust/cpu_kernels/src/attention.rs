@@ -14,9 +14,11 @@
 //! its last 64 keys (`DecodeBatch::masks`: a token of a token tree sees its own path only).
 //!
 //! The kernel: checks, then each sequence in two passes over its rows. `decode_attention` runs
-//! on the calling thread; `decode_attention_on` splits the sequences into ranges of about equal
-//! numbers of keys and runs them on the threads of a `ForkJoin` the caller lends, never on a pool
-//! of its own (see `parallel`).
+//! on the calling thread; `decode_attention_on` runs parts on the threads of a `ForkJoin` the
+//! caller lends, never on a pool of its own (see `parallel`): ranges of sequences of about equal
+//! numbers of keys, or, where there are fewer sequences than parts (a batch of one decoding a
+//! long context), each sequence's kv heads apart: a query head's output depends on its own kv
+//! head's rows only, so either split gives the bits of one thread.
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
@@ -65,9 +67,10 @@ pub fn decode_attention(
     decode_attention_on(&OnCallingThread, cache, batch, scale, out)
 }
 
-/// `decode_attention` with the sequences spread over the threads of `pool`: each thread takes
-/// ranges of sequences (`PARTS_PER_THREAD` per thread, of about equal numbers of keys) and writes
-/// their rows of `out`. The result is the same bits as on one thread.
+/// `decode_attention` with the work spread over the threads of `pool`: each thread takes ranges
+/// of sequences (`PARTS_PER_THREAD` per thread, of about equal numbers of keys), or with fewer
+/// sequences than that, (sequence, kv head) pairs, and writes their rows of `out`. The result is
+/// the same bits as on one thread.
 pub fn decode_attention_on(
     pool: &dyn ForkJoin,
     cache: &PagedCache<'_>,
@@ -79,9 +82,14 @@ pub fn decode_attention_on(
     let per_seq = batch.num_q_heads * cache.head_dim;
     let keys: usize = batch.seq_lens.iter().map(|&n| n as usize).sum();
     let parts = if keys * per_seq < MIN_PARALLEL_WORK { 1 } else { PARTS_PER_THREAD * pool.threads() };
+    let num_seqs = batch.seq_lens.len();
+    if parts > 1 && num_seqs < parts && cache.num_kv_heads > 1 {
+        by_kv_heads(pool, cache, batch, scale, out);
+        return Ok(());
+    }
     let ranges = balanced_ranges(batch.seq_lens, parts);
     if ranges.len() <= 1 {
-        run_sequences(cache, batch, scale, 0..batch.seq_lens.len(), out);
+        run_sequences(cache, batch, scale, 0..num_seqs, out);
         return Ok(());
     }
     let mut rest = out;
@@ -96,6 +104,26 @@ pub fn decode_attention_on(
         run_sequences(cache, batch, scale, ranges[i].clone(), &mut out);
     });
     Ok(())
+}
+
+/// Each (sequence, kv head) pair a part: its query heads' rows of `out`.
+fn by_kv_heads(
+    pool: &dyn ForkJoin,
+    cache: &PagedCache<'_>,
+    batch: &DecodeBatch<'_>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hkv = cache.num_kv_heads;
+    let width = batch.num_q_heads / hkv * cache.head_dim; // a kv head's query heads in a row of out
+    let outs: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(width).map(Mutex::new).collect();
+    pool.run(outs.len(), &|i| {
+        let mut out = outs[i].lock().unwrap_or_else(PoisonError::into_inner);
+        out.fill(0.0);
+        if let Some(seq) = Sequence::new(cache, batch, i / hkv) {
+            attend_heads(&seq.of_kv_head(i % hkv), cache, scale, &mut Vec::new(), &mut out);
+        }
+    });
 }
 
 /// Sequences 0..lens.len() in at most `parts` contiguous, non-empty ranges of about equal total
@@ -125,31 +153,30 @@ fn run_sequences(
     seqs: Range<usize>,
     out: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::vector::avx2_fma_available() {
-        // SAFETY: the CPU has AVX2 and FMA; `check` passed.
-        return unsafe { crate::attention_avx2::run_sequences(cache, batch, scale, seqs, out) };
-    }
-    run_sequences_portable(cache, batch, scale, seqs, out)
-}
-
-/// `run_sequences` without intrinsics. `attention_avx2::run_sequences` runs it too, compiled for
-/// AVX2, for the head dims its intrinsics do not serve.
-#[inline(always)]
-pub(crate) fn run_sequences_portable(
-    cache: &PagedCache<'_>,
-    batch: &DecodeBatch<'_>,
-    scale: f32,
-    seqs: Range<usize>,
-    out: &mut [f32],
-) {
     let mut scores = Vec::new();
     for (i, out) in seqs.zip(out.chunks_exact_mut(batch.num_q_heads * cache.head_dim)) {
         out.fill(0.0);
         if let Some(seq) = Sequence::new(cache, batch, i) {
-            attend(&seq, cache, scale, &mut scores, out);
+            attend_heads(&seq, cache, scale, &mut scores, out);
         }
     }
+}
+
+/// One sequence's query heads (all, or a kv head's) into `out`, which starts zeroed, with AVX2
+/// where the CPU has it.
+fn attend_heads(
+    seq: &Sequence<'_>,
+    cache: &PagedCache<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::vector::avx2_fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA; `check` passed.
+        return unsafe { crate::attention_avx2::attend_heads(seq, cache, scale, scores, out) };
+    }
+    attend(seq, cache, scale, scores, out)
 }
 
 fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result<(), AttentionError> {
@@ -192,8 +219,10 @@ fn check(cache: &PagedCache<'_>, batch: &DecodeBatch<'_>, out: &[f32]) -> Result
 /// One sequence as both halves of the kernel read it: its query heads, and its rows of the cache
 /// page by page through its block table.
 pub(crate) struct Sequence<'b> {
-    /// [num_q_heads, head_dim]
+    /// [query heads, head_dim]: all the sequence's, or those of kv head `first_kv` on
     pub q: &'b [f32],
+    /// The kv head of q's first head.
+    pub first_kv: usize,
     /// Its keys, at least one.
     pub len: usize,
     pub head_dim: usize,
@@ -218,6 +247,7 @@ impl<'b> Sequence<'b> {
         }
         Some(Sequence {
             q: &batch.queries[seq * hq * d..][..hq * d],
+            first_kv: 0,
             len,
             head_dim: d,
             group: hq / hkv,
@@ -226,6 +256,12 @@ impl<'b> Sequence<'b> {
             table: &batch.block_tables[seq * batch.table_width..][..len.div_ceil(bs)],
             mask: batch.masks.map_or(u64::MAX, |m| m[seq]),
         })
+    }
+
+    /// The sequence's query heads of kv head `h` only.
+    pub fn of_kv_head(&self, h: usize) -> Self {
+        let width = self.group * self.head_dim;
+        Sequence { q: &self.q[h * width..][..width], first_kv: h, ..*self }
     }
 
     /// Before the softmax: one head's scores (`len` of them) with the hidden keys at minus
@@ -277,14 +313,22 @@ impl<'b> Sequence<'b> {
 /// then the weighted sum of the values (values read once) into `out`, which starts zeroed.
 /// `scores` is scratch, [num_q_heads, len] here.
 #[inline(always)]
-fn attend(seq: &Sequence<'_>, cache: &PagedCache<'_>, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub(crate) fn attend(
+    seq: &Sequence<'_>,
+    cache: &PagedCache<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let (d, group, len, row) = (seq.head_dim, seq.group, seq.len, seq.row);
     let q = seq.q;
+    let kv_heads = seq.first_kv..seq.first_kv + q.len() / d / group;
     scores.clear();
     scores.resize(q.len() / d * len, 0.0);
     for (first, rows) in seq.pages(cache.keys) {
         for (j, keys) in rows.chunks_exact(row).enumerate() {
-            for (h, k) in keys.chunks_exact(d).enumerate() {
+            for (h, k) in kv_heads.clone().zip(keys[kv_heads.start * d..].chunks_exact(d)) {
+                let h = h - kv_heads.start;
                 for qh in h * group..(h + 1) * group {
                     scores[qh * len + first + j] = dot(&q[qh * d..][..d], k) * scale;
                 }
@@ -305,7 +349,8 @@ fn attend(seq: &Sequence<'_>, cache: &PagedCache<'_>, scale: f32, scores: &mut V
     }
     for (first, rows) in seq.pages(cache.values) {
         for (j, values) in rows.chunks_exact(row).enumerate() {
-            for (h, v) in values.chunks_exact(d).enumerate() {
+            for (h, v) in kv_heads.clone().zip(values[kv_heads.start * d..].chunks_exact(d)) {
+                let h = h - kv_heads.start;
                 for qh in h * group..(h + 1) * group {
                     axpy(scores[qh * len + first + j], v, &mut out[qh * d..][..d]);
                 }
@@ -338,7 +383,11 @@ mod tests {
             masks: Some(&[u64::MAX, 0b1011, !0b110]),
         };
         let (mut portable, mut dispatched) = (vec![0.0; queries.len()], vec![0.0; queries.len()]);
-        run_sequences_portable(&cache, &batch, 0.3, 0..lens.len(), &mut portable);
+        for (i, out) in portable.chunks_exact_mut(hq * d).enumerate() {
+            if let Some(seq) = Sequence::new(&cache, &batch, i) {
+                attend(&seq, &cache, 0.3, &mut Vec::new(), out);
+            }
+        }
         decode_attention(&cache, &batch, 0.3, &mut dispatched).unwrap();
         for (seq, (got, want)) in
             portable.chunks_exact(hq * d).zip(dispatched.chunks_exact(hq * d)).enumerate()

@@ -10,30 +10,24 @@
 //! checked.
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
-use crate::attention::{run_sequences_portable, DecodeBatch, PagedCache, Sequence};
+use crate::attention::{PagedCache, Sequence};
 use crate::vector::avx2::{exp8, hsum, hsum8};
 use crate::vector::{exp, LANES};
 
-/// `attention::run_sequences` with AVX2 and FMA.
+/// `attention::attend` with AVX2 and FMA: one sequence's query heads into `out`, which starts zeroed.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn run_sequences(
+pub unsafe fn attend_heads(
+    seq: &Sequence<'_>,
     cache: &PagedCache<'_>,
-    batch: &DecodeBatch<'_>,
     scale: f32,
-    seqs: Range<usize>,
+    scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    if !serves(cache.head_dim) {
-        return run_sequences_portable(cache, batch, scale, seqs, out);
-    }
-    let mut scores = Vec::new();
-    for (i, out) in seqs.zip(out.chunks_exact_mut(batch.num_q_heads * cache.head_dim)) {
-        out.fill(0.0);
-        if let Some(seq) = Sequence::new(cache, batch, i) {
-            attend(&seq, cache, scale, &mut scores, out);
-        }
+    if serves(cache.head_dim) {
+        attend(seq, cache, scale, scores, out)
+    } else {
+        crate::attention::attend(seq, cache, scale, scores, out)
     }
 }
 
@@ -82,7 +76,7 @@ unsafe fn attend_with<const V: usize, const U: usize>(
             for (c, qc) in qv.iter_mut().enumerate() {
                 *qc = _mm256_loadu_ps(q.as_ptr().add(qh * d + LANES * c));
             }
-            let k = keys.as_ptr().add(qh / group * d);
+            let k = keys.as_ptr().add((seq.first_kv + qh / group) * d);
             page_scores::<V>(&qv, k, row, n, scale, scores.as_mut_ptr().add(qh * len + first));
         }
     }
@@ -94,7 +88,7 @@ unsafe fn attend_with<const V: usize, const U: usize>(
     for (first, values) in seq.pages(cache.values) {
         let n = values.len() / row;
         for qh in 0..heads {
-            let v = values.as_ptr().add(qh / group * d);
+            let v = values.as_ptr().add((seq.first_kv + qh / group) * d);
             let weights = scores.as_ptr().add(qh * len + first);
             page_values::<V, U>(weights, v, row, n, out.as_mut_ptr().add(qh * d));
         }

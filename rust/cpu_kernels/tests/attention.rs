@@ -200,6 +200,23 @@ fn sequences_spread_over_lent_threads_give_the_same_bits() {
 }
 
 #[test]
+fn fewer_sequences_than_parts_spread_their_kv_heads_over_lent_threads_with_the_same_bits() {
+    // two long sequences (a batch of one or two decoding a long context), 3 kv heads of 3 query
+    // heads each: six (sequence, kv head) parts, under the eight a thread pair splits a batch into
+    let mut c = case(&[900, 613], 16, 3, 9, 64, 8);
+    c.masks = Some(vec![!0b1010, u64::MAX]); // the first one a token tree's: two of its last keys hidden
+    let pool = ScopedThreads::new(2);
+    let spread = run_on(Some(&pool), &c, 0.125).unwrap();
+    assert_eq!(*pool.calls.lock().unwrap(), vec![6]);
+    let alone = run(&c, 0.125).unwrap();
+    assert_eq!(
+        spread.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    assert_close(&spread, &dense(&c, 0.125));
+}
+
+#[test]
 fn a_small_batch_stays_on_the_calling_thread() {
     let c = case(&[30, 12, 7], 16, 2, 4, 16, 4);
     let pool = ScopedThreads::new(2);
