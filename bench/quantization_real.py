@@ -4,8 +4,8 @@ Instruct in (or --model's), against the file's own weights widened to fp32 (`ggu
     python bench/quantization_real.py [--humaneval 40] [--tokens 8192] [--model NAME] [--formats fp32,file]
 
 Formats, each through pyserve's engine with default settings otherwise:
-- `file`: the Q4_K_M file's layers as they are, the default (Q4_K and Q6_K blocks in place on
-  int8 activations, Q5_0 / Q8_0 re-rounded to int8 rows);
+- `file`: the Q4_K_M file's layers as they are, the default (Q4_K, Q6_K and Q5_0 blocks in place
+  on int8 activations, Q8_0 blocks in place on int16 ones);
 - `fp32`: every tensor widened (the reference);
 - `int8`, `int4`: the widened weights quantized at load (`--quantization`, default group size);
 - `w8a8`: only where the CPU multiplies int8 fast (VNNI); refused elsewhere, and said so.
