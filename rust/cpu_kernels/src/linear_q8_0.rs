@@ -1,8 +1,9 @@
 //! `linear_kquant` for a GGUF file's Q8_0 rows in place (34 bytes a block of 32 weights: d as
 //! f16, q[32] i8; weight = q * d), on int16 activations: each row of x is quantized once a call
 //! per block of 32 inputs (scale max(max |x|, f32::MIN_POSITIVE) / 32767, x / scale rounded half
-//! to even), a block's products q * xq are summed exactly in i32 (|.| <= 32 * 128 * 32767 < 2^24,
-//! so exact in f32 too) and added in f32 times d and the x scale.
+//! to even), a block's products q * xq are summed exactly in i32 (|.| <= 32 * 128 * 32767 < 2^27;
+//! the vector half's lanes hold four products each, < 2^24, exact in f32) and added in f32 times
+//! d and the x scale.
 //!
 //! int8 activations (llama.cpp's q8_0 . q8_0, as Q5_0 and the K-quants take them here) multiply
 //! faster, but a Q8_0 tensor is most often a file's head, where they cost a small model its
