@@ -299,7 +299,7 @@ fn q6_k_plain(block: &[u8], xs: &[i8], sums16: &[i16]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use half::f16;
 
     use super::*;
@@ -307,7 +307,7 @@ mod tests {
     use crate::linear::tests::{values, TwoParts};
 
     /// Random but well-formed rows: f16 scales of sensible size, any other byte.
-    fn blocks(kind: BlockKind, rows: usize, k: usize, seed: u32) -> Vec<u8> {
+    pub(crate) fn blocks(kind: BlockKind, rows: usize, k: usize, seed: u32) -> Vec<u8> {
         let (weights, bytes) = kind.weights_and_bytes();
         let raw: Vec<u8> =
             values(rows * k / weights * bytes, seed).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect();
@@ -315,7 +315,7 @@ mod tests {
         for block in out.chunks_exact_mut(bytes) {
             let halves: &[usize] = match kind {
                 BlockKind::Q4K => &[0, 2],
-                BlockKind::Q5_0 => &[0],
+                BlockKind::Q5_0 | BlockKind::Q8_0 => &[0],
                 _ => &[208],
             };
             for (i, &at) in halves.iter().enumerate() {
@@ -329,13 +329,19 @@ mod tests {
     /// (y, the sum of its terms' magnitudes) in float64 from the widened weights (gguf's
     /// arithmetic, `widen`) and x as the kernel multiplies it (int8 per block, scaled back).
     fn reference(x: &[f32], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
-        let (k, n, block) = (w.fan_in, w.fan_out, w.activation_block());
-        let mut wide = vec![0.0f32; n * k];
-        widen(&OnCallingThread, w.kind, w.blocks, n, k, &mut wide).unwrap();
-        let q = Int8Rows::of(x, k, block);
+        let block = w.activation_block();
+        let q = Int8Rows::of(x, w.fan_in, block);
         let xm: Vec<f64> =
             q.values.iter().enumerate().map(|(i, &v)| v as f64 * q.scales[i / block] as f64).collect();
-        let rows = x.len() / k;
+        widened_reference(&xm, w)
+    }
+
+    /// `reference` for x as multiplied (`xm`, each value its quantized one times its scale).
+    pub(crate) fn widened_reference(xm: &[f64], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
+        let (k, n) = (w.fan_in, w.fan_out);
+        let mut wide = vec![0.0f32; n * k];
+        widen(&OnCallingThread, w.kind, w.blocks, n, k, &mut wide).unwrap();
+        let rows = xm.len() / k;
         let (mut y, mut magnitude) = (vec![0.0; rows * n], vec![0.0; rows * n]);
         for r in 0..rows {
             for o in 0..n {
@@ -348,7 +354,7 @@ mod tests {
     }
 
     /// Within f32's rounding of sums of `magnitude`.
-    fn assert_near(got: &[f32], (want, magnitude): &(Vec<f64>, Vec<f64>)) {
+    pub(crate) fn assert_near(got: &[f32], (want, magnitude): &(Vec<f64>, Vec<f64>)) {
         for ((&got, &want), &m) in got.iter().zip(want).zip(magnitude) {
             assert!(
                 (got as f64 - want).abs() <= 1e-5 * (m + want.abs()) + 1e-30,

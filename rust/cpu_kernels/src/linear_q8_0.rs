@@ -99,50 +99,18 @@ mod tests {
     use half::f16;
 
     use super::*;
-    use crate::gguf_blocks::{widen, BlockKind};
+    use crate::gguf_blocks::BlockKind;
     use crate::linear::tests::{values, TwoParts};
+    use crate::linear_kquant::tests::{assert_near, blocks, widened_reference};
     use crate::linear_kquant::{linear_kquant, linear_kquant_on};
-    use crate::parallel::OnCallingThread;
 
-    /// Random rows: every q any int8, d a positive f16 of sensible size.
-    fn blocks(rows: usize, k: usize, seed: u32) -> Vec<u8> {
-        let mut out: Vec<u8> =
-            values(rows * k / BLOCK * BYTES, seed).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect();
-        for block in out.chunks_exact_mut(BYTES) {
-            let d = f16::from_f32(0.001 + 0.01 * (block[BYTES - 1] as f32 / 255.0));
-            block[..2].copy_from_slice(&d.to_le_bytes());
-        }
-        out
-    }
-
-    /// y in float64 from the widened weights (gguf's arithmetic) and x as the kernel multiplies
-    /// it (int16 per block, scaled back), with the sum of its terms' magnitudes.
+    /// `linear_kquant`'s float64 reference with x as this kernel multiplies it (int16 per block,
+    /// scaled back).
     fn reference(x: &[f32], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
-        let (k, n) = (w.fan_in, w.fan_out);
-        let mut wide = vec![0.0f32; n * k];
-        widen(&OnCallingThread, BlockKind::Q8_0, w.blocks, n, k, &mut wide).unwrap();
-        let q = Int16Rows::of(x, k);
+        let q = Int16Rows::of(x, w.fan_in);
         let xm: Vec<f64> =
             q.values.iter().enumerate().map(|(i, &v)| v as f64 * q.scales[i / BLOCK] as f64).collect();
-        let rows = x.len() / k;
-        let (mut y, mut magnitude) = (vec![0.0; rows * n], vec![0.0; rows * n]);
-        for r in 0..rows {
-            for o in 0..n {
-                let terms = (0..k).map(|j| xm[r * k + j] * wide[o * k + j] as f64);
-                y[r * n + o] = terms.clone().sum::<f64>() + w.bias.map_or(0.0, |b| b[o] as f64);
-                magnitude[r * n + o] = terms.map(f64::abs).sum();
-            }
-        }
-        (y, magnitude)
-    }
-
-    fn assert_near(got: &[f32], (want, magnitude): &(Vec<f64>, Vec<f64>)) {
-        for ((&got, &want), &m) in got.iter().zip(want).zip(magnitude) {
-            assert!(
-                (got as f64 - want).abs() <= 1e-5 * (m + want.abs()) + 1e-30,
-                "{got} vs {want} (terms {m})"
-            );
-        }
+        widened_reference(&xm, w)
     }
 
     #[test]
@@ -150,7 +118,7 @@ mod tests {
         for (rows, k, n) in [(1, 32, 5), (1, 576, 7), (3, 96, 9), (5, 576, 6), (9, 64, 3), (17, 32, 4)] {
             let x: Vec<f32> =
                 values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
-            let (b, bias) = (blocks(n, k, 2), values(n, 3));
+            let (b, bias) = (blocks(BlockKind::Q8_0, n, k, 2), values(n, 3));
             for bias in [None, Some(bias.as_slice())] {
                 let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: &b, bias, fan_in: k, fan_out: n };
                 let mut y = vec![f32::NAN; rows * n];
@@ -165,7 +133,7 @@ mod tests {
     #[test]
     fn the_halves_agree_and_a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
         let (k, n) = (576, 1030);
-        let (x, b) = (values(7 * k, 6), blocks(n, k, 7));
+        let (x, b) = (values(7 * k, 6), blocks(BlockKind::Q8_0, n, k, 7));
         let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: &b, bias: None, fan_in: k, fan_out: n };
         let mut all = vec![0.0; 7 * n];
         linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
