@@ -37,6 +37,13 @@ const BYTES: usize = 144;
 /// request and up to seven drafts) in one pass over the weights, in 32 registers.
 const TILE_ROWS: usize = 8;
 
+/// How far ahead of the super-block it multiplies a tile asks for the weights' lines. One row
+/// ahead (864 bytes for a fan_in of 1536) was too close for memory's latency: on the AMD EPYC
+/// here, Qwen2.5-Coder-1.5B's batch-1 decode ran 6.6% faster with 4 KiB (29.6 against 31.8
+/// tok/s, one process, the two alternated 8 times; 8 KiB the same); its layers' kernel time
+/// alone 4% less at 4 KiB, 1.5% at 16 KiB, 3.6% more at 32 KiB.
+const PREFETCH_AHEAD: usize = 4096;
+
 /// Whether the CPU runs this half.
 pub fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
@@ -128,15 +135,14 @@ struct Sums {
 unsafe fn tile<const X: usize>(x: &Int8Rows, w: &KQuantWeights<'_>, o: usize, r: usize, y: &SharedOutputs) {
     let (k, row_bytes) = (w.fan_in, w.row_bytes());
     let weights = w.blocks.as_ptr().add(o * row_bytes);
-    let next = weights.wrapping_add(row_bytes); // the next weight row follows
     let lanes: [*const i8; X] = std::array::from_fn(|b| x.lanes.as_ptr().add((r + b) * k));
     let scales: [*const f32; X] = std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * k / SUPER));
     let sums32: [*const i16; X] = std::array::from_fn(|b| x.sums32.as_ptr().add((r + b) * k / 32));
     let mut acc = [Sums { main: _mm512_setzero_ps(), mins: _mm_setzero_ps() }; X];
     for s in 0..k / SUPER {
         if r == 0 {
-            // the next row's super-block s: one row ahead, with no division in the loop
-            let ahead = next.wrapping_add(s * BYTES);
+            // the bytes PREFETCH_AHEAD past this super-block (the next rows follow this one)
+            let ahead = weights.wrapping_add(s * BYTES + PREFETCH_AHEAD);
             for line in [0, 64, BYTES - 1] {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
             }
