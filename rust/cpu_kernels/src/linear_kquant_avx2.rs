@@ -14,10 +14,12 @@
 //!
 //! A tile is one weight row against up to eight input rows, so each thread reads the weights as
 //! one sequential stream: a single input row's tile asks for the lines `PREFETCH_AHEAD` ahead, a
-//! tile of several rows for the next weight row, a share of it each super-block. Streams of
-//! several weight rows at once read slower here (Q6_K at ~20 GB/s against ~30 with each row's
-//! own next blocks prefetched). Each output is summed in one fixed order (super-blocks and parts
-//! in turn, lane by lane, then `hsum`'s order) whatever the rows beside it or the tile.
+//! tile of several rows for the next weight row, a share of it each super-block. Several weight
+//! rows read side by side stream slower here: four a tile streamed Q6_K at ~20 GB/s with each
+//! row's own next blocks prefetched, ~30 with the next four prefetched as one run, and one row at
+//! a time is faster still (`PREFETCH_AHEAD`). Each output is summed in one fixed order
+//! (super-blocks and parts in turn, lane by lane, then `hsum`'s order) whatever the rows beside
+//! it or the tile.
 //!
 //! Safety: every function here needs a CPU with AVX2, FMA and F16C, and the shapes and kind
 //! `linear_kquant` checked.

@@ -41,7 +41,7 @@ const TILE_ROWS: usize = 8;
 /// ahead (864 bytes for a fan_in of 1536) was too close for memory's latency: on the AMD EPYC
 /// here, Qwen2.5-Coder-1.5B's batch-1 decode ran 6.6% faster with 4 KiB (29.6 against 31.8
 /// tok/s, one process, the two alternated 8 times; 8 KiB the same); its layers' kernel time
-/// alone 4% less at 4 KiB, 1.5% at 16 KiB, 3.6% more at 32 KiB.
+/// alone 4% less at 4 KiB, 1.5% at 16 KiB, 3.6% more at 32 KiB; at five rows the same time.
 const PREFETCH_AHEAD: usize = 4096;
 
 /// Whether the CPU runs this half.
