@@ -187,6 +187,10 @@ def linear_w8a8(
     the sums exact in int32 (VNNI where the CPU has it): the bits of torch._int_mm followed by
     the same float steps."""
 
+GGUF_BLOCK_SIZES: dict[str, tuple[int, int]]
+"""{GGUF type name: (weights, bytes) of a block} for the types the gguf_* functions and the
+in-place kernels read."""
+
 def gguf_repack_q4(kind: str, blocks: np.ndarray, packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
                    threads: int = 1) -> None:
     """Q4_0 / Q4_1 / Q4_K rows (blocks [rows, row bytes] uint8) as linear_q4's packed [rows,

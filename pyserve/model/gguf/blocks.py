@@ -1,18 +1,18 @@
 """A GGUF block type's row sizes and the widening of its rows to f32 in Rust (`_core.gguf_widen`:
 gguf's arithmetic, bit for bit, a row at a time), shared by the loader (model/gguf/weights.py) and
-the layers that keep a file's blocks (KQuantLinear, BlockEmbedding). The sizes of the types served
-in place are held here (llama.cpp's ggml-common.h; tests/model/test_gguf.py checks them against
-the `gguf` package's table), so that loading a file whose metadata is cached does not import
-`gguf` (~0.05 s); other types take that table."""
+the layers that keep a file's blocks (KQuantLinear, BlockEmbedding). The sizes of the types the
+Rust kernels read come from their own table (`_core.GGUF_BLOCK_SIZES`; tests/model/test_gguf.py
+checks it against the `gguf` package's), so that loading a file whose metadata is cached does not
+import `gguf` (~0.05 s); other types take gguf's table."""
 
 from __future__ import annotations
 
 import numpy as np
 
-WIDENED_IN_RUST = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K")  # the types gguf_widen reads
-# (weights, bytes) of a block
-BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q5_0": (32, 22),
-               "Q6_K": (256, 210)}
+from pyserve import _core
+
+BLOCK_SIZES: dict[str, tuple[int, int]] = _core.GGUF_BLOCK_SIZES  # (weights, bytes) of a block
+WIDENED_IN_RUST = tuple(BLOCK_SIZES)  # the types gguf_widen reads
 
 
 def block_size(kind: str) -> tuple[int, int]:
@@ -38,8 +38,6 @@ def row_bytes(kind: str, k: int) -> int:
 
 def widened(blocks: np.ndarray, kind: str, threads: int) -> np.ndarray:
     """Rows of blocks [rows, row bytes] of a WIDENED_IN_RUST type as f32 [rows, fan_in]."""
-    from pyserve import _core
-
     out = np.empty((blocks.shape[0], fan_in(kind, blocks.shape[1])), dtype=np.float32)
     _core.gguf_widen(kind, np.ascontiguousarray(blocks), out, threads)
     return out

@@ -40,17 +40,24 @@ pub enum BlockKind {
 }
 
 impl BlockKind {
-    /// The type by its GGUF name (`Q4_K`, ...).
+    /// Every type, in a fixed order.
+    pub const ALL: [Self; 6] = [Self::Q4_0, Self::Q4_1, Self::Q4K, Self::Q8_0, Self::Q5_0, Self::Q6K];
+
+    /// Its GGUF name (`Q4_K`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q4K => "Q4_K",
+            Self::Q8_0 => "Q8_0",
+            Self::Q5_0 => "Q5_0",
+            Self::Q6K => "Q6_K",
+        }
+    }
+
+    /// The type by its GGUF name.
     pub fn named(name: &str) -> Option<Self> {
-        Some(match name {
-            "Q4_0" => Self::Q4_0,
-            "Q4_1" => Self::Q4_1,
-            "Q4_K" => Self::Q4K,
-            "Q8_0" => Self::Q8_0,
-            "Q5_0" => Self::Q5_0,
-            "Q6_K" => Self::Q6K,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
     /// Weights of a block, and its bytes.

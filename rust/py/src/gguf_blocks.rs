@@ -6,10 +6,20 @@ use half::f16;
 use numpy::{PyReadonlyArray2, PyReadwriteArray1, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use pyserve_cpu_kernels::{repack_q4, requantize_int8, widen, BlockKind};
 
 use crate::arrays::{contiguous, contiguous_mut};
 use crate::openmp;
+
+/// {GGUF type name: (weights, bytes) of a block} for every type these functions take.
+pub fn block_sizes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let sizes = PyDict::new(py);
+    for kind in BlockKind::ALL {
+        sizes.set_item(kind.name(), kind.weights_and_bytes())?;
+    }
+    Ok(sizes)
+}
 
 fn kind_of(name: &str) -> PyResult<BlockKind> {
     BlockKind::named(name)

@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_repack_q4, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_requantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_blocks::gguf_widen, m)?)?;
+    m.add("GGUF_BLOCK_SIZES", gguf_blocks::block_sizes(m.py())?)?;
     m.add_function(wrap_pyfunction!(layer_ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(layer_ops::silu_mul, m)?)?;
