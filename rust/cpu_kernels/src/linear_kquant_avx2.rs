@@ -32,12 +32,15 @@ use crate::linear::SharedOutputs;
 use crate::linear_kquant::{Int8Rows, KQuantWeights, SUPER};
 use crate::vector::avx2::hsum;
 
-/// How far ahead of the super-block it multiplies a single row's tile asks for the weights'
-/// lines. One weight row at a time with the lines 4 KiB ahead, against four rows at a time with
-/// the next four prefetched, made Qwen2.5-Coder-1.5B's batch-1 decode 6.6% faster with its Q6_K
-/// layers here and 9.2% with its Q4_K ones too (VNNI turned off to measure it; AMD EPYC, one
-/// process, alternated 6-8 times): each thread then reads one sequential stream.
-const PREFETCH_AHEAD: usize = 4096;
+/// How far ahead of the super-block it multiplies a tile asks for the weights' lines (a single
+/// row's tile here; every tile of `linear_q4k_vnni`). Measured on the AMD EPYC here with
+/// Qwen2.5-Coder-1.5B's batch-1 decode (one process, the ways alternated 6-8 times): this half
+/// one weight row at a time with the lines 4 KiB ahead, against four rows at a time with the next
+/// four prefetched, 6.6% faster with its Q6_K layers and 9.2% with its Q4_K ones too (VNNI turned
+/// off to measure it); the VNNI half 4 KiB ahead against one row ahead (864 bytes at a fan_in of
+/// 1536, too close for memory's latency) 6.6% faster (8 KiB the same; its layers' kernel time 4%
+/// less at 4 KiB, 1.5% at 16 KiB, 3.6% more at 32 KiB; at five rows the same time).
+pub(crate) const PREFETCH_AHEAD: usize = 4096;
 /// Input rows of a tile at several input rows (one weight row), with AVX2's 16 registers.
 const MULTI_ROW_ROWS: usize = 5;
 /// The same where AVX-512VL gives these 8-lane instructions 32 registers: a verification step's

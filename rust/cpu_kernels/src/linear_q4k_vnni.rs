@@ -29,20 +29,13 @@ use std::ops::Range;
 
 use crate::linear::SharedOutputs;
 use crate::linear_kquant::{Int8Rows, KQuantWeights, SUPER};
-use crate::linear_kquant_avx2::{hsum4, q4k_scales_and_mins};
+use crate::linear_kquant_avx2::{hsum4, q4k_scales_and_mins, PREFETCH_AHEAD};
 
 /// Bytes of a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and minimums, 128 of nibbles.
 const BYTES: usize = 144;
 /// Input rows a tile takes (one weight row, whatever the rows): a verification step's rows (a
 /// request and up to seven drafts) in one pass over the weights, in 32 registers.
 const TILE_ROWS: usize = 8;
-
-/// How far ahead of the super-block it multiplies a tile asks for the weights' lines. One row
-/// ahead (864 bytes for a fan_in of 1536) was too close for memory's latency: on the AMD EPYC
-/// here, Qwen2.5-Coder-1.5B's batch-1 decode ran 6.6% faster with 4 KiB (29.6 against 31.8
-/// tok/s, one process, the two alternated 8 times; 8 KiB the same); its layers' kernel time
-/// alone 4% less at 4 KiB, 1.5% at 16 KiB, 3.6% more at 32 KiB; at five rows the same time.
-const PREFETCH_AHEAD: usize = 4096;
 
 /// Whether the CPU runs this half.
 pub fn available() -> bool {
