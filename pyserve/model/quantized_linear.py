@@ -334,13 +334,12 @@ def quantize_linears(model: nn.Module, method: str, group_size: int = 64) -> int
 def concatenated(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     """One quantized layer whose outputs are those of `parts` (quantized layers of one kind over
     the same inputs) in order, or None where they cannot be joined (kinds, groups or input
-    orders differ) or should not be: K-quant layers are a GGUF file's blocks read in place, which
-    joining would copy (Qwen2.5-Coder-1.5B: 829 MB of anonymous memory after loading against
-    405, 0.62-0.72 s to load against 0.45-0.50, batch-1 and batch-5 decode the same within
-    noise), so they run side by side as parts."""
+    orders differ). K-quant layers are a GGUF file's blocks read in place: joined, they keep
+    their rows where they are (KQuantLinear.joined)."""
     first = parts[0]
-    if isinstance(first, KQuantLinear) or not all(type(p) is type(first) for p in parts) or \
-            any((p.bias is None) != (first.bias is None) for p in parts):
+    if all(isinstance(p, KQuantLinear) for p in parts):
+        return KQuantLinear.joined(parts)
+    if not all(type(p) is type(first) for p in parts) or any((p.bias is None) != (first.bias is None) for p in parts):
         return None
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
     if isinstance(first, Int8Linear):  # fp8 and w8a8 too
@@ -361,9 +360,10 @@ def weight_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, (KQuantLinear, BlockEmbedding)):  # a GGUF file's blocks: a head may share a table's
-            if m.blocks.data_ptr() not in seen:
-                seen.add(m.blocks.data_ptr())
-                total += m.weight_bytes
+            for blocks in m.parts if isinstance(m, KQuantLinear) else (m.blocks,):
+                if blocks.data_ptr() not in seen:
+                    seen.add(blocks.data_ptr())
+                    total += blocks.numel()
             continue
         if isinstance(m, QUANTIZED):
             total += m.weight_bytes

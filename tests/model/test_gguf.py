@@ -62,11 +62,11 @@ def test_an_f32_gguf_serves_its_hf_directorys_greedy_tokens(tiny, tmp_path, arch
     assert _greedy(gguf, ids) == _greedy(hf_dir, ids)
 
 
-@pytest.mark.parametrize("kind, layer", [("Q4_0", Int4Linear), ("Q4_1", Int4Linear), ("Q8_0", KQuantLinear)])
-def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, kind, layer):
-    """4-bit blocks are served as Int4Linear's groups (the same weights, bit for bit); 8-bit
-    blocks on a CPU as the file holds them (gguf's widening of them, exactly), off it (the Triton
-    kernels' layouts) as int8 rows, each re-rounded to one scale (within half its step)."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, kind):
+    """On a CPU, blocks are served as the file holds them (gguf's widening of them, exactly); off
+    it (the Triton kernels' layouts) 4-bit blocks become Int4Linear's groups (the same weights, bit
+    for bit) and 8-bit ones int8 rows, each re-rounded to one scale (within half its step)."""
     gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf", projections=kind)
     cfg = load_config(gguf)
     native = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=False)
@@ -74,14 +74,13 @@ def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, k
     assert native.checkpoint_quantization == f"gguf-{kind}" and wide.checkpoint_quantization is None
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
         served, file_weight = native.get_submodule(name), wide.get_submodule(name).weight
-        assert isinstance(served, layer) and isinstance(wide.get_submodule(name), torch.nn.Linear)
-        if layer is Int4Linear:
-            assert served.group_size == 32
-            assert torch.equal(served.dequantized(), file_weight)
+        assert isinstance(served, KQuantLinear) and isinstance(wide.get_submodule(name), torch.nn.Linear)
+        assert served.kind == kind and torch.equal(served.dequantized(), file_weight)
+        if kind == "Q8_0":
+            assert _within_half_a_step(Int8Linear(*int8_rows(served.parts[0].numpy(), kind), None), file_weight)
         else:
-            assert served.kind == kind and torch.equal(served.dequantized(), file_weight)
-            converted = Int8Linear(*int8_rows(served.blocks.numpy(), kind), None)
-            assert _within_half_a_step(converted, file_weight)
+            converted = Int4Linear(*q4_blocks(served.parts[0].numpy(), kind), 32, None)
+            assert torch.equal(converted.dequantized(), file_weight)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
@@ -185,7 +184,7 @@ def test_other_block_formats_become_layers_within_a_bound_of_ggufs_arithmetic(tm
     if layer is torch.nn.Linear:
         assert torch.equal(served.weight, file_weight)
     elif layer is KQuantLinear:
-        assert served.kind == kind and np.array_equal(served.blocks.numpy(), blocks)
+        assert served.kind == kind and np.array_equal(served.parts[0].numpy(), blocks)
         assert torch.equal(served.dequantized(), file_weight)
     elif layer is Int4Linear:
         assert served.group_size == 32 and _within_f16_rounding(served, file_weight)
@@ -213,7 +212,7 @@ def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
     attn = model.model.layers[1].self_attn
     assert model.checkpoint_quantization == "gguf-Q4_K+Q6_K"
     for proj, role in ((attn.q_proj, "q"), (attn.k_proj, "k")):
-        assert isinstance(proj, KQuantLinear) and np.array_equal(proj.blocks.numpy(), hf_blocks[role])
+        assert isinstance(proj, KQuantLinear) and np.array_equal(proj.parts[0].numpy(), hf_blocks[role])
 
 
 @pytest.mark.parametrize("kind, block, x_max, error", [("Q4_K", 256, 127, 0.02), ("Q6_K", 256, 127, 0.02),

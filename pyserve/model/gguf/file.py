@@ -20,7 +20,7 @@ from pyserve.model.gguf.metadata_cache import Metadata, TensorEntry
 # families as pyserve does).
 ARCHITECTURES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 PLAIN_TYPES = ("F32", "F16", "BF16")
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # Int4Linear in groups of 32: the file's weights as they are
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # off a CPU Int4Linear in groups of 32: the file's weights as they are
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # Int8Linear: each row re-rounded to one scale
 DEQUANTIZED_TYPES = ("Q2_K", "Q3_K")  # widened once at load
 

@@ -1,11 +1,11 @@
 """A GGUF file's tensors under the Hugging Face names pyserve's model uses, and the served layer of
 each quantized projection:
-- Q4_K, Q5_0, Q6_K and Q8_0 on a CPU: a KQuantLinear over the file's blocks as they are (the
-  mapped file itself; model/kquant_linear.py); on other devices they take the conversions below
-  (the Triton kernels' layouts);
-- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) anywhere, and Q4_K (256
-  weights a block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32) off
-  the CPU: an Int4Linear in groups of 32, the nibbles repacked into its order, each group's scale and
+- Q4_K, Q5_0, Q6_K, Q8_0, Q4_0 and Q4_1 on a CPU: a KQuantLinear over the file's blocks as they
+  are (the mapped file itself; model/kquant_linear.py); on other devices they take the
+  conversions below (the Triton kernels' layouts);
+- Q4_0 / Q4_1 (32 weights a block: a scale, and for Q4_1 a minimum) and Q4_K (256 weights a
+  block: fp16 d and dmin, 6-bit scale sc and minimum m for each of 8 groups of 32) off the CPU:
+  an Int4Linear in groups of 32, the nibbles repacked into its order, each group's scale and
   offset in f16 as the file has them (Q4_0's offset is -8 scales): the same weights, bit for bit,
   no widening; Q4_K's scale d * sc and offset -dmin * m are products rounded to f16 (within 2^-11
   of each);

@@ -28,6 +28,9 @@ mod linear_kquant_avx2;
 mod linear_q4;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4_avx2;
+mod linear_q4_blocks;
+#[cfg(target_arch = "x86_64")]
+mod linear_q4_blocks_avx2;
 #[cfg(target_arch = "x86_64")]
 mod linear_q4k_vnni;
 #[cfg(target_arch = "x86_64")]

@@ -1,9 +1,10 @@
-//! Linear layers over a GGUF file's K-quant, Q5_0 and Q8_0 rows as the file holds them: Q4_K (4.5
-//! bits a weight), Q6_K (6.5625), Q5_0 (5.5) and Q8_0 (8.5), read in place, where converting them
-//! to `linear_q4`'s groups of 32 (5 bits) or `linear_q8`'s rows (8 bits, and the weights
-//! re-rounded) would make every step read more bytes, or the load convert every row. Layouts are
-//! `gguf_blocks`' (llama.cpp's ggml-common.h): a row of `fan_in` weights is fan_in / 256
-//! super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes, or fan_in / 32 blocks of 22 (Q5_0) or 34 (Q8_0).
+//! Linear layers over a GGUF file's K-quant, Q5_0, Q8_0, Q4_0 and Q4_1 rows as the file holds them:
+//! Q4_K (4.5 bits a weight), Q6_K (6.5625), Q5_0 (5.5), Q8_0 (8.5), Q4_0 (4.5) and Q4_1 (5), read
+//! in place, where converting them to `linear_q4`'s groups of 32 (5 bits) or `linear_q8`'s rows
+//! (8 bits, and the weights re-rounded) would make every step read more bytes, or the load
+//! convert every row. Layouts are `gguf_blocks`' (llama.cpp's ggml-common.h): a row of `fan_in`
+//! weights is fan_in / 256 super-blocks of 144 (Q4_K) or 210 (Q6_K) bytes, or fan_in / 32 blocks
+//! of 22 (Q5_0), 34 (Q8_0), 18 (Q4_0) or 20 (Q4_1).
 //!
 //! Activations are quantized as llama.cpp quantizes them for these types (its Q8_K, and Q8_0 for
 //! Q5_0): int8 with one scale per block of 256 inputs (32 for Q5_0; max |x| / 127, x / scale
@@ -15,7 +16,11 @@
 //! - Q6_K: sum_g d * sc[g] * ((q . xq)_g - 32 * sum(xq)_g) over its 16 groups of 16 (q in 0..64,
 //!   sc an int8), times the x scale;
 //! - Q5_0: d * ((q - 16) . xq) (q in 0..32), times the x scale (`linear_q5_avx2`);
-//! - Q8_0 takes int16 activations instead (`linear_q8_0` says why).
+//! - Q8_0, Q4_0 and Q4_1 take int16 activations instead (`linear_q8_0`, `linear_q4_blocks` say why).
+//!
+//! A layer's rows may lie in several slices (`KQuantWeights::blocks`: projections over the same
+//! inputs that the file holds apart), read in turn as one layer's: one quantization of x and one
+//! fork over their outputs where side by side they would take one each.
 //!
 //! The same arithmetic as llama.cpp's on the same file, and the same bytes a step; the int16
 //! activations of `linear_q4` would cost these layers twice the multiplies (measured: the int16
@@ -37,10 +42,12 @@ pub(crate) const SUPER: usize = 256;
 /// The largest quantized activation.
 const X_MAX: f32 = 127.0;
 
-/// One K-quant linear layer: `blocks` [fan_out, fan_in / 256 * bytes a super-block].
+/// One K-quant linear layer: `blocks`, the rows of each slice in turn [fan_out, fan_in / 256 *
+/// bytes a super-block]: one slice, or projections over the same inputs that the file holds
+/// apart (a layer's q, k and v; its gate and up) run as one.
 pub struct KQuantWeights<'a> {
     pub kind: BlockKind,
-    pub blocks: &'a [u8],
+    pub blocks: Vec<&'a [u8]>,
     pub bias: Option<&'a [f32]>,
     pub fan_in: usize,
     pub fan_out: usize,
@@ -54,12 +61,6 @@ impl KQuantWeights<'_> {
 
     fn check(&self) -> Result<(), LinearError> {
         let (k, n) = (self.fan_in, self.fan_out);
-        if !matches!(self.kind, BlockKind::Q4K | BlockKind::Q6K | BlockKind::Q5_0 | BlockKind::Q8_0) {
-            return Err(LinearError::new(format!(
-                "kind: {:?} is not a block type this kernel reads (Q4_K, Q6_K, Q5_0, Q8_0)",
-                self.kind
-            )));
-        }
         if self.kind.row_bytes(k).is_none() {
             return Err(LinearError::new(format!(
                 "fan_in: {k} is not a whole number of {:?}'s {}-weight blocks",
@@ -67,15 +68,31 @@ impl KQuantWeights<'_> {
                 self.kind.weights_and_bytes().0
             )));
         }
-        if self.blocks.len() != n * self.row_bytes() {
+        let row_bytes = self.row_bytes();
+        let bytes: Vec<usize> = self.blocks.iter().map(|b| b.len()).collect();
+        if bytes.iter().sum::<usize>() != n * row_bytes || bytes.iter().any(|b| !b.is_multiple_of(row_bytes))
+        {
             return Err(LinearError::new(format!(
-                "blocks: {} bytes for [fan_out {n}, fan_in {k}] of {:?} ({} bytes a row)",
-                self.blocks.len(),
+                "blocks: {bytes:?} bytes for [fan_out {n}, fan_in {k}] of {:?} ({row_bytes} bytes a row)",
                 self.kind,
-                self.row_bytes()
             )));
         }
         Ok(())
+    }
+
+    /// Row o's bytes (o < fan_out, the shapes checked).
+    #[inline(always)]
+    pub(crate) fn row(&self, o: usize) -> &[u8] {
+        let row_bytes = self.row_bytes();
+        let mut rest = o;
+        for part in &self.blocks {
+            let rows = part.len() / row_bytes;
+            if rest < rows {
+                return &part[rest * row_bytes..][..row_bytes];
+            }
+            rest -= rows;
+        }
+        panic!("row {o} of a layer of {} rows", self.fan_out)
     }
 
     #[inline(always)]
@@ -104,9 +121,16 @@ pub fn linear_kquant_on(
     weights.check()?;
     let (k, n) = (weights.fan_in, weights.fan_out);
     check_rows(x, k, n, weights.bias, y)?;
-    if weights.kind == BlockKind::Q8_0 {
-        crate::linear_q8_0::linear_q8_0_on(pool, x, weights, y);
-        return Ok(());
+    match weights.kind {
+        BlockKind::Q8_0 => {
+            crate::linear_q8_0::linear_q8_0_on(pool, x, weights, y);
+            return Ok(());
+        }
+        BlockKind::Q4_0 | BlockKind::Q4_1 => {
+            crate::linear_q4_blocks::linear_q4_blocks_on(pool, x, weights, y);
+            return Ok(());
+        }
+        _ => {}
     }
     for (xs, ys) in x.chunks(CHUNK_ROWS * k).zip(y.chunks_mut(CHUNK_ROWS * n)) {
         let mut quantized = Int8Rows::of(xs, k, weights.activation_block());
@@ -236,12 +260,12 @@ fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &S
 
 /// `run_outputs` without AVX2: the same integer sums.
 fn plain_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    let (k, row_bytes) = (w.fan_in, w.row_bytes());
+    let k = w.fan_in;
     let (weights, bytes) = w.kind.weights_and_bytes();
     for o in outputs {
         for r in 0..x.rows {
             let mut total = 0.0f32;
-            for (s, block) in w.blocks[o * row_bytes..][..row_bytes].chunks_exact(bytes).enumerate() {
+            for (s, block) in w.row(o).chunks_exact(bytes).enumerate() {
                 let at = r * k + s * weights; // the block's first input
                 let xs = &x.values[at..][..weights];
                 let sum = match w.kind {
@@ -314,8 +338,8 @@ pub(crate) mod tests {
         let mut out = raw.clone();
         for block in out.chunks_exact_mut(bytes) {
             let halves: &[usize] = match kind {
-                BlockKind::Q4K => &[0, 2],
-                BlockKind::Q5_0 | BlockKind::Q8_0 => &[0],
+                BlockKind::Q4K | BlockKind::Q4_1 => &[0, 2],
+                BlockKind::Q5_0 | BlockKind::Q8_0 | BlockKind::Q4_0 => &[0],
                 _ => &[208],
             };
             for (i, &at) in halves.iter().enumerate() {
@@ -340,7 +364,7 @@ pub(crate) mod tests {
     pub(crate) fn widened_reference(xm: &[f64], w: &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>) {
         let (k, n) = (w.fan_in, w.fan_out);
         let mut wide = vec![0.0f32; n * k];
-        widen(&OnCallingThread, w.kind, w.blocks, n, k, &mut wide).unwrap();
+        widen(&OnCallingThread, w.kind, &w.blocks.concat(), n, k, &mut wide).unwrap();
         let rows = xm.len() / k;
         let (mut y, mut magnitude) = (vec![0.0; rows * n], vec![0.0; rows * n]);
         for r in 0..rows {
@@ -374,7 +398,7 @@ pub(crate) mod tests {
                     values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
                 let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
                 for bias in [None, Some(bias.as_slice())] {
-                    let w = KQuantWeights { kind, blocks: &b, bias, fan_in: k, fan_out: n };
+                    let w = KQuantWeights { kind, blocks: vec![&b], bias, fan_in: k, fan_out: n };
                     let mut y = vec![f32::NAN; rows * n];
                     linear_kquant(&x, &w, &mut y).unwrap();
                     assert_near(&y, &reference(&x, &w));
@@ -390,7 +414,7 @@ pub(crate) mod tests {
         for kind in [BlockKind::Q4K, BlockKind::Q6K, BlockKind::Q5_0] {
             let (k, n) = (512, 1030);
             let (x, b) = (values(7 * k, 6), blocks(kind, n, k, 7));
-            let w = KQuantWeights { kind, blocks: &b, bias: None, fan_in: k, fan_out: n };
+            let w = KQuantWeights { kind, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
             let mut all = vec![0.0; 7 * n];
             linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
             for r in 0..7 {
@@ -407,6 +431,28 @@ pub(crate) mod tests {
         }
     }
 
+    /// A layer's rows in several slices (projections the file holds apart, run as one) give the
+    /// bits of the same rows in one slice, at one row and several.
+    #[test]
+    fn rows_split_between_slices_give_the_bits_of_one_slice() {
+        for kind in BlockKind::ALL {
+            let (k, n) = (512, 70);
+            let b = blocks(kind, n, k, 11);
+            let row_bytes = kind.row_bytes(k).unwrap();
+            let (q, rest) = b.split_at(40 * row_bytes);
+            let (kv, v) = rest.split_at(18 * row_bytes);
+            for rows in [1, 7] {
+                let x = values(rows * k, 12);
+                let (mut one, mut split) = (vec![0.0; rows * n], vec![f32::NAN; rows * n]);
+                let w = KQuantWeights { kind, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
+                linear_kquant_on(&TwoParts, &x, &w, &mut one).unwrap();
+                let w = KQuantWeights { blocks: vec![q, kv, v], ..w };
+                linear_kquant_on(&TwoParts, &x, &w, &mut split).unwrap();
+                assert_eq!(one, split, "{kind:?}, {rows} rows");
+            }
+        }
+    }
+
     /// Where Q4_K goes to the VNNI half, the AVX2 half (what CPUs without VNNI run) on its own:
     /// near the reference, and a row's bits the same alone as beside other rows.
     #[cfg(target_arch = "x86_64")]
@@ -417,7 +463,7 @@ pub(crate) mod tests {
         }
         let (k, n) = (512, 37);
         let (x, b) = (values(7 * k, 8), blocks(BlockKind::Q4K, n, k, 9));
-        let w = KQuantWeights { kind: BlockKind::Q4K, blocks: &b, bias: None, fan_in: k, fan_out: n };
+        let w = KQuantWeights { kind: BlockKind::Q4K, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
         let avx2 = |x: &[f32]| {
             let mut y = vec![f32::NAN; x.len() / k * n];
             let out = SharedOutputs { ptr: y.as_mut_ptr(), len: y.len() };
@@ -507,7 +553,7 @@ pub(crate) mod tests {
             (BlockKind::Q4K, &q4, -3.0 * 15.0 * 63.0),
             (BlockKind::Q5_0, &q5, -3.0 * -16.0),
         ] {
-            let w = KQuantWeights { kind, blocks: b, bias: None, fan_in: k, fan_out: 1 };
+            let w = KQuantWeights { kind, blocks: vec![b], bias: None, fan_in: k, fan_out: 1 };
             let mut y = [f32::NAN];
             linear_kquant(&x, &w, &mut y).unwrap();
             let want = want * k as f32; // within f32's rounding of the block scales (an overflow is far off)
@@ -516,19 +562,33 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn bad_shapes_and_kinds_are_errors_naming_the_argument() {
+    fn bad_shapes_are_errors_naming_the_argument() {
         let b = vec![0u8; 3 * 144];
-        let ok = KQuantWeights { kind: BlockKind::Q4K, blocks: &b, bias: None, fan_in: 256, fan_out: 3 };
+        let ok =
+            || KQuantWeights { kind: BlockKind::Q4K, blocks: vec![&b], bias: None, fan_in: 256, fan_out: 3 };
         let err =
             |w: &KQuantWeights<'_>, x: &[f32]| linear_kquant(x, w, &mut [0.0; 3]).unwrap_err().to_string();
-        assert!(linear_kquant(&[0.0; 256], &ok, &mut [0.0; 3]).is_ok());
-        assert!(err(&KQuantWeights { kind: BlockKind::Q4_1, ..ok }, &[0.0; 256]).starts_with("kind:"));
-        assert!(err(&KQuantWeights { kind: BlockKind::Q6K, ..ok }, &[0.0; 256]).starts_with("blocks:"));
-        assert!(err(&KQuantWeights { blocks: &b[..431], ..ok }, &[0.0; 256]).starts_with("blocks:"));
-        assert!(err(&KQuantWeights { fan_in: 128, ..ok }, &[0.0; 128]).starts_with("fan_in:"));
-        let q5 =
-            KQuantWeights { kind: BlockKind::Q5_0, blocks: &b[..3 * 22], bias: None, fan_in: 48, fan_out: 3 };
+        assert!(linear_kquant(&[0.0; 256], &ok(), &mut [0.0; 3]).is_ok());
+        assert!(linear_kquant(
+            &[0.0; 256],
+            &KQuantWeights { blocks: vec![&b[..144], &b[144..]], ..ok() },
+            &mut [0.0; 3]
+        )
+        .is_ok());
+        assert!(err(&KQuantWeights { kind: BlockKind::Q6K, ..ok() }, &[0.0; 256]).starts_with("blocks:"));
+        assert!(err(&KQuantWeights { blocks: vec![&b[..431]], ..ok() }, &[0.0; 256]).starts_with("blocks:"));
+        // the right bytes in all, but a row split between two slices
+        assert!(err(&KQuantWeights { blocks: vec![&b[..100], &b[100..]], ..ok() }, &[0.0; 256])
+            .starts_with("blocks:"));
+        assert!(err(&KQuantWeights { fan_in: 128, ..ok() }, &[0.0; 128]).starts_with("fan_in:"));
+        let q5 = KQuantWeights {
+            kind: BlockKind::Q5_0,
+            blocks: vec![&b[..3 * 22]],
+            bias: None,
+            fan_in: 48,
+            fan_out: 3,
+        };
         assert!(err(&q5, &[0.0; 48]).starts_with("fan_in:"));
-        assert!(err(&ok, &[0.0; 255]).starts_with("x:"));
+        assert!(err(&ok(), &[0.0; 255]).starts_with("x:"));
     }
 }

@@ -399,7 +399,7 @@ unsafe fn tile<K: SuperBlock, const X: usize>(
     y: &SharedOutputs,
 ) {
     let (k, row_bytes) = (w.fan_in, w.row_bytes());
-    let weights = w.blocks.as_ptr().add(o * row_bytes);
+    let weights = w.row(o).as_ptr();
     let mut rows = Rows::<X> {
         values: [std::ptr::null(); X],
         scales: [std::ptr::null(); X],

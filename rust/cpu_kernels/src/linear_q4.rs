@@ -2,7 +2,8 @@
 //! to a byte, asymmetric in groups of `group` along fan_in: weight (o, j) = q * scale + offset,
 //! q in 0..16, with one scale and one offset (-zero * scale) per row and group.
 //!
-//! Groups of 32 inputs or more (every group pyserve quantizes to, and GGUF's Q4_0 / Q4_1) run on
+//! Groups of 32 inputs or more (every group pyserve quantizes to; a GGUF file's Q4_0 / Q4_1
+//! blocks are read in place by `linear_q4_blocks`, in the same arithmetic) run on
 //! int16 activations: each row of x is quantized once per call in blocks of 32 inputs (`sx =
 //! max(max |x|, f32::MIN_POSITIVE) / 32767` per block, `x / sx` rounded half to even), the
 //! products q * xq are summed exactly in i32 per block (at most 32 * 15 * 32767 < 2^24), and
@@ -19,8 +20,8 @@
 //! or the thread: a row gets the same bits alone or in a batch.
 //!
 //! Layouts (row-major): `packed [fan_out, fan_in / 2]` u8 (weight 2j in the low nibble of byte j,
-//! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f16 (GGUF's Q4_0 and
-//! Q4_1 store theirs so; f32 would make a group of 32 weights 24 bytes instead of 20), `x [rows, fan_in]`,
+//! 2j + 1 in the high one), `scales`, `offsets [fan_out, fan_in / group]` f16 (as GGUF's Q4_0
+//! and Q4_1 store theirs; f32 would make a group of 32 weights 24 bytes instead of 20), `x [rows, fan_in]`,
 //! `bias [fan_out]`, `y [rows, fan_out]` f32. `group` is a power of two of at least 8 dividing
 //! fan_in.
 

@@ -126,8 +126,8 @@ struct Sums {
 /// Output o of rows r..r + X.
 #[inline(always)]
 unsafe fn tile<const X: usize>(x: &Int8Rows, w: &KQuantWeights<'_>, o: usize, r: usize, y: &SharedOutputs) {
-    let (k, row_bytes) = (w.fan_in, w.row_bytes());
-    let weights = w.blocks.as_ptr().add(o * row_bytes);
+    let k = w.fan_in;
+    let weights = w.row(o).as_ptr();
     let lanes: [*const i8; X] = std::array::from_fn(|b| x.lanes.as_ptr().add((r + b) * k));
     let scales: [*const f32; X] = std::array::from_fn(|b| x.scales.as_ptr().add((r + b) * k / SUPER));
     let sums32: [*const i16; X] = std::array::from_fn(|b| x.sums32.as_ptr().add((r + b) * k / 32));

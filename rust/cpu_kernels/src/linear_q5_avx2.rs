@@ -99,10 +99,10 @@ unsafe fn tile<const MASK: bool, const X: usize>(
     r: usize,
     y: &SharedOutputs,
 ) {
-    let (k, row_bytes) = (w.fan_in, w.row_bytes());
+    let k = w.fan_in;
     let blocks = k / BLOCK;
     let ones = _mm256_set1_epi16(1);
-    let weights = w.blocks.as_ptr().add(o * row_bytes);
+    let weights = w.row(o).as_ptr();
     let inputs: [*const i8; X] = std::array::from_fn(|c| x.values.as_ptr().add((r + c) * k));
     let x_scales: [*const f32; X] = std::array::from_fn(|c| x.scales.as_ptr().add((r + c) * blocks));
     let mut acc = [_mm256_setzero_ps(); X];

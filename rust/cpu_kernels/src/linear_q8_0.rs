@@ -79,11 +79,11 @@ fn run_outputs(x: &Int16Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &
 
 /// `run_outputs` without AVX2: the same integer sums.
 fn plain_outputs(x: &Int16Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    let (k, row_bytes) = (w.fan_in, w.row_bytes());
+    let k = w.fan_in;
     for o in outputs {
         for r in 0..x.rows {
             let mut total = 0.0f32;
-            for (b, block) in w.blocks[o * row_bytes..][..row_bytes].chunks_exact(BYTES).enumerate() {
+            for (b, block) in w.row(o).chunks_exact(BYTES).enumerate() {
                 let xs = &x.values[r * k + b * BLOCK..][..BLOCK];
                 let dot: i32 = block[2..].iter().zip(xs).map(|(&q, &v)| q as i8 as i32 * v as i32).sum();
                 total += dot as f32 * (f16_at(block, 0).to_f32() * x.scales[r * k / BLOCK + b]);
@@ -120,7 +120,8 @@ mod tests {
                 values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
             let (b, bias) = (blocks(BlockKind::Q8_0, n, k, 2), values(n, 3));
             for bias in [None, Some(bias.as_slice())] {
-                let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: &b, bias, fan_in: k, fan_out: n };
+                let w =
+                    KQuantWeights { kind: BlockKind::Q8_0, blocks: vec![&b], bias, fan_in: k, fan_out: n };
                 let mut y = vec![f32::NAN; rows * n];
                 linear_kquant(&x, &w, &mut y).unwrap();
                 assert_near(&y, &reference(&x, &w));
@@ -134,7 +135,7 @@ mod tests {
     fn the_halves_agree_and_a_row_gets_the_same_bits_alone_beside_other_rows_and_on_several_threads() {
         let (k, n) = (576, 1030);
         let (x, b) = (values(7 * k, 6), blocks(BlockKind::Q8_0, n, k, 7));
-        let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: &b, bias: None, fan_in: k, fan_out: n };
+        let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
         let mut all = vec![0.0; 7 * n];
         linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
         for r in 0..7 {
@@ -158,7 +159,7 @@ mod tests {
         for block in b.chunks_exact_mut(BYTES) {
             block[..2].copy_from_slice(&f16::ONE.to_le_bytes());
         }
-        let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: &b, bias: None, fan_in: k, fan_out: 1 };
+        let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: vec![&b], bias: None, fan_in: k, fan_out: 1 };
         let mut y = [f32::NAN];
         linear_kquant(&vec![-3.0f32; k], &w, &mut y).unwrap();
         let want = 3.0 * 128.0 * k as f32;

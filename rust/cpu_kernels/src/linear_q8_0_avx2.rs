@@ -29,14 +29,10 @@ const WIDE_TILE_ROWS: usize = 8;
 /// AVX-512VL and VNNI's `vpdpwssd` where the CPU has them: the same integer sums, so the same bits).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn run_outputs(x: &Int16Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    if x.rows > 1 && vnni_available() {
+    if x.rows > 1 && crate::vector::avx512vl_vnni_available() {
         return run_outputs_vnni(x, w, outputs, y);
     }
     run::<TILE_ROWS, false>(x, w, outputs, y)
-}
-
-fn vnni_available() -> bool {
-    crate::vector::avx512vl_available() && std::arch::is_x86_feature_detected!("avx512vnni")
 }
 
 /// `run_outputs` with 32 vector registers and `vpdpwssd`. Safety: also AVX-512F, VL and VNNI.
@@ -80,9 +76,9 @@ unsafe fn tile<const X: usize, const VNNI: bool>(
     r: usize,
     y: &SharedOutputs,
 ) {
-    let (k, row_bytes) = (w.fan_in, w.row_bytes());
+    let k = w.fan_in;
     let blocks = k / BLOCK;
-    let weights = w.blocks.as_ptr().add(o * row_bytes);
+    let weights = w.row(o).as_ptr();
     let inputs: [*const i16; X] = std::array::from_fn(|c| x.values.as_ptr().add((r + c) * k));
     let x_scales: [*const f32; X] = std::array::from_fn(|c| x.scales.as_ptr().add((r + c) * blocks));
     let mut acc = [_mm256_setzero_ps(); X];

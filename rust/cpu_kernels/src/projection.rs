@@ -2,7 +2,7 @@
 //! per output channel (`linear_q8`), the same with int8 activations (`linear_w8a8`), 4-bit
 //! weights in groups (`linear_q4`), a GGUF file's K-quant rows (`linear_kquant`), or several of
 //! these side by side (`Parts`: a layer whose q, k and v are stored in different kinds, as GGUF
-//! files store them). The decoder layer runs any kind.
+//! files may store them). The decoder layer runs any kind.
 
 use crate::linear::{linear_on, LinearError, LinearWeights};
 use crate::linear_kquant::{linear_kquant_on, KQuantWeights};

@@ -46,6 +46,13 @@ pub fn avx512vl_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
+/// Whether AVX2 code may also use AVX-512VL's registers and VNNI's `vpdpwssd` on 8-lane vectors
+/// (the int16-activation kernels' tiles of several rows).
+#[cfg(target_arch = "x86_64")]
+pub fn avx512vl_vnni_available() -> bool {
+    avx512vl_available() && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
 /// Whether AVX2 code may also use AVX-512BW's byte masks on 8-lane vectors (`linear_q5_avx2`).
 #[cfg(target_arch = "x86_64")]
 pub fn avx512bw_available() -> bool {

@@ -82,14 +82,15 @@ pub fn linear_q4(
 }
 
 /// out [rows, fan_out] f32 = x [rows, fan_in] f32 @ W^T (+ bias), overwritten: `linear` over a
-/// GGUF file's rows of `kind` ("Q4_K" or "Q6_K") as it stores them, `blocks` [fan_out, row bytes]
-/// u8; x quantized to int16 per block of 32 inputs.
+/// GGUF file's rows of `kind` ("Q4_K", "Q4_1", ...) as it stores them: `blocks`, arrays [rows,
+/// row bytes] u8 whose rows follow one another (fan_out in all); x quantized as the type's kernel
+/// takes it (`pyserve_cpu_kernels::linear_kquant`).
 #[pyfunction]
 #[pyo3(signature = (x, blocks, kind, bias, out, threads=1))]
 pub fn linear_kquant(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
-    blocks: PyReadonlyArray2<'_, u8>,
+    blocks: Vec<PyReadonlyArray2<'_, u8>>,
     kind: String,
     bias: Option<PyReadonlyArray1<'_, f32>>,
     out: PyReadwriteArray2<'_, f32>,

@@ -12,8 +12,9 @@ use pyserve_cpu_kernels::{
 use crate::arrays::contiguous;
 
 /// (weight f32, bias), (weight int8, scales, bias), (weight int8, scales, bias, "w8a8": int8
-/// activations too), (packed u8, scales f16, offsets f16, group, bias), (GGUF blocks u8, "Q4_K" or
-/// "Q6_K", bias), or a list of these: their outputs side by side.
+/// activations too), (packed u8, scales f16, offsets f16, group, bias), ([GGUF blocks u8, ...],
+/// their type: "Q4_K", ..., bias: the rows of each array in turn), or a list of these: their
+/// outputs side by side.
 #[derive(FromPyObject)]
 pub enum Weight<'py> {
     Q4(
@@ -24,7 +25,7 @@ pub enum Weight<'py> {
         Option<PyReadonlyArray1<'py, f32>>,
     ),
     W8A8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>, String),
-    KQuant(PyReadonlyArray2<'py, u8>, String, Option<PyReadonlyArray1<'py, f32>>),
+    KQuant(Vec<PyReadonlyArray2<'py, u8>>, String, Option<PyReadonlyArray1<'py, f32>>),
     Q8(PyReadonlyArray2<'py, i8>, PyReadonlyArray1<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     F32(PyReadonlyArray2<'py, f32>, Option<PyReadonlyArray1<'py, f32>>),
     Parts(Vec<Weight<'py>>),
@@ -40,7 +41,8 @@ impl Weight<'_> {
             Weight::KQuant(b, kind, _) => {
                 // a kind that is not a block type is refused by `projection`
                 let (weights, bytes) = BlockKind::named(kind).map_or((0, 1), BlockKind::weights_and_bytes);
-                [b.shape()[0], b.shape()[1] / bytes * weights]
+                let rows = b.iter().map(|b| b.shape()[0]).sum();
+                [rows, b.first().map_or(0, |b| b.shape()[1] / bytes * weights)]
             }
             Weight::Parts(parts) => {
                 [parts.iter().map(|p| p.shape()[0]).sum(), parts.first().map_or(0, |p| p.shape()[1])]
@@ -102,7 +104,7 @@ pub fn projection<'a>(w: &'a Weight<'_>, name: Option<&str>) -> PyResult<Project
             kind: BlockKind::named(kind).ok_or_else(|| {
                 PyValueError::new_err(format!("{}: {kind:?} is not a GGUF block type", named("kind")))
             })?,
-            blocks: contiguous(&named("blocks"), blocks)?,
+            blocks: blocks.iter().map(|b| contiguous(&named("blocks"), b)).collect::<PyResult<_>>()?,
             bias: bias(b)?,
             fan_in,
             fan_out,
