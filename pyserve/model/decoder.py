@@ -15,6 +15,7 @@ from pyserve.model import cpu_ops
 from pyserve.model.attention import AttentionBackend, AttentionMetadata
 from pyserve.model.config import ModelConfig
 from pyserve.model.cpu_linear import FEW_ROWS, CpuLinear
+from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.quantized_linear import QUANTIZED
 from pyserve.model.quantized_linear import concatenated as quantized_concatenated
 from pyserve.model.rope import RotaryEmbedding, apply_rotary
@@ -135,11 +136,26 @@ def kernel_projection(p: nn.Module | None) -> tuple | None:
 def _joined_projection(module: nn.Module, fused: str, parts: tuple[str, ...]) -> tuple | list | None:
     """The kernel view of `module`'s fused projection, or where its parts did not fuse (stored in
     different kinds, as a GGUF file's Q4_K q and k beside its Q6_K v) the list of theirs, which
-    the kernels run side by side; None where one has no CPU kernel."""
+    the kernels run side by side, each run of K-quant parts of one type joined (q and k there);
+    None where one has no CPU kernel."""
     if getattr(module, fused) is not None:
         return kernel_projection(getattr(module, fused))
-    views = [kernel_projection(getattr(module, name)) for name in parts]
+    views = [kernel_projection(p) for p in _kquant_runs_joined([getattr(module, name) for name in parts])]
     return None if any(v is None for v in views) else views
+
+
+def _kquant_runs_joined(layers: list[nn.Module]) -> list[nn.Module]:
+    """`layers` with each run of consecutive K-quant layers that KQuantLinear.joined can join
+    (one type, the same inputs) as one layer over their rows where they are."""
+    out: list[nn.Module] = []
+    for layer in layers:
+        joined = KQuantLinear.joined([out[-1], layer]) \
+            if out and isinstance(out[-1], KQuantLinear) and isinstance(layer, KQuantLinear) else None
+        if joined is not None:
+            out[-1] = joined
+        else:
+            out.append(layer)
+    return out
 
 
 def joined_linear(parts: tuple[nn.Module, ...]) -> nn.Module | None:

@@ -215,6 +215,36 @@ def test_k_quant_rows_of_llama_q_and_k_are_unpermuted_whole(tmp_path):
         assert isinstance(proj, KQuantLinear) and np.array_equal(proj.parts[0].numpy(), hf_blocks[role])
 
 
+def test_k_quant_parts_of_one_type_are_joined_in_the_layer_kernels_view(tmp_path, monkeypatch):
+    """A layer's q and k in Q4_K beside its v in Q6_K: the kernels take q and k as one projection
+    over both tensors' rows where they are, and v beside it; the tokens are those of the three
+    run side by side."""
+    import pyserve.model.decoder as decoder
+
+    hf_dir = build_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=512)
+    gguf = gguf_from_hf(hf_dir, tmp_path / "f32.gguf")
+    cfg = load_config(gguf)
+    rows = {"q": cfg.num_heads * cfg.head_dim, "k": cfg.num_kv_heads * cfg.head_dim, "v": cfg.num_kv_heads * cfg.head_dim}
+    kinds = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for i, (role, kind) in enumerate(kinds.items()):
+            tensors[f"blk.{layer}.attn_{role}.weight"] = (kind, _blocks(kind, rows[role], 256, seed=3 * layer + i))
+            tensors[f"blk.{layer}.attn_{role}.bias"] = ("F32", rng.standard_normal(rows[role]).astype(np.float32))
+    gguf = gguf_rewritten(gguf, tmp_path / "qkv.gguf", tensors=tensors)
+    ids = load_tokenizer(gguf).encode(TEXT)
+    with LLM(model=str(gguf)) as llm:
+        qkv = llm.engine.worker.model.model.layers[0].kernel_weights[1]
+        assert [(len(blocks), kind) for blocks, kind, _ in qkv] == [(2, "Q4_K"), (1, "Q6_K")]
+        joined = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(decoder, "_kquant_runs_joined", list)
+    with LLM(model=str(gguf)) as llm:
+        assert len(llm.engine.worker.model.model.layers[0].kernel_weights[1]) == 3
+        apart = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert joined == apart and len(joined) == GREEDY.max_tokens
+
+
 @pytest.mark.parametrize("kind, block, x_max, error", [("Q4_K", 256, 127, 0.02), ("Q6_K", 256, 127, 0.02),
                                                       ("Q5_0", 32, 127, 0.02), ("Q8_0", 32, 32767, 1e-4)])
 def test_a_k_quant_layer_multiplies_x_quantized_per_block_with_the_files_weights(kind, block, x_max, error):
