@@ -130,7 +130,6 @@ fn run_outputs(x: &PairedRows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: 
 
 /// `run_outputs` without AVX2: the same integer sums, a block at a time.
 fn plain_outputs(x: &PairedRows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    let k = w.fan_in;
     let bytes = w.kind.weights_and_bytes().1;
     let (qs_at, has_min) = layout(w.kind);
     let zero = if has_min { 0 } else { 8 };
@@ -147,7 +146,6 @@ fn plain_outputs(x: &PairedRows, w: &KQuantWeights<'_>, outputs: Range<usize>, y
                     mins = f16_at(block, 2).to_f32().mul_add(block_sum, mins);
                 }
             }
-            debug_assert_eq!(k % BLOCK, 0);
             // SAFETY: this call's range of outputs is its own.
             unsafe { y.set(r * w.fan_out + o, w.output(o, total + mins)) };
         }
