@@ -69,9 +69,9 @@ impl KQuantWeights<'_> {
             )));
         }
         let row_bytes = self.row_bytes();
-        let bytes: Vec<usize> = self.blocks.iter().map(|b| b.len()).collect();
-        if bytes.iter().sum::<usize>() != n * row_bytes || bytes.iter().any(|b| !b.is_multiple_of(row_bytes))
-        {
+        let total: usize = self.blocks.iter().map(|b| b.len()).sum();
+        if total != n * row_bytes || self.blocks.iter().any(|b| !b.len().is_multiple_of(row_bytes)) {
+            let bytes: Vec<usize> = self.blocks.iter().map(|b| b.len()).collect();
             return Err(LinearError::new(format!(
                 "blocks: {bytes:?} bytes for [fan_out {n}, fan_in {k}] of {:?} ({row_bytes} bytes a row)",
                 self.kind,
@@ -439,14 +439,14 @@ pub(crate) mod tests {
             let (k, n) = (512, 70);
             let b = blocks(kind, n, k, 11);
             let row_bytes = kind.row_bytes(k).unwrap();
-            let (q, rest) = b.split_at(40 * row_bytes);
-            let (kv, v) = rest.split_at(18 * row_bytes);
+            let (q, k_and_v) = b.split_at(40 * row_bytes);
+            let (k_rows, v_rows) = k_and_v.split_at(18 * row_bytes);
             for rows in [1, 7] {
                 let x = values(rows * k, 12);
                 let (mut one, mut split) = (vec![0.0; rows * n], vec![f32::NAN; rows * n]);
                 let w = KQuantWeights { kind, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
                 linear_kquant_on(&TwoParts, &x, &w, &mut one).unwrap();
-                let w = KQuantWeights { blocks: vec![q, kv, v], ..w };
+                let w = KQuantWeights { blocks: vec![q, k_rows, v_rows], ..w };
                 linear_kquant_on(&TwoParts, &x, &w, &mut split).unwrap();
                 assert_eq!(one, split, "{kind:?}, {rows} rows");
             }
