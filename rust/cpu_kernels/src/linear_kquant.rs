@@ -387,23 +387,49 @@ pub(crate) mod tests {
         }
     }
 
+    /// The layer of `kind` on each (rows, fan_in, fan_out) shape, with and without a bias, near
+    /// `reference` (its float64 sums with x as the kernel multiplies it).
+    pub(crate) fn assert_matches_reference(
+        kind: BlockKind,
+        shapes: &[(usize, usize, usize)],
+        reference: impl Fn(&[f32], &KQuantWeights<'_>) -> (Vec<f64>, Vec<f64>),
+    ) {
+        for &(rows, k, n) in shapes {
+            let x: Vec<f32> =
+                values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
+            let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
+            for bias in [None, Some(bias.as_slice())] {
+                let w = KQuantWeights { kind, blocks: vec![&b], bias, fan_in: k, fan_out: n };
+                let mut y = vec![f32::NAN; rows * n];
+                linear_kquant(&x, &w, &mut y).unwrap();
+                assert_near(&y, &reference(&x, &w));
+            }
+        }
+    }
+
+    /// Every row of x through `w` at once, on two parts, and each row alone on the calling thread:
+    /// the same bits. The rows' outputs together.
+    pub(crate) fn rows_alone_as_in_a_batch(x: &[f32], w: &KQuantWeights<'_>) -> Vec<f32> {
+        let (k, n) = (w.fan_in, w.fan_out);
+        let mut all = vec![0.0; x.len() / k * n];
+        linear_kquant_on(&TwoParts, x, w, &mut all).unwrap();
+        for (r, row) in x.chunks_exact(k).enumerate() {
+            let mut one = vec![0.0; n];
+            linear_kquant(row, w, &mut one).unwrap();
+            assert_eq!(one, all[r * n..][..n], "{:?} row {r}", w.kind);
+        }
+        all
+    }
+
     #[test]
     fn matches_a_float64_reference_of_the_widened_weights() {
         for kind in [BlockKind::Q4K, BlockKind::Q6K, BlockKind::Q5_0] {
             let q5 = if kind == BlockKind::Q5_0 { vec![(1, 32, 5), (5, 96, 6), (2, 896, 3)] } else { vec![] };
-            for (rows, k, n) in
-                [(1, 256, 4), (1, 512, 7), (3, 256, 9), (6, 768, 5), (17, 256, 3)].into_iter().chain(q5)
-            {
-                let x: Vec<f32> =
-                    values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
-                let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
-                for bias in [None, Some(bias.as_slice())] {
-                    let w = KQuantWeights { kind, blocks: vec![&b], bias, fan_in: k, fan_out: n };
-                    let mut y = vec![f32::NAN; rows * n];
-                    linear_kquant(&x, &w, &mut y).unwrap();
-                    assert_near(&y, &reference(&x, &w));
-                }
-            }
+            let shapes: Vec<_> = [(1, 256, 4), (1, 512, 7), (3, 256, 9), (6, 768, 5), (17, 256, 3)]
+                .into_iter()
+                .chain(q5)
+                .collect();
+            assert_matches_reference(kind, &shapes, reference);
         }
     }
 
@@ -415,13 +441,7 @@ pub(crate) mod tests {
             let (k, n) = (512, 1030);
             let (x, b) = (values(7 * k, 6), blocks(kind, n, k, 7));
             let w = KQuantWeights { kind, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
-            let mut all = vec![0.0; 7 * n];
-            linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
-            for r in 0..7 {
-                let mut one = vec![0.0; n];
-                linear_kquant(&x[r * k..][..k], &w, &mut one).unwrap();
-                assert_eq!(one, all[r * n..][..n], "{kind:?} row {r}");
-            }
+            let all = rows_alone_as_in_a_batch(&x, &w);
             let mut plain = vec![f32::NAN; 7 * n];
             let out = SharedOutputs { ptr: plain.as_mut_ptr(), len: plain.len() };
             plain_outputs(&Int8Rows::of(&x, k, w.activation_block()), &w, 0..n, &out);

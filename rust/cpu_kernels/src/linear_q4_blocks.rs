@@ -157,9 +157,11 @@ mod tests {
     use half::f16;
 
     use super::*;
-    use crate::linear::tests::{values, TwoParts};
-    use crate::linear_kquant::tests::{assert_near, blocks, widened_reference};
-    use crate::linear_kquant::{linear_kquant, linear_kquant_on};
+    use crate::linear::tests::values;
+    use crate::linear_kquant::linear_kquant;
+    use crate::linear_kquant::tests::{
+        assert_matches_reference, assert_near, blocks, rows_alone_as_in_a_batch, widened_reference,
+    };
 
     const KINDS: [BlockKind; 2] = [BlockKind::Q4_0, BlockKind::Q4_1];
 
@@ -213,18 +215,9 @@ mod tests {
 
     #[test]
     fn matches_a_float64_reference_of_the_widened_weights_and_int16_inputs() {
+        let shapes = [(1, 32, 5), (1, 576, 7), (3, 96, 9), (5, 576, 6), (9, 64, 3), (17, 32, 4)];
         for kind in KINDS {
-            for (rows, k, n) in [(1, 32, 5), (1, 576, 7), (3, 96, 9), (5, 576, 6), (9, 64, 3), (17, 32, 4)] {
-                let x: Vec<f32> =
-                    values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
-                let (b, bias) = (blocks(kind, n, k, 2), values(n, 3));
-                for bias in [None, Some(bias.as_slice())] {
-                    let w = KQuantWeights { kind, blocks: vec![&b], bias, fan_in: k, fan_out: n };
-                    let mut y = vec![f32::NAN; rows * n];
-                    linear_kquant(&x, &w, &mut y).unwrap();
-                    assert_near(&y, &reference(&x, &w));
-                }
-            }
+            assert_matches_reference(kind, &shapes, reference);
         }
     }
 
@@ -237,13 +230,7 @@ mod tests {
                 let (n, rows) = (1030, 11);
                 let (x, b) = (values(rows * k, 6), blocks(kind, n, k, 7));
                 let w = KQuantWeights { kind, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
-                let mut all = vec![0.0; rows * n];
-                linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
-                for r in 0..rows {
-                    let mut one = vec![0.0; n];
-                    linear_kquant(&x[r * k..][..k], &w, &mut one).unwrap();
-                    assert_eq!(one, all[r * n..][..n], "{kind:?} row {r}");
-                }
+                let all = rows_alone_as_in_a_batch(&x, &w);
                 let mut plain = vec![f32::NAN; rows * n];
                 let out = SharedOutputs { ptr: plain.as_mut_ptr(), len: plain.len() };
                 plain_outputs(&PairedRows::of(&x, k, kind == BlockKind::Q4_1), &w, 0..n, &out);

@@ -100,9 +100,11 @@ mod tests {
 
     use super::*;
     use crate::gguf_blocks::BlockKind;
-    use crate::linear::tests::{values, TwoParts};
-    use crate::linear_kquant::tests::{assert_near, blocks, widened_reference};
-    use crate::linear_kquant::{linear_kquant, linear_kquant_on};
+    use crate::linear::tests::values;
+    use crate::linear_kquant::linear_kquant;
+    use crate::linear_kquant::tests::{
+        assert_matches_reference, assert_near, blocks, rows_alone_as_in_a_batch, widened_reference,
+    };
 
     /// `linear_kquant`'s float64 reference with x as this kernel multiplies it (int16 per block,
     /// scaled back).
@@ -115,18 +117,8 @@ mod tests {
 
     #[test]
     fn matches_a_float64_reference_of_the_widened_weights_and_int16_inputs() {
-        for (rows, k, n) in [(1, 32, 5), (1, 576, 7), (3, 96, 9), (5, 576, 6), (9, 64, 3), (17, 32, 4)] {
-            let x: Vec<f32> =
-                values(rows * k, 1).iter().enumerate().map(|(i, v)| v * (1 + i / 40) as f32).collect();
-            let (b, bias) = (blocks(BlockKind::Q8_0, n, k, 2), values(n, 3));
-            for bias in [None, Some(bias.as_slice())] {
-                let w =
-                    KQuantWeights { kind: BlockKind::Q8_0, blocks: vec![&b], bias, fan_in: k, fan_out: n };
-                let mut y = vec![f32::NAN; rows * n];
-                linear_kquant(&x, &w, &mut y).unwrap();
-                assert_near(&y, &reference(&x, &w));
-            }
-        }
+        let shapes = [(1, 32, 5), (1, 576, 7), (3, 96, 9), (5, 576, 6), (9, 64, 3), (17, 32, 4)];
+        assert_matches_reference(BlockKind::Q8_0, &shapes, reference);
     }
 
     /// The vector half against the plain loop, and a row's bits the same alone as beside other
@@ -136,13 +128,7 @@ mod tests {
         let (k, n) = (576, 1030);
         let (x, b) = (values(7 * k, 6), blocks(BlockKind::Q8_0, n, k, 7));
         let w = KQuantWeights { kind: BlockKind::Q8_0, blocks: vec![&b], bias: None, fan_in: k, fan_out: n };
-        let mut all = vec![0.0; 7 * n];
-        linear_kquant_on(&TwoParts, &x, &w, &mut all).unwrap();
-        for r in 0..7 {
-            let mut one = vec![0.0; n];
-            linear_kquant(&x[r * k..][..k], &w, &mut one).unwrap();
-            assert_eq!(one, all[r * n..][..n], "row {r}");
-        }
+        let all = rows_alone_as_in_a_batch(&x, &w);
         let mut plain = vec![f32::NAN; 7 * n];
         let out = SharedOutputs { ptr: plain.as_mut_ptr(), len: plain.len() };
         plain_outputs(&Int16Rows::of(&x, k), &w, 0..n, &out);
