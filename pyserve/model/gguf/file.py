@@ -61,6 +61,7 @@ class GgufFile:
 
     def __init__(self, path: str | Path, mtime_ns: int, size: int):
         self.path = Path(path)
+        self._version = (size, mtime_ns)
         cached = metadata_cache.load(self.path, size, mtime_ns)
         try:
             if cached is None:
@@ -73,7 +74,8 @@ class GgufFile:
                 mapped = np.memmap(self.path, mode="c").view(np.ndarray)  # the view keeps the map alive
         except (ValueError, OSError, IndexError) as e:  # a truncated file or a bad magic
             raise WeightsError(f"{self.path} is not a readable GGUF file: {e}") from None
-        self.fields = cached.fields
+        self._fields = dict(cached.fields)
+        self._unread = set(cached.long_keys)  # kept apart by the cache: read when first asked for
         self.tensors = {t.name: GgufTensor(t.type_name, t.shape, _view(mapped, t)) for t in cached.tensors}
         self.architecture = self.get("general.architecture")
         if self.architecture not in ARCHITECTURES:
@@ -87,7 +89,25 @@ class GgufFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python (str, int, float, bool, list), or `default` when absent."""
-        return self.fields.get(key, default)
+        if key in self._unread:
+            self._read_long_lists()
+        return self._fields.get(key, default)
+
+    def values(self) -> dict[str, Any]:
+        """Every metadata value, by key."""
+        if self._unread:
+            self._read_long_lists()
+        return dict(self._fields)
+
+    def _read_long_lists(self) -> None:
+        """The values the metadata cache keeps in its entry's second file; from the file itself
+        where that cannot be read."""
+        found = metadata_cache.load_long(self.path, *self._version)
+        if found is None or not self._unread <= found.keys():
+            reader = _reader(self.path)
+            found = {k: reader.fields[k].contents() for k in self._unread}
+        self._fields.update({k: found[k] for k in self._unread})
+        self._unread.clear()
 
     def arch(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}`, e.g. arch("block_count")."""
