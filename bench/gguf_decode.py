@@ -6,8 +6,8 @@ Qwen2.5-Coder-1.5B-Instruct Q4_K_M, each served from its GGUF file with default 
 file's own quant types on pyserve's native layers). Per model, in one run:
 
 - load: `LLM(model=FILE)` in a fresh process (imports excluded), from a warm page cache, against
-  reading the file once (the second of two reads), and its tokenizer built alone in a fresh
-  process as the engine builds it (its metadata read, the collector held off); a file's
+  reading the file once (the second of two reads), and the part of the load that built the
+  tokenizer (its metadata read, the tokenizer made); a file's
   first load (its metadata read by `gguf`, an empty metadata cache) and later ones (from the cache);
 - decode: batch-1 greedy tok/s over --tokens tokens (EOS ignored) after a chat-templated prompt,
   counted from the first output token (the prompt's prefill left out, as llama.cpp's figure has
@@ -49,17 +49,20 @@ LLAMA_CPP_TARGETS = ("llama-bench", "llama-batched-bench")
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct")
 PROMPT = "Write a Python function that returns the longest run of equal adjacent items in a list."
 LOAD = """
-import gc, sys, time
+import sys, time
+import pyserve.engine.async_engine as engine
 from pyserve import LLM
-from pyserve.model.checkpoint import load_tokenizer
-if sys.argv[2] == "tokenizer":  # built alone, as the engine builds it: with the collector held off
-    gc.disable()
+building = []
+def timed_tokenizer(path, build=engine.load_tokenizer):  # the tokenizer's share, timed where the engine builds it
     start = time.perf_counter()
-    load_tokenizer(sys.argv[1])
-else:
-    start = time.perf_counter()
-    LLM(model=sys.argv[1])
-print(time.perf_counter() - start)
+    try:
+        return build(path)
+    finally:
+        building.append(time.perf_counter() - start)
+engine.load_tokenizer = timed_tokenizer
+start = time.perf_counter()
+LLM(model=sys.argv[1])
+print(time.perf_counter() - start, sum(building))
 """
 
 
@@ -84,14 +87,13 @@ def read_file_seconds(path: Path) -> float:
 
 
 def load_seconds(path: Path, metadata_cache: Path) -> tuple[float, float]:
-    """(LLM(model=path), its tokenizer built alone: its metadata read and the tokenizer made) each
-    in a fresh process, in seconds, with the GGUF metadata cache in the folder `metadata_cache`."""
-    def timed(what: str) -> float:
-        out = subprocess.run([sys.executable, "-c", LOAD, str(path), what], capture_output=True, text=True,
-                             check=True, env={**os.environ, "PYSERVE_GGUF_CACHE": str(metadata_cache)})
-        return float(out.stdout.split()[-1])
-
-    return timed("engine"), timed("tokenizer")
+    """(LLM(model=path), the part of it that built the tokenizer: its metadata read and the
+    tokenizer made) in a fresh process, in seconds, with the GGUF metadata cache in the folder
+    `metadata_cache`."""
+    out = subprocess.run([sys.executable, "-c", LOAD, str(path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYSERVE_GGUF_CACHE": str(metadata_cache)})
+    loaded, tokenizer = map(float, out.stdout.split()[-2:])
+    return loaded, tokenizer
 
 
 def embedding_table_bytes(llm: LLM) -> int:
