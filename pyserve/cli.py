@@ -103,8 +103,19 @@ def _served_models(args: argparse.Namespace) -> dict:
     except ModelsConfigError as e:
         sys.exit(f"pyserve serve: {e}")
     policies = {e.name: e.policy for e in entries}
-    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name])
+    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name],
+                            check=lambda c=config: _read_config(c))
             for name, (config, loras) in configs.items()}
+
+
+def _read_config(config):
+    """The config's model read as its engine will read it, without torch (whose import takes
+    seconds): a missing path, an unreadable file or an unsupported architecture ends the load
+    with its message at once."""
+    from pyserve.model.checkpoint import load_config
+    from pyserve.model.hub import fetch_model
+
+    return load_config(fetch_model(config.model, config.revision, config.gguf_file))
 
 
 def _download(config):

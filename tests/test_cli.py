@@ -71,14 +71,14 @@ def test_bad_addresses_sizes_and_combinations_are_refused_before_anything_loads(
         main(["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / "out.jsonl")])
 
 
-def _serve(model_dir, workdir):
+def _serve(model_dir, workdir, python_flags=()):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = (workdir / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "pyserve.cli", "serve", str(model_dir), "--port", str(port),
-                             "--num-kv-blocks", "64", "--block-size", "4"], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=workdir)
+    proc = subprocess.Popen([sys.executable, *python_flags, "-m", "pyserve.cli", "serve", str(model_dir), "--port",
+                             str(port), "--num-kv-blocks", "64", "--block-size", "4"], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=workdir)
     return proc, f"http://127.0.0.1:{port}", workdir / "serve.log"
 
 
@@ -121,3 +121,16 @@ def test_serve_exits_non_zero_when_the_model_fails_to_load(llama_dir, tmp_path):
     log = log_path.read_text()
     assert "server_load_failed" in _events(log_path)
     assert "pyserve serve: the model failed to load: WeightsError" in log and "no *.safetensors" in log
+
+
+def test_a_file_that_cannot_be_served_fails_before_torch_is_imported(tmp_path):
+    """The model's config is read (without torch) before the engine is built: a bad file ends the
+    start without the seconds torch's import takes."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(60))
+    proc, _, log_path = _serve(bad, tmp_path, python_flags=("-X", "importtime"))
+    assert proc.wait(timeout=120) == 1
+    log = log_path.read_text()
+    assert "the model failed to load: WeightsError" in log and "is not a readable GGUF file" in log
+    imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
+    assert "pyserve.server.app" in imported and "torch" not in imported

@@ -34,6 +34,7 @@ class ModelSpec:
     lora_modules: dict[str, str] = field(default_factory=dict)
     download: Callable[[], object] | None = None  # fetches a hub id's files first (/health: "downloading")
     policy: dict[str, Any] = field(default_factory=dict)  # RequestPolicy fields in place of the server's flags
+    check: Callable[[], object] | None = None  # reads the model's config (no torch) before the engine is built
 
 
 @dataclass(slots=True)

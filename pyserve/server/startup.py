@@ -128,6 +128,9 @@ class Startup:
                 self.status = "downloading"
                 spec.download()
                 self.status = "loading"
+        for spec in self._specs.values():  # a model that cannot load fails here, before torch's import
+            if spec.check is not None:
+                spec.check()
         engines = {name: spec.engine() if callable(spec.engine) else spec.engine for name, spec in self._specs.items()}
         return (engines, *self._build_encoder())
 
