@@ -105,15 +105,15 @@ def _tokenizer(w, model_dir: Path) -> None:
 
 
 def gguf_rewritten(src_path: Path, dst_path: Path, tensors: dict | None = None,
-                   floats: dict[str, float] | None = None) -> Path:
+                   floats: dict[str, float] | None = None, architecture: str | None = None) -> Path:
     """A copy of the GGUF file `src_path` at `dst_path` whose tensors named in `tensors` are
-    replaced by raw blocks ({name: (kind, blocks)}) and with the float32 metadata values `floats`
-    added."""
+    replaced by raw blocks ({name: (kind, blocks)}), with the float32 metadata values `floats`
+    added, and with `general.architecture` set to `architecture` where one is given."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
     src = GGUFReader(str(src_path))
-    w = GGUFWriter(str(dst_path), src.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst_path), architecture or src.fields["general.architecture"].contents())
     for field in src.fields.values():
         if not field.name.startswith(("GGUF.", "general.architecture")):
             w.add_key_value(field.name, field.contents(), field.types[0],
