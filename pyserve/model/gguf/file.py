@@ -102,12 +102,13 @@ class GgufFile:
     def _read_long_lists(self) -> None:
         """The values the metadata cache keeps in its entry's second file; from the file itself
         where that cannot be read."""
+        keys = tuple(self._unread)
         found = metadata_cache.load_long(self.path, *self._version)
-        if found is None or not self._unread <= found.keys():
+        if found is None or not set(keys) <= found.keys():
             reader = _reader(self.path)
-            found = {k: reader.fields[k].contents() for k in self._unread}
-        self._fields.update({k: found[k] for k in self._unread})
-        self._unread.clear()
+            found = {k: reader.fields[k].contents() for k in keys}
+        self._fields.update({k: found[k] for k in keys})
+        self._unread.difference_update(keys)
 
     def arch(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}`, e.g. arch("block_count")."""
