@@ -108,6 +108,8 @@ async def _events(chunks: AsyncIterator[bytes], model: str, shell: Callable[[str
                         for e in closing:
                             yield event_bytes(e)
                         finished(response)
+                    async for _ in chunks:  # the chat stream ends itself: a request served, not one closed early
+                        pass
                     return
                 chunk = orjson.loads(raw[6:])
                 if events is None:

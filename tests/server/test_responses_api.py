@@ -15,6 +15,7 @@ import pydantic
 import pytest
 
 from pyserve.testing import start_server, stop_server
+from pyserve.testing.metrics import parse_metrics
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -94,6 +95,20 @@ def test_streamed_events_add_up_to_the_non_streamed_output(client):
     raw = httpx.post(f"{client.base_url}responses", json={**kw, "stream": True}, timeout=60).text
     numbers = [json.loads(line[6:])["sequence_number"] for line in raw.splitlines() if line.startswith("data: ")]
     assert numbers == list(range(len(numbers))) and len(numbers) == len(types)
+
+
+def test_a_stream_read_to_its_end_counts_as_served_not_as_a_client_gone(server):
+    def outcomes():
+        metrics = parse_metrics(httpx.get(server + "/metrics").text)
+        return {k: v for k, v in metrics.items() if k.startswith("pyserve:request_outcomes_total")}
+
+    before = outcomes()
+    body = {"model": "tiny", "input": QUESTION, "max_output_tokens": 8, "store": False, "stream": True}
+    text = httpx.post(server + "/v1/responses", json=body, timeout=60).text
+    assert "response.completed" in text or "response.incomplete" in text
+    after = outcomes()
+    grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert len(grown) == 1 and next(iter(grown)).endswith('outcome="ok"}') and list(grown.values()) == [1]
 
 
 def test_a_forced_function_call_and_its_streamed_arguments(client):
