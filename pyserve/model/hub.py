@@ -31,6 +31,9 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
     path = Path(model)
     if path.exists():
         if gguf_file is not None:
+            if not path.is_dir():
+                raise WeightsError(f"gguf_file names a file inside a folder or hub repository; the model {model} "
+                                   "is a file itself: serve it without gguf_file")
             if not (path / gguf_file).is_file():
                 raise WeightsError(f"gguf_file: no {gguf_file} in {model}")
             return str(path / gguf_file)

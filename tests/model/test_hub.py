@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pyserve.model.errors import WeightsError
+from pyserve.model.hub import fetch_model
 from pyserve.testing import build_model, start_server, stop_server
 from pyserve.testing.hub_standin import HubStandIn
 from pyserve.testing.tiny_gguf import gguf_from_hf
@@ -123,3 +125,14 @@ def test_a_draft_model_named_by_hub_id_is_downloaded(tiny, tmp_path):
     assert (tmp_path / "hf") in Path(got["path"]).parents
     assert json.loads((Path(got["path"]) / "config.json").read_text()) == json.loads((tiny / "config.json").read_text())
     assert missing["error"].startswith("speculative_config.model: org/nothing was not found on the hub")
+
+
+def test_gguf_file_names_a_file_of_a_folder_and_is_refused_beside_a_file(tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "a.gguf").write_bytes(b"GGUF")
+    assert fetch_model(str(folder), None, "a.gguf") == str(folder / "a.gguf")
+    with pytest.raises(WeightsError, match="gguf_file: no b.gguf in"):
+        fetch_model(str(folder), None, "b.gguf")
+    with pytest.raises(WeightsError, match="is a file itself: serve it without gguf_file"):
+        fetch_model(str(folder / "a.gguf"), None, "other.gguf")
