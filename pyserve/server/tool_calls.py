@@ -14,7 +14,7 @@ from pyserve.server.schemas import ChatCompletionRequest, FunctionDef, NamedFunc
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.structured.strict_schema import closed_objects
 from pyserve.tools.fallback import JsonCallFallback
-from pyserve.tools.formats import ToolFormat
+from pyserve.tools.formats import FORMATS, ToolFormat
 from pyserve.tools.parser import CallDelta, ParseDelta, ParsedCall, ToolCallParser
 
 
@@ -35,6 +35,11 @@ class ToolPlan:
 
     def parser(self) -> ToolCallParser | None:
         return None if self.format is None else self.format.parser()
+
+
+# A forced call's format where the chat template shows none: its grammar writes the call, so any
+# format reads back what it wrote (vLLM forces calls without a parser too).
+FORCED_FORMAT = FORMATS["hermes"]
 
 
 def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
@@ -68,8 +73,11 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan(tools, None, None, legacy)
     if fmt is None:
-        raise BadRequest(f"{field_name}: this model's chat template shows no tool-call format "
-                         "(start the server with --tool-call-parser)", param=field_name)
+        if choice == "auto":  # the model's own calls are read in the format its template teaches
+            raise BadRequest(f"{field_name}: under {choice_name} auto a model's calls are read in the format its "
+                             "chat template teaches, and this one shows none (start the server with "
+                             "--tool-call-parser, or force a call)", param=field_name)
+        fmt = FORCED_FORMAT
     if choice == "auto":
         parallel = req.parallel_tool_calls and not legacy
         fallback = JsonCallFallback(list(for_grammar.values()), parallel)

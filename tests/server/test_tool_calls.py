@@ -327,3 +327,22 @@ async def test_an_auto_answer_that_is_only_a_call_object_is_a_call(llama_dir, an
                 assert tuple(got) == call and call_id.startswith("call_")
         # tool_choice "none" never reads calls, whatever the answer
         assert await _chat(c, False, tools=TOOLS, tool_choice="none", guided_choice=[answer]) == (answer, [], "stop")
+
+
+async def test_a_call_is_forced_where_the_template_shows_no_tool_format_and_auto_is_refused(llama_dir):
+    """The tiny model's chat template shows no tool-call format: a forced call's grammar writes
+    the call all the same; under auto its own calls could not be read (400 naming the field)."""
+    from pyserve.testing.in_process import serving_models
+
+    async with serving_models({"tiny": {"model": str(llama_dir), "num_kv_blocks": 128}}) as (_, c):
+        for stream in (False, True):
+            for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+                content, calls, finish = await _chat(c, stream, tools=TOOLS, tool_choice=choice, temperature=0,
+                                                     parallel_tool_calls=False)
+                assert content is None and len(calls) == 1 and finish == ("stop" if isinstance(choice, dict) else "tool_calls")
+                for call_id, name, arguments in calls:
+                    assert call_id.startswith("call_") and (name == "add" or choice == "required")
+                    jsonschema.validate(json.loads(arguments), SCHEMA[name])
+        r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": ASK, "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "shows none" in r.json()["error"]["message"] and "--tool-call-parser" in r.json()["error"]["message"]
