@@ -62,7 +62,10 @@ class CompletionContext:
         self.diet = diet
 
     def headers(self) -> dict[str, str]:
-        out = {}
+        """The response's pyserve headers: the id its log lines carry (`request_finished`'s
+        request_id; the Responses API passes it on under its own ids), the cache's answer, the
+        prompt budget's policy."""
+        out = {"x-pyserve-request-id": self.id}
         if self.cache_status is not None:
             out["x-pyserve-cache"] = self.cache_status
         if self.diet is not None:

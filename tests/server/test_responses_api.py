@@ -97,18 +97,22 @@ def test_streamed_events_add_up_to_the_non_streamed_output(client):
     assert numbers == list(range(len(numbers))) and len(numbers) == len(types)
 
 
-def test_a_stream_read_to_its_end_counts_as_served_not_as_a_client_gone(server):
+def test_a_stream_read_to_its_end_counts_as_served_and_names_its_log_id(server):
     def outcomes():
         metrics = parse_metrics(httpx.get(server + "/metrics").text)
         return {k: v for k, v in metrics.items() if k.startswith("pyserve:request_outcomes_total")}
 
     before = outcomes()
     body = {"model": "tiny", "input": QUESTION, "max_output_tokens": 8, "store": False, "stream": True}
-    text = httpx.post(server + "/v1/responses", json=body, timeout=60).text
-    assert "response.completed" in text or "response.incomplete" in text
+    r = httpx.post(server + "/v1/responses", json=body, timeout=60)
+    assert "response.completed" in r.text or "response.incomplete" in r.text
+    assert r.headers["x-pyserve-request-id"].startswith("chatcmpl-")  # the id its log lines carry
     after = outcomes()
     grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     assert len(grown) == 1 and next(iter(grown)).endswith('outcome="ok"}') and list(grown.values()) == [1]
+    chat = httpx.post(server + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4})
+    assert chat.headers["x-pyserve-request-id"] == chat.json()["id"]
 
 
 def test_a_forced_function_call_and_its_streamed_arguments(client):
