@@ -208,9 +208,10 @@ class EngineCore(Actor):
                 is_fork = req is not msg.request
                 for add in self._add_hooks:
                     add(req, is_fork)
-                self.num_prompt_tokens += len(req.prompt_token_ids)
-                if is_fork:
+                if is_fork:  # a sample of the same prompt: the prompt counts once, as usage bills it
                     self.fork_parent[req.internal_id] = msg.request.internal_id
+                else:
+                    self.num_prompt_tokens += len(req.prompt_token_ids)
         elif isinstance(msg, Abort):
             if self._drop(msg.internal_id) is None:
                 return

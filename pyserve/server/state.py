@@ -66,7 +66,7 @@ class ServerMetrics:
                   "method (none, int8, int4, gptq-int4, awq-int4, compressed-tensors-int4, ...).",
                   read=lambda e: 1, labels=lambda e: {"method": str(e.stats()["quantization"])})
         for key, help_text in [
-            ("prompt_tokens", "Prompt tokens received."),
+            ("prompt_tokens", "Prompt tokens received (once for a request's n samples, as usage counts them)."),
             ("generation_tokens", "Tokens generated."),
             ("grammar_forced_tokens", "Tokens a grammar forced, verified as drafts (outside speculation)."),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),

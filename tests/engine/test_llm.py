@@ -348,6 +348,11 @@ def test_stats_count_the_run(llm):
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == prompt_tokens
     assert 0 < after["prefix_cache_hits"] - before["prefix_cache_hits"] <= prompt_tokens
     assert (after["num_requests_running"], after["num_requests_waiting"], after["kv_cache_usage_perc"]) == (0, 0, 0.0)
+    (sampled,) = llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=2, ignore_eos=True),
+                              use_tqdm=False)
+    again = llm.stats()
+    assert again["prompt_tokens"] - after["prompt_tokens"] == len(sampled.prompt_token_ids)  # once, as usage bills it
+    assert again["generation_tokens"] - after["generation_tokens"] == 3 * 2
     assert after["num_preemptions"] == 0
     assert after["spec_decode_num_draft_tokens"] == after["spec_decode_num_accepted_tokens"] == 0
     again = llm.generate(prompts[0], GREEDY, use_tqdm=False)[0]
