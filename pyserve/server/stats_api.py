@@ -1,5 +1,6 @@
 """GET /v1/stats: the server's figures as JSON, what `LLM.stats()` is offline, for dashboards and
-scripts: each served model's engine stats(), requests per model and adapter ("" = the base), the
+scripts: each served model's engine stats(), requests per model and adapter ("" = the base),
+finished requests by outcome (ok, disconnected, cancelled, ...; summed over the models), the
 latency histograms (TTFT, inter-token, end to end: bucket bounds and per-bucket counts), each
 route or cascade's requests by the model that answered and its escalations, the semantic cache's
 figures and the inputs embedded. Behind the
@@ -33,9 +34,14 @@ async def server_stats(request: Request) -> Response:
     for key, n in state.metrics.requests.values.items():
         labels = dict(key)
         requests.setdefault(labels["model"], {})[labels["adapter"]] = n
+    outcomes: dict[str, float] = {}  # summed over the models, as the latency histograms are
+    for key, n in state.metrics.outcomes.values.items():
+        outcome = dict(key)["outcome"]
+        outcomes[outcome] = outcomes.get(outcome, 0.0) + n
     return json_response({
         "models": {m.name: m.engine.stats() for m in state.models},
         "requests": requests,
+        "outcomes": outcomes,
         "latency": {"ttft": state.metrics.ttft.snapshot(), "itl": state.metrics.itl.snapshot(),
                     "e2e": state.metrics.e2e.snapshot()},
         "routes": route_figures(state),

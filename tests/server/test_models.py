@@ -59,6 +59,7 @@ async def test_each_name_is_answered_by_its_own_model(model_dirs, want):
             assert metrics[f'pyserve:request_outcomes_total{{model="{name}",outcome="ok"}}'] == 1
         stats = (await client.get("/v1/stats")).json()
         assert stats["latency"]["ttft"]["count"] == 2  # /v1/stats sums the models
+        assert stats["outcomes"] == {"ok": 2}
         r = await client.post("/v1/completions", json={"model": "c", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         assert "'a', 'b'" in r.json()["error"]["message"]
