@@ -72,6 +72,12 @@ class CompletionContext:
             out["x-pyserve-prompt-policy"] = self.diet.policy
         return out
 
+    def ended_unstarted(self, outcome: str) -> None:
+        """The request ends before its engine requests were all added (refused, cancelled, or the
+        engine gone): its outcome counted and logged, as every counted request's is."""
+        self.outcome = outcome
+        self._finish_log()
+
     def release_lora(self) -> None:
         """Tells the registry this request no longer uses its adapter (once)."""
         if self.lora is not None:

@@ -344,19 +344,19 @@ async def _serve(state: ServerState, model: ServedModel, shape: ChatBody | TextB
                                                     priority=req.priority, cache_salt=req.cache_salt or ""))
     except GrammarError as e:
         ctx.abort(streams)
-        ctx.release_lora()
+        ctx.ended_unstarted("refused")
         raise BadRequest(f"{constraint_field}: {e}", param=constraint_field) from e
     except ValueError as e:
         ctx.abort(streams)
-        ctx.release_lora()
+        ctx.ended_unstarted("refused")
         field = getattr(e, "field", None)  # RequestRefused: the scheduler's field name
         prompt_param = "messages" if chat else "prompt"
         raise BadRequest(str(e), param=prompt_param if field == "prompt_token_ids" else field) from e
     except EngineDeadError as e:
-        ctx.release_lora()
+        ctx.ended_unstarted("engine_dead")
         raise Unavailable(str(e)) from e
     except asyncio.CancelledError:
-        ctx.release_lora()
+        ctx.ended_unstarted("cancelled")
         # NOTE: AsyncEngine.add_request only cleans up after a ValueError; a cancel while it waits
         # for the engine's answer would leave the prompt being added registered (and running).
         for i in range(len(streams) + 1):

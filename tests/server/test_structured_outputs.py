@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from pyserve.testing import start_server, stop_server
 from pyserve.testing.json_schemas import SCHEMAS
+from pyserve.testing.metrics import parse_metrics
 
 
 @pytest.fixture(scope="module", params=["plain", "ngram"])
@@ -153,6 +154,23 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_request_refused_as_its_engine_requests_are_added_has_an_outcome(server):
+    """Counted in requests_total when its engine requests were being added, a request the engine
+    refuses (a grammar that does not compile) is counted among the outcomes too."""
+    def totals():
+        metrics = parse_metrics(httpx.get(server + "/metrics").text)
+        return {name: sum(v for k, v in metrics.items() if k.startswith(name)) for name in
+                ("pyserve:requests_total", "pyserve:request_outcomes_total",
+                 'pyserve:request_outcomes_total{model="tiny",outcome="refused"}')}
+
+    before = totals()
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": _chat("x"),
+                                                          "structured_outputs": {"grammar": "start: nope"}}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    after = totals()
+    assert [after[k] - before[k] for k in before] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("body", [{"structured_outputs": {"regex": "a{1000000}"}},
