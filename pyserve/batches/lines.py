@@ -116,7 +116,9 @@ def _problem(item, endpoints: tuple[str, ...], model_served, seen: set[str]) -> 
     if not isinstance(body, dict):
         return "invalid_request", "body: must be a JSON object"
     model = body.get("model")
-    if not isinstance(model, str) or not model_served(model):
+    if not isinstance(model, str) or not model:
+        return "invalid_request", "body.model: required, the name of a served model"
+    if not model_served(model):
         return "model_not_found", f"body.model: {model!r} is not served here"
     if body.get("stream"):
         return "invalid_request", "body.stream: batch lines are not streamed"

@@ -16,15 +16,16 @@ def test_each_bad_line_is_reported_with_its_custom_id_and_the_rest_run():
     content = "\n".join([
         line("ok1"), "{not json", line("ok1"), line("u", url="/v1/embeddings"), line("g", method="GET"),
         line("nm", body={"model": "nope"}), line("s", body={"model": "m", "stream": True}), json.dumps([1]),
-        line(""), "", line("ok2"),
+        line(""), "", line("ok2"), line("nomodel", body={"messages": []}),
     ]).encode()
     good, bad = check_lines(content, (URL,), lambda m: m == "m", max_lines=100)
     assert [(g.number, g.custom_id) for g in good] == [(0, "ok1"), (9, "ok2")]
     assert [(r.number, r.line, r.record["custom_id"], r.record["error"]["code"]) for r in bad] == [
         (1, 2, None, "invalid_json"), (2, 3, "ok1", "duplicate_custom_id"), (3, 4, "u", "invalid_url"),
         (4, 5, "g", "invalid_method"), (5, 6, "nm", "model_not_found"), (6, 7, "s", "invalid_request"),
-        (7, 8, None, "invalid_request"), (8, 9, "", "invalid_request")]
+        (7, 8, None, "invalid_request"), (8, 9, "", "invalid_request"), (10, 12, "nomodel", "invalid_request")]
     assert all(r.record["response"] is None and r.record["id"].startswith("batch_req_") for r in bad)
+    assert bad[-1].record["error"]["message"] == "body.model: required, the name of a served model"
 
 
 @pytest.mark.parametrize("content, message", [
