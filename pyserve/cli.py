@@ -136,6 +136,7 @@ def serve(args: argparse.Namespace) -> None:
     from pyserve.logs import configure_logging
     from pyserve.options import from_args
     from pyserve.server.app import build_app
+    from pyserve.server.draining_server import DrainingServer
     from pyserve.server.settings import ServerSettings
 
     configure_logging()
@@ -163,8 +164,8 @@ def serve(args: argparse.Namespace) -> None:
         app = build_app(models, settings, on_load_failure=load_failed)
     except (ValueError, OSError) as e:
         sys.exit(f"pyserve serve: {e}")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=HTTP_PARSER,
-                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=HTTP_PARSER,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout), app)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make that
     # one a no-op so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -56,7 +56,9 @@ class CompletionContext:
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}
         self.outcome = "ok"
+        self.ended = False  # by end(): its failure is the server's stopping, not the engine's
         self._logged = False
+        state.answering.add(self)
         self.cache_status = cache_status
         self.on_done = on_done
         self.diet = diet
@@ -71,6 +73,20 @@ class CompletionContext:
         if self.diet is not None:
             out["x-pyserve-prompt-policy"] = self.diet.policy
         return out
+
+    def end(self, reason: str) -> None:
+        """Ends the request now (the server stops): its engine requests aborted and its streams
+        failed with `reason`, which its answer (a 503, or a stream's error event) says."""
+        self.ended = True
+        self.abort(self.streams)
+        for stream in self.streams:
+            stream.fail(RuntimeError(reason))
+
+    def _failure(self, error: Exception) -> str:
+        """The outcome of a request its engine requests failed."""
+        if self.ended:
+            return "shutdown"
+        return "engine_dead" if isinstance(error, Unavailable) else "error"
 
     def ended_unstarted(self, outcome: str) -> None:
         """The request ends before its engine requests were all added (refused, cancelled, or the
@@ -199,7 +215,7 @@ class CompletionContext:
         try:
             body_task.result()
         except Exception as e:
-            self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
+            self.outcome = self._failure(e)
             self._finish_log()
             raise
         self._finish_log()
@@ -219,7 +235,7 @@ class CompletionContext:
                         if choice is not None:
                             yield self._chunk([choice])
             except APIError as e:
-                self.outcome = "engine_dead" if isinstance(e, Unavailable) else "error"
+                self.outcome = self._failure(e)
                 yield sse.raw_event(error_body(e.status, e.type, e.message, e.param, e.code))
                 return
             except ClientTooSlow:  # its requests are aborted already; the client is not reading
@@ -271,6 +287,7 @@ class CompletionContext:
         if self._logged:
             return
         self._logged = True
+        self.state.answering.discard(self)
         self.release_lora()
         now = time.perf_counter()
         self.state.metrics.e2e.observe(now - self.arrival, model=self.model.name)

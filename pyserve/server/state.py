@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pyserve.http.metrics import Counter, Gauge, Histogram, Registry
@@ -124,3 +125,13 @@ class ServerState:
     batches: BatchService | None = None  # the Batch API, with --data-dir
     responses: ResponseStore | None = None  # stored responses (the Responses API), with --data-dir
     draining: bool = False
+    # The completion requests being answered (server.completion_context adds and drops them;
+    # weakly, so that one whose response was never iterated goes with it): what a shutdown whose
+    # time runs out ends, each with an error its client reads.
+    answering: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def end_requests(self, reason: str) -> None:
+        """Ends every request being answered now: its sequences aborted, a 503 or a stream's
+        error event saying `reason` sent in its place."""
+        for ctx in list(self.answering):
+            ctx.end(reason)
