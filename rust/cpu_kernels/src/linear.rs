@@ -197,6 +197,32 @@ pub(crate) fn for_output_ranges(
     }
 }
 
+/// Each output `$o` of `$outputs` over input rows 0..`$rows` in tiles of at most `$max` (at most
+/// 8) rows: `$tile::<N, ..>(..)` once a tile, N its rows, `$r` its first row. The row count
+/// becomes the constant a tile's registers are sized by; the kernels tiled this way share it.
+macro_rules! for_row_tiles {
+    ($outputs:expr, $rows:expr, $max:expr, |$o:ident, $r:ident| $tile:ident::<N $(, $g:tt)*>($($arg:expr),* $(,)?)) => {
+        for $o in $outputs {
+            let mut $r = 0;
+            while $r < $rows {
+                let n = ($rows - $r).min($max);
+                match n {
+                    1 => $tile::<1 $(, $g)*>($($arg),*),
+                    2 => $tile::<2 $(, $g)*>($($arg),*),
+                    3 => $tile::<3 $(, $g)*>($($arg),*),
+                    4 => $tile::<4 $(, $g)*>($($arg),*),
+                    5 => $tile::<5 $(, $g)*>($($arg),*),
+                    6 => $tile::<6 $(, $g)*>($($arg),*),
+                    7 => $tile::<7 $(, $g)*>($($arg),*),
+                    _ => $tile::<8 $(, $g)*>($($arg),*),
+                }
+                $r += n;
+            }
+        }
+    };
+}
+pub(crate) use for_row_tiles;
+
 /// The outputs of the rows of `y`, written by several threads at once, each only the columns of
 /// its own range of outputs.
 pub(crate) struct SharedOutputs {

@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::gguf_blocks::BlockKind;
-use crate::linear::SharedOutputs;
+use crate::linear::{for_row_tiles, SharedOutputs};
 use crate::linear_kquant::KQuantWeights;
 use crate::linear_kquant_avx2::PREFETCH_AHEAD;
 use crate::linear_q4_blocks::{layout, PairedRows, BLOCK, PAIR, PAIR_LANES};
@@ -66,23 +66,7 @@ unsafe fn run<const ROWS: usize, const VNNI: bool, const MIN: bool>(
     outputs: Range<usize>,
     y: &SharedOutputs,
 ) {
-    for o in outputs {
-        let mut r = 0;
-        while r < x.rows {
-            let n = (x.rows - r).min(ROWS);
-            match n {
-                1 => tile::<1, VNNI, MIN>(x, w, o, r, y),
-                2 => tile::<2, VNNI, MIN>(x, w, o, r, y),
-                3 => tile::<3, VNNI, MIN>(x, w, o, r, y),
-                4 => tile::<4, VNNI, MIN>(x, w, o, r, y),
-                5 => tile::<5, VNNI, MIN>(x, w, o, r, y),
-                6 => tile::<6, VNNI, MIN>(x, w, o, r, y),
-                7 => tile::<7, VNNI, MIN>(x, w, o, r, y),
-                _ => tile::<8, VNNI, MIN>(x, w, o, r, y),
-            }
-            r += n;
-        }
-    }
+    for_row_tiles!(outputs, x.rows, ROWS, |o, r| tile::<N, VNNI, MIN>(x, w, o, r, y));
 }
 
 /// The f16 at `p` and, where `second`, the one at `p + bytes`, as f32 lanes [first, second, 0, 0].

@@ -27,7 +27,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::linear::SharedOutputs;
+use crate::linear::{for_row_tiles, SharedOutputs};
 use crate::linear_kquant::{Int8Rows, KQuantWeights, SUPER};
 use crate::linear_kquant_avx2::{hsum4, q4k_scales_and_mins, PREFETCH_AHEAD};
 
@@ -49,23 +49,7 @@ pub fn available() -> bool {
 /// `linear_kquant::run_outputs` for Q4_K. `x.lanes` holds x in `Int8Rows::q4k_lanes`' order.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
 pub unsafe fn run_outputs(x: &Int8Rows, w: &KQuantWeights<'_>, outputs: Range<usize>, y: &SharedOutputs) {
-    for o in outputs {
-        let mut r = 0;
-        while r < x.rows {
-            let n = (x.rows - r).min(TILE_ROWS);
-            match n {
-                1 => tile::<1>(x, w, o, r, y),
-                2 => tile::<2>(x, w, o, r, y),
-                3 => tile::<3>(x, w, o, r, y),
-                4 => tile::<4>(x, w, o, r, y),
-                5 => tile::<5>(x, w, o, r, y),
-                6 => tile::<6>(x, w, o, r, y),
-                7 => tile::<7>(x, w, o, r, y),
-                _ => tile::<TILE_ROWS>(x, w, o, r, y),
-            }
-            r += n;
-        }
-    }
+    for_row_tiles!(outputs, x.rows, TILE_ROWS, |o, r| tile::<N>(x, w, o, r, y));
 }
 
 /// A super-block's nibbles as `vpdpbusd` takes them, its scales as `vpmaddwd` takes them, its

@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::linear::SharedOutputs;
+use crate::linear::{for_row_tiles, SharedOutputs};
 use crate::linear_kquant::KQuantWeights;
 use crate::linear_q8_0::{Int16Rows, BLOCK, BYTES};
 use crate::vector::avx2::hsum;
@@ -48,23 +48,7 @@ unsafe fn run<const ROWS: usize, const VNNI: bool>(
     outputs: Range<usize>,
     y: &SharedOutputs,
 ) {
-    for o in outputs {
-        let mut r = 0;
-        while r < x.rows {
-            let n = (x.rows - r).min(ROWS);
-            match n {
-                1 => tile::<1, VNNI>(x, w, o, r, y),
-                2 => tile::<2, VNNI>(x, w, o, r, y),
-                3 => tile::<3, VNNI>(x, w, o, r, y),
-                4 => tile::<4, VNNI>(x, w, o, r, y),
-                5 => tile::<5, VNNI>(x, w, o, r, y),
-                6 => tile::<6, VNNI>(x, w, o, r, y),
-                7 => tile::<7, VNNI>(x, w, o, r, y),
-                _ => tile::<8, VNNI>(x, w, o, r, y),
-            }
-            r += n;
-        }
-    }
+    for_row_tiles!(outputs, x.rows, ROWS, |o, r| tile::<N, VNNI>(x, w, o, r, y));
 }
 
 /// Output o of rows r..r + X.
