@@ -18,14 +18,16 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 VERSION = 2
 LONG_LIST = 256  # a list value longer than this is kept in the entry's second file
@@ -75,31 +77,29 @@ def _entry(path: Path, size: int, mtime_ns: int, part: str = "") -> Path | None:
 
 def load(path: Path, size: int, mtime_ns: int) -> Metadata | None:
     """The entry for this version of the file, or None."""
-    entry = _entry(path, size, mtime_ns)
-    if entry is None or not entry.is_file():
-        return None
-    try:
-        raw = orjson.loads(entry.read_bytes())
-        if raw.get("version") != VERSION or raw.get("file") != str(path):
-            return None
+    def metadata(raw: dict[str, Any]) -> Metadata:
         tensors = [TensorEntry(t["name"], t["type"], tuple(t["shape"]), t["dtype"], tuple(t["data_shape"]),
                                t["offset"]) for t in raw["tensors"]]
         return Metadata(raw["fields"], tensors, tuple(raw["long_keys"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("gguf_metadata_cache_unreadable", entry=str(entry), error=repr(e))
-        return None
+
+    return _read(_entry(path, size, mtime_ns), path, metadata)
 
 
 def load_long(path: Path, size: int, mtime_ns: int) -> dict[str, Any] | None:
     """The long lists of the entry for this version of the file, or None."""
-    entry = _entry(path, size, mtime_ns, "long")
+    return _read(_entry(path, size, mtime_ns, "long"), path, lambda raw: dict(raw["fields"]))
+
+
+def _read(entry: Path | None, path: Path, build: Callable[[dict[str, Any]], T]) -> T | None:
+    """`build` of an entry file's JSON; None where the file is missing, of another version or
+    another file's, or unreadable (logged)."""
     if entry is None or not entry.is_file():
         return None
     try:
         raw = orjson.loads(entry.read_bytes())
         if raw.get("version") != VERSION or raw.get("file") != str(path):
             return None
-        return dict(raw["fields"])
+        return build(raw)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("gguf_metadata_cache_unreadable", entry=str(entry), error=repr(e))
         return None
