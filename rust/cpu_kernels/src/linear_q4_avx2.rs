@@ -172,16 +172,7 @@ unsafe fn tile<const W: usize, const X: usize>(
             let scales = _mm256_permutevar8x32_ps(scales8[a], lanes);
             for (b, s) in sums.iter_mut().enumerate() {
                 let xs = inputs[b].add(t * PAIR) as *const __m256i;
-                let products = _mm256_add_epi32(
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(q[0], _mm256_loadu_si256(xs)),
-                        _mm256_madd_epi16(q[1], _mm256_loadu_si256(xs.add(1))),
-                    ),
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(q[2], _mm256_loadu_si256(xs.add(2))),
-                        _mm256_madd_epi16(q[3], _mm256_loadu_si256(xs.add(3))),
-                    ),
-                );
+                let products = pair_products(&q, xs);
                 let x_scale = _mm256_loadu_ps(x_scales[b].add(t * PAIR_SCALES));
                 *s = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(products), x_scale), scales, *s);
             }
@@ -193,4 +184,20 @@ unsafe fn tile<const W: usize, const X: usize>(
             y.set((r + b) * w.fan_out + o + a, w.output(o + a, hsum(*s), offsets[b]));
         }
     }
+}
+
+/// A pair of blocks' four nibble vectors times x's four runs of sixteen int16 at `xs`, as eight
+/// exact i32 lanes (block 2t's four, then block 2t + 1's). Safety: AVX2; 128 bytes readable at `xs`.
+#[inline(always)]
+pub(crate) unsafe fn pair_products(q: &[__m256i; 4], xs: *const __m256i) -> __m256i {
+    _mm256_add_epi32(
+        _mm256_add_epi32(
+            _mm256_madd_epi16(q[0], _mm256_loadu_si256(xs)),
+            _mm256_madd_epi16(q[1], _mm256_loadu_si256(xs.add(1))),
+        ),
+        _mm256_add_epi32(
+            _mm256_madd_epi16(q[2], _mm256_loadu_si256(xs.add(2))),
+            _mm256_madd_epi16(q[3], _mm256_loadu_si256(xs.add(3))),
+        ),
+    )
 }

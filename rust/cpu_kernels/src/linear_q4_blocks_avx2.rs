@@ -28,6 +28,7 @@ use crate::gguf_blocks::BlockKind;
 use crate::linear::{for_row_tiles, SharedOutputs};
 use crate::linear_kquant::KQuantWeights;
 use crate::linear_kquant_avx2::PREFETCH_AHEAD;
+use crate::linear_q4_avx2::pair_products;
 use crate::linear_q4_blocks::{layout, PairedRows, BLOCK, PAIR, PAIR_LANES};
 use crate::vector::avx2::hsum;
 
@@ -128,16 +129,7 @@ unsafe fn tile<const X: usize, const VNNI: bool, const MIN: bool>(
                 let sum = _mm256_dpwssd_epi32(sum, q[2], _mm256_loadu_si256(xs.add(2)));
                 _mm256_dpwssd_epi32(sum, q[3], _mm256_loadu_si256(xs.add(3)))
             } else {
-                _mm256_add_epi32(
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(q[0], _mm256_loadu_si256(xs)),
-                        _mm256_madd_epi16(q[1], _mm256_loadu_si256(xs.add(1))),
-                    ),
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(q[2], _mm256_loadu_si256(xs.add(2))),
-                        _mm256_madd_epi16(q[3], _mm256_loadu_si256(xs.add(3))),
-                    ),
-                )
+                pair_products(&q, xs)
             };
             let scale = _mm256_mul_ps(d, _mm256_loadu_ps(x_scales[c].add(t * PAIR_LANES)));
             *s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *s);
