@@ -42,8 +42,9 @@ class ToolPlan:
 FORCED_FORMAT = FORMATS["hermes"]
 
 
-def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
-    """The request's tools, checked; a BadRequest names the field at fault."""
+def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None, special: dict[str, int] | None = None) -> ToolPlan:
+    """The request's tools, checked; a BadRequest names the field at fault. `special`: the
+    format's markers the model's vocabulary holds as one special token, with its id (ToolFormat.grammar)."""
     legacy = req.functions is not None or req.function_call is not None
     if legacy and (req.tools is not None or req.tool_choice is not None):
         raise BadRequest("functions: give tools or the legacy functions, not both", param="functions")
@@ -84,7 +85,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         if not any(f.strict for f in functions):
             return ToolPlan(tools, None, fmt, legacy, fallback=fallback)
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
-        grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True)
+        grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True, special=special)
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy, fallback=fallback)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
@@ -98,7 +99,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> ToolPlan:
         parallel = False
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
-    grammar = fmt.grammar([for_grammar[f.name] for f in forced], parallel)
+    grammar = fmt.grammar([for_grammar[f.name] for f in forced], parallel, special=special)
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)), forced=True)
 

@@ -40,10 +40,11 @@ LLAMA_CONFIG = dict(
 )
 
 
-def build_tokenizer(out: Path) -> None:
+def build_tokenizer(out: Path, added_tokens: tuple[str, ...] = ()) -> None:
     """Trains the tiny tokenizer on CORPUS and saves tokenizer.json and tokenizer_config.json
-    (BOS `<s>`, EOS `</s>`, CHAT_TEMPLATE) to `out`; the post-processor adds BOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    (BOS `<s>`, EOS `</s>`, CHAT_TEMPLATE) to `out`; the post-processor adds BOS. `added_tokens`
+    join the vocabulary after it as added, non-special tokens (as Qwen's `<tool_call>`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,6 +52,7 @@ def build_tokenizer(out: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     tok.save(str(out / "tokenizer.json"))
@@ -59,13 +61,13 @@ def build_tokenizer(out: Path) -> None:
     }))
 
 
-def build_model(out: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Saves a tiny random model of `arch` with the test tokenizer to `out`."""
+def build_model(out: Path, arch: str, seed: int = 0, added_tokens: tuple[str, ...] = (), **overrides) -> Path:
+    """Saves a tiny random model of `arch` with the test tokenizer (and its `added_tokens`) to `out`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    build_tokenizer(out, added_tokens)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))

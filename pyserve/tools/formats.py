@@ -36,11 +36,20 @@ class ToolFormat:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.open, self.close, ("arguments", "parameters"), self.separator, self.prefix)
 
-    def grammar(self, functions: list[dict[str, Any]], parallel: bool, free_text: bool = False) -> str:
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The texts that open and close a call (a vocabulary may hold each as one token)."""
+        return tuple(m for m in (self.open, self.close) if m is not None)
+
+    def grammar(self, functions: list[dict[str, Any]], parallel: bool, free_text: bool = False,
+                special: dict[str, int] | None = None) -> str:
         """A Lark grammar of one call (or, `parallel`, one to MAX_PARALLEL_CALLS) of `functions` (each
         {"name", "parameters"}), written as this format writes calls. `free_text`: the model may
         answer in text instead (tool_choice "auto" held to strict schemas): text that never
-        writes a call's opening, then, where the format allows text before calls, calls."""
+        writes a call's opening, then, where the format allows text before calls, calls.
+        `special`: the markers the vocabulary holds as one special token, with its id (Qwen's
+        `<tool_call>`): the grammar names that token, the one the model was trained to write, where
+        a quoted literal would allow only the text spelled out in pieces."""
         rules = []
         for i, f in enumerate(functions):
             # The parameters sit under the call's args key: their local references ($defs, as
@@ -56,16 +65,22 @@ class ToolFormat:
             if free_text:  # text is what does not open as a call does
                 lines.append("TEXT: /(?s:.*)/ & ~/(?s:[ \\t\\n]*\\{.*)/")
             return "\n".join([*lines, *rules])
-        opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
+        special = special or {}  # a marker held as a special token is named by its id: <[id]>
+        opening = f'<[{special[self.open]}]> "\\n"' if self.open in special else json.dumps(self.open + "\n")
+        closing = f'"\\n" <[{special[self.close]}]>' if self.close in special else json.dumps("\n" + self.close)
         more = f'("\\n" {opening} call_rest){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         lines = [f"call_rest: ({one}) {closing}"]
-        if free_text:
+        plain = re.escape(self.open).replace("/", "\\/")
+        no_opening = f"PLAIN: /(?s:.*)/ & ~/(?s:.*{plain}.*)/"  # text never spells a call's opening out
+        if free_text and self.open in special:
+            # The opening token ends the text: a special token is no bytes of any text.
+            lines += [f"start: TEXT | TEXT? {opening} call_rest {more}", no_opening, "TEXT: PLAIN"]
+        elif free_text:
             # Text, and text with a call's opening after it, are one lexeme each, both started at
             # the text's first byte: the lexer follows the two, so text may hold any prefix of the
             # opening, and the opening is where the text ends.
-            plain = re.escape(self.open).replace("/", "\\/")
-            lines += [f"start: TEXT | TEXT_OPEN call_rest {more}", f"PLAIN: /(?s:.*)/ & ~/(?s:.*{plain}.*)/",
-                      "TEXT: PLAIN", f"TEXT_OPEN: PLAIN {opening}"]
+            lines += [f"start: TEXT | TEXT_OPEN call_rest {more}", no_opening, "TEXT: PLAIN",
+                      f"TEXT_OPEN: PLAIN {opening}"]
         else:
             lines.append(f"start: {opening} call_rest {more}")
         return "\n".join([*lines, *rules])
