@@ -17,11 +17,13 @@ way: total time of a loop (median over loops), step TTFT p50 (the first streamed
 empty answer's end), the share of each step's input tokens that were cached (steps after the
 first), the least share of the previous step's prompt (its whole blocks of 16) that a step
 found cached, and the least share of a step's prompt that the previous step's prompt makes up
-(what a cache of earlier prompts could serve at most: the rest is new to the server; where the
-chat template renders the model's calls, its output could be served too, SmolLM2's renders
-none). Ratios: each way's total time against chat's and against chat-no-cache's.
+(what a cache of earlier prompts could serve at most: the rest is new to the server), and the
+same with the previous step's output added (`w/ out`: a bound where the chat template renders
+the model's calls, as Qwen's does and SmolLM2's does not; the cache holds generated tokens too).
+Ratios: each way's total time against chat's and against chat-no-cache's. --result-words sets a
+tool result's length (85 words, ~120 tokens, by default; a calculator's answer is a few).
 
-  python bench/agent_loop.py [--model smollm2-135m-instruct] [--steps 8] [--loops 3]
+  python bench/agent_loop.py [--model smollm2-135m-instruct] [--steps 8] [--loops 3] [--result-words 85]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def responses_step(client: httpx.Client, base: str, model: str, body: dict) -> d
                 final = event["response"]
     usage = final["usage"]
     ttft = time.perf_counter() - start if ttft is None else ttft  # an empty answer: its end
-    return {"ttft": ttft, "response": final, "input": usage["input_tokens"],
+    return {"ttft": ttft, "response": final, "input": usage["input_tokens"], "output": usage["output_tokens"],
             "cached": usage["input_tokens_details"]["cached_tokens"]}
 
 
@@ -91,7 +93,7 @@ def chat_step(client: httpx.Client, base: str, model: str, body: dict) -> dict:
                     entry["arguments"] += (c.get("function") or {}).get("arguments") or ""
     ttft = time.perf_counter() - start if ttft is None else ttft  # an empty answer: its end
     return {"ttft": ttft, "text": text, "calls": [calls[i] for i in sorted(calls)], "input": usage["prompt_tokens"],
-            "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+            "output": usage["completion_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
 def system_prompt(words: int) -> str:
@@ -102,11 +104,12 @@ def system_prompt(words: int) -> str:
     return SYSTEM + ("\n\nRules:\n" + "\n".join(rules) if rules else "")
 
 
-def passage(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(85))
+def passage(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def run_responses(base: str, model: str, system: str, task: str, steps: int, stored: bool, seed: int) -> list[dict]:
+def run_responses(base: str, model: str, system: str, task: str, steps: int, stored: bool, seed: int,
+                  result_words: int) -> list[dict]:
     rng = random.Random(seed)
     tools = [{"type": "function", "name": "lookup", "description": "Looks up a key", "parameters": LOOKUP}]
     history: list[dict] = [{"role": "user", "content": task}]
@@ -130,14 +133,14 @@ def run_responses(base: str, model: str, system: str, task: str, steps: int, sto
             if last:
                 break
             output = [{k: v for k, v in item.items() if k != "status"} for item in r["response"]["output"]]
-            results = [{"type": "function_call_output", "call_id": item["call_id"], "output": passage(rng)}
+            results = [{"type": "function_call_output", "call_id": item["call_id"], "output": passage(rng, result_words)}
                        for item in output if item["type"] == "function_call"]
             history += output + results
             new = results
     return out
 
 
-def run_chat(base: str, model: str, system: str, task: str, steps: int, seed: int) -> list[dict]:
+def run_chat(base: str, model: str, system: str, task: str, steps: int, seed: int, result_words: int) -> list[dict]:
     rng = random.Random(seed)
     tools = [{"type": "function", "function": {"name": "lookup", "description": "Looks up a key",
                                                "parameters": LOOKUP}}]
@@ -156,7 +159,7 @@ def run_chat(base: str, model: str, system: str, task: str, steps: int, seed: in
             calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                      for c in r["calls"]]
             messages.append({"role": "assistant", "content": r["text"] or None, "tool_calls": calls})
-            messages += [{"role": "tool", "tool_call_id": c["id"], "content": passage(rng)} for c in calls]
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": passage(rng, result_words)} for c in calls]
     return out
 
 
@@ -167,12 +170,17 @@ def summary(loops: list[tuple[float, list[dict]]]) -> dict:
     held = [s["cached"] / (p["input"] // BLOCK * BLOCK) for _, steps in loops for p, s in zip(steps, steps[1:])]
     # What any cache of earlier prompts could serve of a step: the previous step's prompt, all of it.
     ceiling = [p["input"] / s["input"] for _, steps in loops for p, s in zip(steps, steps[1:])]
+    # Where the chat template renders the model's calls, its output too (a bound: as re-rendered).
+    with_output = [min(1.0, (p["input"] + p["output"]) / s["input"]) for _, steps in loops
+                   for p, s in zip(steps, steps[1:])]
     return {"total_s_p50": round(statistics.median(t for t, _ in loops), 3),
             "min_step_cached_of_previous_prompt": round(min(held), 4),
             "step_ttft_p50_s": round(statistics.median(s["ttft"] for _, steps in loops for s in steps), 4),
             "cached_share_after_first": round(sum(s["cached"] for s in later) / sum(s["input"] for s in later), 4),
             "min_step_cached_share_after_first": round(min(s["cached"] / s["input"] for s in later), 4),
             "min_step_previous_prompt_share": round(min(ceiling), 4),
+            "min_step_previous_prompt_and_output_share": round(min(with_output), 4),
+            "first_loop_steps": [{k: s[k] for k in ("input", "cached", "output")} for s in loops[0][1]],
             "input_tokens_last_step": statistics.median(steps[-1]["input"] for _, steps in loops)}
 
 
@@ -182,6 +190,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--loops", type=int, default=3)
     ap.add_argument("--system-words", type=int, default=600, help="words of agent instructions (0: one line)")
+    ap.add_argument("--result-words", type=int, default=85, help="words of each tool result")
     args = ap.parse_args()
     head = harness.header(__file__)
     harness.print_header(head)
@@ -196,26 +205,27 @@ def main() -> None:
             model = httpx.get(cached + "/v1/models", timeout=30).json()["data"][0]["id"]
             system = system_prompt(args.system_words)
             for base in (cached, plain):  # a first loop each, not measured: the instructions are cached then
-                run_chat(base, model, system, "Warm up.", 1, 0)
-            run_responses(cached, model, system, "Warm up.", 1, True, 0)
+                run_chat(base, model, system, "Warm up.", 1, 0, args.result_words)
+            run_responses(cached, model, system, "Warm up.", 1, True, 0, args.result_words)
             for loop in range(args.loops):
                 for i, way in enumerate(WAYS):
                     task = f"Task {loop}-{i}: find the keys alpha{loop}{i} and beta{loop}{i} and summarize them."
                     start = time.perf_counter()
                     if way.startswith("responses"):
                         steps = run_responses(cached, model, system, task, args.steps, way == "responses-stored",
-                                              loop)
+                                              loop, args.result_words)
                     else:
-                        steps = run_chat(cached if way == "chat" else plain, model, system, task, args.steps, loop)
+                        steps = run_chat(cached if way == "chat" else plain, model, system, task, args.steps, loop,
+                                         args.result_words)
                     results[way].append((time.perf_counter() - start, steps))
                 print(f"  loop {loop + 1}/{args.loops} done", flush=True)
         finally:
             stop_server(cached_proc)
             stop_server(plain_proc)
     report = {**head, "model": args.model, "steps": args.steps, "loops": args.loops,
-              "system_words": args.system_words, "ways": {}}
+              "system_words": args.system_words, "result_words": args.result_words, "ways": {}}
     print(f"{'way':>17} {'total p50':>9} {'step TTFT p50':>13} {'cached share':>12} {'min':>6} {'of prev':>7} "
-          f"{'ceiling':>7} {'x chat':>7} {'x no-cache':>10}")
+          f"{'ceiling':>7} {'w/ out':>6} {'x chat':>7} {'x no-cache':>10}")
     summaries = {way: summary(results[way]) for way in WAYS}
     for way, s in summaries.items():
         s["total_vs_chat"] = round(s["total_s_p50"] / summaries["chat"]["total_s_p50"], 3)
@@ -224,6 +234,7 @@ def main() -> None:
         print(f"{way:>17} {s['total_s_p50']:>9.3f} {s['step_ttft_p50_s']:>13.4f} "
               f"{s['cached_share_after_first']:>12.3f} {s['min_step_cached_share_after_first']:>6.3f} "
               f"{s['min_step_cached_of_previous_prompt']:>7.3f} {s['min_step_previous_prompt_share']:>7.3f} "
+              f"{s['min_step_previous_prompt_and_output_share']:>6.3f} "
               f"{s['total_vs_chat']:>7.3f} {s['speedup_vs_chat_no_cache']:>10.3f}")
     harness.write_report(args.out, report)
 
