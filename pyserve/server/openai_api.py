@@ -252,8 +252,9 @@ def _params(req: SamplingFields, prompt_len: int, max_tokens: int | None, logpro
         raise BadRequest(f"the prompt has {prompt_len} tokens; the model's length is {max_model_len}",
                          param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
     if max_tokens is not None and max_tokens > room:
-        raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's length "
-                         f"({max_model_len})", param="max_tokens")
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise BadRequest(f"{field}: {max_tokens} tokens after a prompt of {prompt_len} exceed the model's length "
+                         f"({max_model_len})", param=field)
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,

@@ -226,6 +226,19 @@ def test_field_types_are_strict(server, path, body, param, expected):
     assert err["param"] == param and err["message"].startswith(f"{param}: ") and expected in err["message"]
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", CHAT | {"max_tokens": 100000}, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": None, "max_completion_tokens": 100000}, "max_completion_tokens"),
+    ("/v1/completions", COMPLETION | {"max_tokens": 100000}, "max_tokens"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+])
+def test_an_output_cap_past_the_models_length_names_the_field_sent(server, path, body, param):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: 100000 tokens after a prompt of "), err
+
+
 def test_integers_are_numbers(server):
     r = post(server, "/v1/completions", COMPLETION | {"temperature": 0, "top_p": 1, "presence_penalty": 0})
     assert r.status_code == 200, r.text
