@@ -8,6 +8,10 @@ tokens, at most (`tokens_to_close`). With `left` tokens to go:
   key, an escape) are left out; what remains never raises the cost.
 - left <= cost: closing. Only the phase's closing tokens remain, and each takes at least one off
   the cost (closing a string, writing the ":" and a value a key lacks, closing containers).
+Before any JSON is written (an output that is one JSON value), closing from the start costs a
+value that closes at once: a bracket and its match, a scalar, or a string's two quotes; so under
+12 tokens the first token opens nothing else. A number that is the whole output ends with it:
+in its last tokens nothing that opens a fraction or an exponent is allowed.
 Either applies only where the grammar's own mask allows one of the phase's closing tokens: where
 it wants more first (a required property not yet written), its mask stands, and an output whose
 budget is too small for what the schema requires is still cut at max_tokens. A
@@ -30,6 +34,7 @@ _WS = rb"[ \t\n\r]*"
 _CLOSERS = rb"[ \t\n\r\]}]*"
 _SCALAR = rb'(?:null|true|false|-?[0-9]+|"[^"\\]*")'
 PHASES = {
+    "start": _WS + rb"(?:[\[{]" + _CLOSERS + rb"|" + _SCALAR + _CLOSERS + rb'|")',  # no JSON written yet
     "close": _WS + rb"[\]}]" + _CLOSERS,  # after a value, or in a container just opened
     "string_end": rb'[^"\\]*"' + _CLOSERS,
     "key_end": rb'[^"\\]*"' + _WS + rb"(?::" + _WS + rb")?",
@@ -41,11 +46,12 @@ PHASES = {
 # Tokens closing takes from each phase at most, before the open containers' closing brackets
 # (None: no mask applies there, an escape or a literal to finish first; its cost bounds the
 # phases a guarded token may lead into).
-COST = {"close": 0, "string_end": 1, "key_end": 4, "colon": 3, "value": 2, "new_key": 5, "number_end": 0, None: 2}
+COST = {"start": 2, "number_top": 0, "close": 0, "string_end": 1, "key_end": 4, "colon": 3, "value": 2, "new_key": 5, "number_end": 0, None: 2}
 # Tokens that cannot open anything: no container, string, key or escape starts in them. After a
 # number's digits, only more digits: a "." or an "e" would open a part that needs its own.
 FLAT = rb'[^{\[",:\\]+'
 DIGITS = rb"[0-9]+"
+NUMBER_PART = rb"(?s:[0-9]*[.eE].*)"
 # How far ahead of closing the guard starts: a token the guard stops may raise the cost by more
 # than one (`{"a": [` opens a key, a value and two containers); one that raised it past this
 # before the guard began would still be cut at max_tokens.
@@ -58,9 +64,13 @@ END = 1
 def phase(track: JsonTrack) -> str | None:
     """What must come next to close the open JSON; None where no closing mask applies (an
     escape pending, a number part without digits yet, a literal half written)."""
+    if not track.begun and not track.text_around:
+        return "start"
     if track.in_string:
         return None if track.escaped else ("key_end" if track.is_key else "string_end")
     if track.number is not None:
+        if not track.stack and not track.text_around:
+            return "number_top" if track.digits else None
         return "number_end" if track.digits else None
     if track.literal and track.literal not in (b"true", b"false", b"null"):
         return None
@@ -76,8 +86,9 @@ def phase(track: JsonTrack) -> str | None:
 
 
 def tokens_to_close(track: JsonTrack, at: str | None) -> int:
-    """Tokens the output needs to end from phase `at`, at most (0 once no JSON is open)."""
-    if not track.stack:
+    """Tokens the output needs to end from phase `at`, at most (0 once no JSON is open: none
+    begun, it has a container, or a string at the top level, open)."""
+    if not track.stack and not track.in_string and at not in ("start", "number_top"):
         return 0
     return COST[at] + len(track.stack) + (TEXT_AFTER if track.text_around else 0) + END
 
@@ -97,6 +108,8 @@ class ClosingTokens:
         self.closing = {name: mask(pattern) for name, pattern in PHASES.items()}
         self.guarded = {name: m | flat for name, m in self.closing.items()}
         self.guarded["number_end"] = self.closing["number_end"] | mask(DIGITS)
+        # A number that is the whole output ends with it: what would open a part (".", "e") is left out.
+        self.number_parts = mask(NUMBER_PART)
 
 
 def hold_to_budget(track: JsonTrack, left: int, words: np.ndarray,
@@ -106,12 +119,15 @@ def hold_to_budget(track: JsonTrack, left: int, words: np.ndarray,
     within GUARD of that ("guard"); None where it left the mask as it was. `vocab_tokens` is
     called only then (its first call builds them)."""
     at = phase(track)
-    if not track.stack or at is None:
+    if at is None:
         return None
     cost = tokens_to_close(track, at)
-    if left > cost + GUARD:
+    if cost == 0 or left > cost + GUARD:
         return None
     tokens = vocab_tokens()
+    if at == "number_top":
+        words &= ~tokens.number_parts
+        return "guard"
     closing = words & tokens.closing[at]
     if not closing.any():  # the grammar wants more first (a required property): its mask stands
         return None

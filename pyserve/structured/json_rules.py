@@ -76,6 +76,7 @@ class JsonTrack:
     need_value: bool = False
     just_opened: bool = False
     literal: bytes = b""  # the letters of a true / false / null being written
+    begun: bool = False  # a byte of JSON written (json_close: what a budget too small to start one allows)
 
     @classmethod
     def start(cls, text_around: bool) -> JsonTrack:
@@ -85,7 +86,7 @@ class JsonTrack:
         stack = [None if keys is None else set(keys) for keys in self.stack]
         return JsonTrack(self.text_around, self.in_text, stack, self.expect_key, self.in_string, self.is_key,
                          self.escaped, bytearray(self.key), self.number, self.digits, self.after_key,
-                         self.need_value, self.just_opened, self.literal)
+                         self.need_value, self.just_opened, self.literal, self.begun)
 
     def feed(self, data: bytes) -> None:
         for c in data:
@@ -130,6 +131,7 @@ class JsonTrack:
         self.literal = b""
         if c in b" \t\n\r":
             return
+        self.begun = True
         self.just_opened = self.need_value = False
         if c in b"{[":
             self._open(c)

@@ -48,6 +48,12 @@ def test_phases_follow_what_must_come_next():
     assert phase(_track(b'{"a": nu')) is None  # a literal half written
     assert phase(_track(b'<tool_call>\n{"a": "x', text_around=True)) == "string_end"
     assert tokens_to_close(_track(b'<tool_call>\n{"a": "x', text_around=True), "string_end") == 1 + 1 + 8 + 1
+    # before any JSON: a value that closes at once, its two tokens and the end
+    assert phase(_track(b"")) == phase(_track(b" \n")) == "start" and tokens_to_close(_track(b""), "start") == 3
+    assert phase(_track(b"", text_around=True)) == "close" and tokens_to_close(_track(b"", text_around=True), "close") == 0
+    # a string at the top level: its quote and the end; once closed, nothing
+    assert phase(_track(b'"ab')) == "string_end" and tokens_to_close(_track(b'"ab'), "string_end") == 2
+    assert tokens_to_close(_track(b'"ab"'), phase(_track(b'"ab"'))) == 0
 
 
 def test_each_phase_allows_its_closing_tokens_only():
@@ -59,6 +65,7 @@ def test_each_phase_allows_its_closing_tokens_only():
     assert _allowed("value") == [b'"', b"null", b"true}", b"5", b"-12]", b'""', b'"a"', b"1}", b"0"]
     assert _allowed("new_key") == [b'"', b'"}', b'"]}', b'""', b'"a"', b'"ab": ', b'"k', b'"a']
     assert _allowed("number_end") == [b"}", b"]", b"}}", b" }", b"1}"]
+    assert _allowed("start") == [b'"', b"null", b"true}", b"5", b"-12]", b'""', b'"a"', b"{", b"[", b"1}", b"0"]
     assert set(PHASES) == set(CLOSING.closing)
     # the guard adds the tokens that open nothing; after digits, only digits
     assert set(_allowed("close", guarded=True)) - set(_allowed("close")) == {b"null", b"true}", b"5", b"-12]", b"x",
@@ -154,6 +161,20 @@ def test_open_objects_out_of_tokens_end_valid_with_length(llm, json_prompts, sch
             assert len(c.token_ids) <= max_tokens
             assert c.finish_reason in ("stop", "length") and (c.text != "{}" or c.finish_reason == "stop")
         assert sum(c.finish_reason == "length" for c in outs) >= 4  # these ran out and were closed
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(json_object=True), StructuredOutputsParams(json={}),
+                                  StructuredOutputsParams(json={"type": "string"})])
+def test_a_budget_of_a_few_tokens_still_ends_valid(llm, json_prompts, spec):
+    """Under 12 tokens the first one may open only what closes at once: `{`, `[`, a scalar, a
+    string's quote (a Qwen model answered `{"":` at 3 tokens and `"Hello! How` at 4)."""
+    for max_tokens in (3, 4, 6, 9):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=t, seed=i, structured_outputs=spec)
+                  for i, t in enumerate((0.0, 1.0, 1.0))]
+        for out in llm.generate(json_prompts[:4] * 3, params * 4, use_tqdm=False):
+            c = out.outputs[0]
+            json.loads(c.text)  # whole JSON, whichever way it finished
+            assert len(c.token_ids) <= max_tokens
 
 
 def test_json_the_model_ends_near_its_budget_stops(llm, json_prompts):
