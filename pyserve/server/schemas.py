@@ -319,12 +319,24 @@ class ChatCompletionRequest(SamplingFields):
             raise BadRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         if "parallel_tool_calls" in self.model_fields_set and self.tools is None:
             raise BadRequest("parallel_tool_calls: allowed only with tools", param="parallel_tool_calls")
+        # As OpenAI's: a tool message answers an earlier call, and an assistant message's calls
+        # are each answered by the tool messages right after it.
         called: set[str] = set()
-        for i, m in enumerate(self.messages):  # as OpenAI's: a tool message answers an earlier call
-            called.update(c.id for c in m.tool_calls or [])
-            if m.role == "tool" and m.tool_call_id not in called:
-                raise BadRequest(f"messages.{i}.tool_call_id: no earlier assistant message has a tool call "
-                                 f"with id {m.tool_call_id!r}", param=f"messages.{i}.tool_call_id")
+        unanswered: tuple[int, list[str]] | None = None  # the last calls' message, its ids not yet answered
+        for i, m in enumerate(self.messages):
+            if m.role != "tool" and unanswered is not None and unanswered[1]:
+                _raise_unanswered(*unanswered)
+            if m.tool_calls:
+                unanswered = (i, [c.id for c in m.tool_calls])
+                called.update(unanswered[1])
+            if m.role == "tool":
+                if m.tool_call_id not in called:
+                    raise BadRequest(f"messages.{i}.tool_call_id: no earlier assistant message has a tool call "
+                                     f"with id {m.tool_call_id!r}", param=f"messages.{i}.tool_call_id")
+                if unanswered is not None and m.tool_call_id in unanswered[1]:
+                    unanswered[1].remove(m.tool_call_id)
+        if unanswered is not None and unanswered[1]:
+            _raise_unanswered(*unanswered)
 
     def num_logprobs(self) -> int | None:
         """The alternatives per token the response lists; None: no logprobs."""
@@ -335,6 +347,12 @@ class ChatCompletionRequest(SamplingFields):
     def with_logprobs(self) -> ChatCompletionRequest:
         """This request, its tokens' logprobs asked for (a cascade reads the small answer's)."""
         return self if self.logprobs else self.model_copy(update={"logprobs": True})
+
+
+def _raise_unanswered(index: int, ids: list[str]) -> None:
+    raise BadRequest(f"messages.{index}.tool_calls: an assistant message's tool calls must each be answered by a "
+                     f"tool message after it; none answers {', '.join(map(repr, ids))}",
+                     param=f"messages.{index}.tool_calls")
 
 
 class CompletionRequest(SamplingFields):

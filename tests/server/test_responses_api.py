@@ -217,6 +217,8 @@ def test_a_stored_response_survives_a_restart(tmp_path):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", None),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "c9"),
+    ({"input": [{"type": "function_call", "call_id": "c7", "name": "add", "arguments": "{}"},
+                {"role": "user", "content": "and?"}]}, "input", "'c7'"),  # a call without its output
     ({"max_output_tokens": 0}, "max_output_tokens", None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format", None),
 ])

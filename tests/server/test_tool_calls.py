@@ -236,6 +236,11 @@ def test_legacy_functions(client):
     assert again.choices[0].finish_reason in ("stop", "length", "function_call")
 
 
+CALLS = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -250,6 +255,10 @@ def test_legacy_functions(client):
     ({"tools": []}, "tools"),
     ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages.1"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}]}, "messages.1.tool_call_id"),
+    ({"messages": [*ASK, CALLS, *ASK]}, "messages.1.tool_calls"),  # OpenAI's: every call answered
+    ({"messages": [*ASK, CALLS, {"role": "tool", "tool_call_id": "call_0", "content": "18 C"}, *ASK]},
+     "messages.1.tool_calls"),
+    ({"messages": [*ASK, CALLS, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]}, "messages.1.tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"m": {"type": "object", "additionalProperties": True}}}}}]}, "tools"),
