@@ -46,7 +46,8 @@ PHASES = {
 # Tokens closing takes from each phase at most, before the open containers' closing brackets
 # (None: no mask applies there, an escape or a literal to finish first; its cost bounds the
 # phases a guarded token may lead into).
-COST = {"start": 2, "number_top": 0, "close": 0, "string_end": 1, "key_end": 4, "colon": 3, "value": 2, "new_key": 5, "number_end": 0, None: 2}
+COST = {"start": 2, "number_top": 0, "close": 0, "string_end": 1, "key_end": 4, "colon": 3, "value": 2, "new_key": 5,
+        "number_end": 0, None: 2}
 # Tokens that cannot open anything: no container, string, key or escape starts in them. After a
 # number's digits, only more digits: a "." or an "e" would open a part that needs its own.
 FLAT = rb'[^{\[",:\\]+'
@@ -86,8 +87,8 @@ def phase(track: JsonTrack) -> str | None:
 
 
 def tokens_to_close(track: JsonTrack, at: str | None) -> int:
-    """Tokens the output needs to end from phase `at`, at most (0 once no JSON is open: none
-    begun, it has a container, or a string at the top level, open)."""
+    """Tokens the output needs to end from phase `at`, at most: 0 where nothing is open (once
+    the JSON has begun, no container, and no string or number as the whole output)."""
     if not track.stack and not track.in_string and at not in ("start", "number_top"):
         return 0
     return COST[at] + len(track.stack) + (TEXT_AFTER if track.text_around else 0) + END
