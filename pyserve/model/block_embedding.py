@@ -13,11 +13,12 @@ from pyserve.model.gguf.blocks import fan_in, widened
 
 
 class BlockEmbedding(nn.Module):
-    """`blocks` [num_embeddings, row bytes] uint8 of GGUF type `kind`."""
+    """`blocks` [num_embeddings, row bytes] uint8 of GGUF type `kind`; rows are looked up as `dtype`
+    (the model's)."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str):
+    def __init__(self, blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.kind = kind
+        self.kind, self.dtype = kind, dtype
         self.num_embeddings, self.embedding_dim = blocks.shape[0], fan_in(kind, blocks.shape[1])
         self.register_buffer("blocks", blocks.contiguous())
         self.view = (self.blocks.numpy(), kind)  # as `_core.model_forward` takes an embedding
@@ -32,4 +33,5 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, input_ids.reshape(-1))  # IndexError for an id out of range
-        return torch.from_numpy(widened(rows.numpy(), self.kind, 1)).reshape(*input_ids.shape, self.embedding_dim)
+        out = torch.from_numpy(widened(rows.numpy(), self.kind, 1)).reshape(*input_ids.shape, self.embedding_dim)
+        return out.to(self.dtype)

@@ -133,7 +133,7 @@ def load_model(
         module = model.get_submodule(owner) if f"{owner}.weight" in params else None
         parent, _, child = owner.rpartition(".")
         if isinstance(module, nn.Embedding) and hasattr(quantized, "embedding"):  # a GGUF table in its blocks
-            setattr(model.get_submodule(parent), child, quantized.embedding(tensors["weight"], module))
+            setattr(model.get_submodule(parent), child, quantized.embedding(tensors["weight"], module, dtype))
         elif isinstance(module, nn.Linear):
             setattr(model.get_submodule(parent), child, quantized.layer(owner, tensors, module, dtype, device))
         else:

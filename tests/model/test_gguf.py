@@ -83,6 +83,24 @@ def test_block_formats_become_layers_holding_the_files_weights(tiny, tmp_path, k
             assert torch.equal(converted.dequantized(), file_weight)
 
 
+@pytest.mark.parametrize("dtype, torch_dtype", [("half", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_a_quantized_file_serves_in_half_precision(tmp_path, dtype, torch_dtype):
+    """dtype half or bfloat16 (vLLM's keywords): the table in its blocks looks rows up in that
+    dtype, so the layers and the KV cache get it (rows in f32 killed the engine at its first step)."""
+    hf_dir = build_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
+    gguf = gguf_from_hf(hf_dir, tmp_path / "q8.gguf", projections="Q8_0")
+    cfg = load_config(gguf)
+    gguf = _with_tensor(gguf, tmp_path / "m.gguf", "token_embd.weight", "Q4_K", _blocks("Q4_K", cfg.vocab_size, 256))
+    half = load_model(gguf, cfg, torch_dtype, torch.device("cpu"), 64, gguf_dequantize=False)
+    wide = load_model(gguf, cfg, torch.float32, torch.device("cpu"), 64, gguf_dequantize=True)
+    ids = torch.tensor([[0, 7], [cfg.vocab_size - 1, 7]])
+    assert torch.equal(half.model.embed_tokens(ids), wide.model.embed_tokens(ids).to(torch_dtype))
+    prompt = load_tokenizer(gguf).encode(TEXT)
+    with LLM(model=str(gguf), dtype=dtype) as llm:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == GREEDY.max_tokens and out.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
 def test_a_quantized_embedding_stays_in_its_blocks_and_looks_up_the_widened_rows(tmp_path, kind):
     """On a CPU the table is the file's blocks (a BlockEmbedding): each looked-up row is gguf's

@@ -108,13 +108,14 @@ class GgufWeights:
     def owns(self, name: str, tensor: torch.Tensor) -> bool:
         return name in self.types or (name == "model.embed_tokens.weight" and self.embedding_kind is not None)
 
-    def embedding(self, blocks: torch.Tensor, table: nn.Embedding) -> BlockEmbedding:
-        """The embedding `table` stands for, over its blocks as the file holds them."""
+    def embedding(self, blocks: torch.Tensor, table: nn.Embedding, dtype: torch.dtype) -> BlockEmbedding:
+        """The embedding `table` stands for, over its blocks as the file holds them, its rows
+        looked up as `dtype`."""
         kind, dim = self.embedding_kind, table.embedding_dim
         if tuple(blocks.shape) != (table.num_embeddings, row_bytes(kind, dim)):
             raise WeightsError(f"GGUF token_embd.weight ({kind}) has {tuple(blocks.shape)} bytes, the config "
                                f"implies {(table.num_embeddings, row_bytes(kind, dim))}")
-        return BlockEmbedding(blocks, kind)
+        return BlockEmbedding(blocks, kind, dtype)
 
     def layer(self, module_name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, dtype: torch.dtype,
               device: torch.device) -> nn.Module:
