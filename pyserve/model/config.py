@@ -122,7 +122,14 @@ class ModelConfig:
         return max_model_len or min(self.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
     def check_context(self, max_model_len: int) -> None:
-        """Refuses a served context the model cannot attend over exactly."""
+        """Refuses a served context the model cannot attend over exactly, or was not trained for
+        (past its positions, as vLLM refuses; linear RoPE scaling stretches them by its factor)."""
+        trained = int(self.max_position_embeddings * (self.rope.factor if self.rope.rope_type == "linear" else 1))
+        if max_model_len > trained:
+            raise UnsupportedModelError(
+                f"max_model_len {max_model_len} is longer than the model's context of {trained} tokens "
+                "(max_position_embeddings in its config): positions past it were never trained"
+            )
         if self.sliding_window is not None and self.sliding_window < max_model_len:
             raise UnsupportedModelError(
                 f"sliding_window {self.sliding_window} is shorter than max_model_len {max_model_len}; "

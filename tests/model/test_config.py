@@ -75,6 +75,15 @@ def test_mistral_sliding_window_shorter_than_context_is_refused(model_dirs, tmp_
         LLM(str(dst), **POOL, max_model_len=65)
 
 
+def test_a_context_longer_than_the_models_is_refused_naming_both(model_dirs, tmp_path):
+    with pytest.raises(UnsupportedModelError, match="max_model_len 513 is longer than the model's context of 512"):
+        LLM(str(model_dirs["llama"]), **POOL, max_model_len=513)
+    dst = copy_model(model_dirs["llama"], tmp_path / "m")
+    edit_config(dst, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with LLM(str(dst), **POOL, max_model_len=1024) as llm:  # linear scaling stretches the positions
+        assert llm.engine.max_model_len == 1024
+
+
 def test_mistral_sliding_window_covering_the_context_loads(model_dirs, tmp_path):
     dst = copy_model(model_dirs["mistral"], tmp_path / "m")
     edit_config(dst, sliding_window=512)
