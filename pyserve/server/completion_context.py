@@ -28,6 +28,7 @@ from pyserve.server.state import ServerState
 from pyserve.server.text_body import TextBody
 
 log = structlog.get_logger("pyserve.server")
+REQUEST_ID_HEADER = "x-pyserve-request-id"  # the id of the request's `request_finished` log line
 
 
 class CompletionContext:
@@ -67,7 +68,7 @@ class CompletionContext:
         """The response's pyserve headers: the id its log lines carry (`request_finished`'s
         request_id; the Responses API passes it on under its own ids), the cache's answer, the
         prompt budget's policy."""
-        out = {"x-pyserve-request-id": self.id}
+        out = {REQUEST_ID_HEADER: self.id}
         if self.cache_status is not None:
             out["x-pyserve-cache"] = self.cache_status
         if self.diet is not None:

@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from pyserve.http.responses import json_response
 from pyserve.model_choice.classifier import RouteClassifier
+from pyserve.server.completion_context import REQUEST_ID_HEADER
 from pyserve.server.completion_result import CompletionResult
 from pyserve.server.models import ModelTable, RouteSpec, ServedModel
 from pyserve.server.replay import replayed
@@ -170,7 +171,7 @@ async def serve_decided(route: RouteSpec, models: ModelTable, req, text: Callabl
         response.headers["x-pyserve-small-completion-tokens"] = str(first.completion_tokens)
         return _named(response, large.name)
     body = first.body if req.num_logprobs() is not None else first.without_logprobs()
-    headers = {MODEL_HEADER: small.name, "x-pyserve-escalated": "no"}
+    headers = {MODEL_HEADER: small.name, "x-pyserve-escalated": "no", REQUEST_ID_HEADER: first.body["id"]}
     if req.stream:
         return replayed(body, req.wants_usage(), stream_timeout, headers)
     return json_response(body, headers=headers)

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,7 +27,7 @@ from pyserve.http.responses import json_body, json_response
 from pyserve.server.body import check_token_ids, validate
 from pyserve.server.chat_cache import HEADER, CachePlan, hit_body
 from pyserve.server.chat_body import ChatBody
-from pyserve.server.completion_context import CompletionContext
+from pyserve.server.completion_context import REQUEST_ID_HEADER, CompletionContext
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.http.errors import BadRequest, NotFound, TooManyRequests, Unavailable
 from pyserve.server.decision import serve_decided
@@ -39,6 +40,8 @@ from pyserve.tools.formats import FORMATS, ToolFormat, detect
 from pyserve.server.replay import replayed
 from pyserve.server.text_body import TextBody
 
+
+log = structlog.get_logger("pyserve.server")
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
@@ -158,7 +161,11 @@ def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:
 
 def _cache_hit(state: ServerState, req: ChatCompletionRequest, model: ServedModel, entry) -> Response:
     """A stored answer, as one body or replayed as SSE."""
-    body, headers = hit_body(entry, req.model, model.fingerprint), {HEADER: "hit"}
+    body = hit_body(entry, req.model, model.fingerprint)
+    headers = {HEADER: "hit", REQUEST_ID_HEADER: body["id"]}
+    state.metrics.outcomes.inc(outcome="cache_hit", model=model.name)
+    log.info("request_finished", request_id=body["id"], outcome="cache_hit", model=req.model,
+             prompt_tokens=body["usage"]["prompt_tokens"], completion_tokens=body["usage"]["completion_tokens"])
     if req.stream:
         return replayed(body, req.wants_usage(), state.settings.stream_timeout, headers)
     return json_response(body, headers=headers)

@@ -72,10 +72,12 @@ async def test_a_cascade_keeps_a_confident_small_answer_and_escalates_the_rest(m
         _, large = await _chat(http, "large", OTHER)
         headers, kept = await _chat(http, "keep", OTHER)
         assert (kept.model, headers["x-pyserve-escalated"]) == ("small", "no")
+        assert headers["x-pyserve-request-id"] == kept.id  # the small model's request, as logged
         assert kept.choices[0].message.content == small.choices[0].message.content
         assert kept.choices[0].logprobs is None  # asked for internally, not by the client
         headers, up = await _chat(http, "escalate", OTHER)
         assert (up.model, headers["x-pyserve-escalated"], headers["x-pyserve-model"]) == ("large", "yes", "large")
+        assert headers["x-pyserve-request-id"] == up.id
         assert (headers["x-pyserve-small-prompt-tokens"], headers["x-pyserve-small-completion-tokens"]) == (
             str(small.usage.prompt_tokens), str(small.usage.completion_tokens))
         assert up.usage.completion_tokens == large.usage.completion_tokens

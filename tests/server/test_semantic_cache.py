@@ -103,6 +103,7 @@ async def test_a_streamed_hit_is_replayed_as_sse(served):
                                                               max_tokens=8, temperature=0, stream=True,
                                                               stream_options={"include_usage": True})
     assert r.headers["x-pyserve-cache"] == "hit"
+    assert r.headers["x-pyserve-request-id"].startswith("chatcmpl-")  # the hit's own id, as its log line's
     chunks = [c async for c in r.parse()]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == first.choices[0].message.content
