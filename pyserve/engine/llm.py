@@ -117,18 +117,23 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         max_prompt_tokens: int | None = None,
         prompt_policy: str = "turns",
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates. `tools`
         (OpenAI's / Hugging Face's {"type": "function", "function": {...}} entries) go to the
         template, as in vLLM; reading calls out of the text is the caller's (pyserve.tools).
         `max_prompt_tokens`: each conversation is fitted to this budget by `prompt_policy`
         (pyserve.prompt_budget: older turns dropped whole); an output's prompt_token_ids are
-        the prompt it was given."""
+        the prompt it was given. `continue_final_message` (with add_generation_prompt False):
+        each conversation's last message, an assistant's, is continued; `chat_template_kwargs`:
+        more variables for the template (vLLM's keywords)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.tokenizer
 
         def prompt_of(conv: list[dict[str, Any]]) -> list[int]:
-            return tok.chat_prompt(conv, add_generation_prompt, tools=tools)
+            return tok.chat_prompt(conv, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+                                   template_kwargs=chat_template_kwargs)
 
         if max_prompt_tokens is None:
             prompts = [prompt_of(conv) for conv in conversations]

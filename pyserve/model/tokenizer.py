@@ -141,12 +141,20 @@ class Tokenizer:
         return self.inner.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            template: str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+                            template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Renders `messages` (and `tools`, Hugging Face's convention: a list of
         {"type": "function", "function": {...}}) with the model's template, or with `template` (a request's own), in
         a sandbox (no attribute escapes, no mutation, bounded ranges, repetitions and output);
         a template that fails is a ChatTemplateError. NOTE: the sandbox bounds each operation,
-        not the number of loop iterations: run untrusted templates under a deadline."""
+        not the number of loop iterations: run untrusted templates under a deadline.
+        `continue_final_message`: the text ends right after the last message's (an assistant's),
+        for the model to continue it; `template_kwargs`: more variables for the template (as
+        Hugging Face's `**kwargs`, e.g. Qwen3's `enable_thinking`)."""
+        if continue_final_message:
+            check_continuable(messages, add_generation_prompt)
+        check_template_kwargs(template_kwargs or {})
         source = self.chat_template if template is None else template
         if not source:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
@@ -160,13 +168,15 @@ class Tokenizer:
                 if template is None:  # the model's template is compiled once
                     self._compiled_template = (source, compiled)
             pieces, size = [], 0
-            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            for piece in compiled.generate(**(template_kwargs or {}), messages=messages,
+                                           add_generation_prompt=add_generation_prompt, tools=tools,
                                            bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
                     raise ChatTemplateError(f"chat template output exceeds {MAX_RENDERED_CHARS} characters")
                 pieces.append(piece)
-            return "".join(pieces)
+            text = "".join(pieces)
+            return _continued(text, messages[-1]["content"]) if continue_final_message else text
         except ChatTemplateError:
             raise
         except SecurityError as e:
@@ -177,11 +187,44 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt a chat becomes: apply_chat_template's text, encoded without special tokens
         (the template writes its own)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, template, tools),
-                           add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, template, tools, continue_final_message,
+                                        template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+# The variables a template is rendered with; a request's own template variables may not set them.
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    taken = sorted(set(kwargs) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the request's own fields)")
+
+
+def check_continuable(messages: list[dict[str, Any]], add_generation_prompt: bool) -> None:
+    """Refuses what continue_final_message cannot continue: a ValueError naming the field."""
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: not with add_generation_prompt (set it to false)")
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or not last["content"].strip():
+        raise ValueError("continue_final_message: the last message must be an assistant's, with text to continue")
+
+
+def _continued(rendered: str, final: str) -> str:
+    """`rendered` cut right after the final message's text (its whitespace kept where the template
+    kept it), so that the model continues it instead of starting a new turn."""
+    core = final.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the last message's text")
+    end = at + len(core)
+    tail = final[len(final.rstrip()):]
+    return rendered[:end + len(tail)] if rendered.startswith(tail, end) else rendered[:end]
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

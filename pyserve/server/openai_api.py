@@ -105,7 +105,8 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
     budget = _prompt_budget(model, req)
 
     def prompt_of(messages: list[dict]) -> list[int]:
-        return tok.chat_prompt(messages, req.add_generation_prompt, req.chat_template, plan.template_tools)
+        return tok.chat_prompt(messages, req.add_generation_prompt, req.chat_template, plan.template_tools,
+                               req.continue_final_message, req.chat_template_kwargs)
 
     def count(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))

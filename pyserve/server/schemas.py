@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pyserve.http.errors import BadRequest
+from pyserve.model.tokenizer import check_continuable, check_template_kwargs
 from pyserve.prompt_budget import POLICIES
 from pyserve.step.sampling_params import BOUNDS, LOGIT_BIAS, MAX_LOGIT_BIAS, TOKEN_ID, Bounds
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
@@ -32,11 +33,11 @@ NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prom
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "prompt_logprobs": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "logits_processors": (None, []), "continue_final_message": (None, False),
+    "logits_processors": (None, []),
     "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "guided_whitespace_pattern": (None,),
-    "documents": (None,), "mm_processor_kwargs": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None,), "mm_processor_kwargs": (None,),
     "add_special_tokens": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
     "structural_tag": (None,),
 }
@@ -302,6 +303,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, bounded("logprobs")] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
     chat_template: Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE)] | None = None
     tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # [] refused, as OpenAI
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -319,6 +322,15 @@ class ChatCompletionRequest(SamplingFields):
             raise BadRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         if "parallel_tool_calls" in self.model_fields_set and self.tools is None:
             raise BadRequest("parallel_tool_calls: allowed only with tools", param="parallel_tool_calls")
+        try:
+            if self.continue_final_message:
+                check_continuable(self.template_messages(), self.add_generation_prompt)
+        except ValueError as e:
+            raise BadRequest(str(e), param="continue_final_message") from e
+        try:
+            check_template_kwargs(self.chat_template_kwargs or {})
+        except ValueError as e:
+            raise BadRequest(str(e), param="chat_template_kwargs") from e
         # As OpenAI's: a tool message answers an earlier call, and an assistant message's calls
         # are each answered by the tool messages right after it.
         called: set[str] = set()

@@ -122,8 +122,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or []
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value))
         for name, bounds in BOUNDS.items():
             value = getattr(self, name)
             if value is not None or name not in NONE_MEANS_OFF:

@@ -59,6 +59,30 @@ def test_chat_template_renders_the_conversation(tokenizer):
     assert tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False) == RENDERED
 
 
+def test_continue_final_message_ends_the_text_inside_the_assistants_message(tokenizer):
+    started = [*CONVERSATION, {"role": "assistant", "content": "Hello, wor"}]
+    text = tokenizer.apply_chat_template(started, add_generation_prompt=False, continue_final_message=True)
+    assert text == tokenizer.apply_chat_template(started, add_generation_prompt=False).removesuffix("<|end|>")
+    assert text.endswith("<|assistant|>Hello, wor")
+    spaced = [*CONVERSATION, {"role": "assistant", "content": "  def f(x): "}]  # the template keeps the spaces
+    assert tokenizer.apply_chat_template(spaced, False, continue_final_message=True).endswith("|>  def f(x): ")
+    for messages, add, words in ((started, True, "add_generation_prompt"), (CONVERSATION, False, "assistant's"),
+                                 ([*CONVERSATION, {"role": "assistant", "content": " "}], False, "with text")):
+        with pytest.raises(ValueError, match=f"^continue_final_message: .*{words}"):
+            tokenizer.apply_chat_template(messages, add, continue_final_message=True)
+    dropped = with_template(tokenizer, "{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="does not write the last message's text"):
+        dropped.apply_chat_template(started, False, continue_final_message=True)
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
+    tok = with_template(tokenizer, "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}")
+    assert tok.apply_chat_template(CONVERSATION[:1], template_kwargs={"enable_thinking": True}).startswith("<think>")
+    assert not tok.apply_chat_template(CONVERSATION[:1]).startswith("<think>")
+    with pytest.raises(ValueError, match="^chat_template_kwargs: messages, tools cannot be set"):
+        tok.apply_chat_template(CONVERSATION[:1], template_kwargs={"tools": [], "messages": []})
+
+
 def test_named_templates_use_the_default_one(tmp_path):
     build_tokenizer(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from pyserve.embeddings.packaged import NAME as PACKAGED_EMBEDDING_MODEL
+from pyserve.model.tokenizer import Tokenizer
 from pyserve.testing import scrape_metrics, start_server, stop_server
 
 KEY = "test-key-123"
@@ -237,6 +238,24 @@ def test_an_output_cap_past_the_models_length_names_the_field_sent(server, path,
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(f"{param}: 100000 tokens after a prompt of "), err
+
+
+def test_continue_final_message_continues_the_assistants_text(server, model_dirs):
+    """vLLM's fields: the last (assistant) message is continued, the template's end of its turn
+    left out; its variables from chat_template_kwargs; each refused naming itself where it cannot be."""
+    tok = Tokenizer.from_dir(model_dirs["llama"])
+    messages = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return"}]
+    body = CHAT | {"messages": messages, "max_tokens": 4, "temperature": 0}
+    r = post(server, "/v1/chat/completions", body | {"continue_final_message": True, "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    prompt = tok.chat_prompt(messages, False, continue_final_message=True)
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt) == len(tok.chat_prompt(messages, False)) - 1  # no <|end|>
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        r = post(server, "/v1/chat/completions", body | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/v1/chat/completions", body | {"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text  # a variable the template does not read changes nothing
 
 
 def test_integers_are_numbers(server):

@@ -16,10 +16,10 @@ from pyserve.testing import start_server, stop_server
 REFUSED_VALUES = {
     "suffix": "tail", "prompt_logprobs": 1, "use_beam_search": True, "length_penalty": 0.5,
     "allowed_token_ids": [5, 6], "bad_words": ["x"], "logits_processors": ["m.f"],
-    "continue_final_message": True, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
+    "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
     "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "alloy"}, "modalities": ["audio"],
     "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "guided_whitespace_pattern": " ",
-    "documents": [{"text": "x"}], "mm_processor_kwargs": {"a": 1}, "chat_template_kwargs": {"x": 1},
+    "documents": [{"text": "x"}], "mm_processor_kwargs": {"a": 1},
     "add_special_tokens": True, "kv_transfer_params": {}, "vllm_xargs": {"a": 1}, "structural_tag": "{}",
 }
 NO_EFFECT_VALUES = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",

@@ -29,6 +29,8 @@ from pyserve.step.sampling_params import GREEDY_BELOW, is_greedy
     ("repetition_penalty", dict(repetition_penalty=0)),
     ("stop", dict(stop=[""])),
     ("stop", dict(stop=["ok", 3])),
+    ("stop", dict(stop=5)),
+    ("stop_token_ids", dict(stop_token_ids=7)),
     ("stop_token_ids", dict(stop_token_ids=[-1])),
     ("stop_token_ids", dict(stop_token_ids=[2**31])),
     ("seed", dict(seed=1.5)),
