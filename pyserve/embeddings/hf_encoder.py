@@ -43,6 +43,9 @@ class HFEncoder:
         self.vocab_size = cfg.vocab_size
         limit = getattr(cfg, "max_position_embeddings", None) or 512
         self.max_input_tokens = min(limit, self._tokenizer.model_max_length or limit)
+        # Inputs are measured whole and refused past max_input_tokens (a 400 naming them): the
+        # tokenizer's own warning for each long one would only be noise in the server's log.
+        self._tokenizer.model_max_length = int(1e30)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self._tokenizer(t, add_special_tokens=True, truncation=False)["input_ids"] for t in texts]

@@ -37,3 +37,11 @@ def test_vectors_equal_the_transformers_reference(minilm):
     assert got.shape == (len(TEXTS), 384)
     assert np.abs(got - want).max() <= 1e-5
     assert float(got[0] @ got[3]) > float(got[0] @ got[1])  # the paraphrase is nearer than the other topic
+
+
+def test_a_long_input_is_measured_whole_without_the_tokenizers_warning(minilm, caplog):
+    encoder = load_encoder(str(minilm))
+    with caplog.at_level("WARNING"):
+        (ids,) = encoder.tokenize(["word " * 600])
+    assert len(ids) == 602 > encoder.max_input_tokens == 512  # the server refuses it, naming `input`
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]
