@@ -110,12 +110,14 @@ def _served_models(args: argparse.Namespace) -> dict:
 
 def _read_config(config):
     """The config's model read as its engine will read it, without torch (whose import takes
-    seconds): a missing path, an unreadable file or an unsupported architecture ends the load
-    with its message at once."""
+    seconds): a missing path, an unreadable file, an unsupported architecture or a context the
+    model cannot serve ends the load with its message at once."""
     from pyserve.model.checkpoint import load_config
     from pyserve.model.hub import fetch_model
 
-    return load_config(fetch_model(config.model, config.revision, config.gguf_file))
+    cfg = load_config(fetch_model(config.model, config.revision, config.gguf_file))
+    cfg.check_context(cfg.served_length(config.max_model_len))
+    return cfg
 
 
 def _download(config):

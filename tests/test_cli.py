@@ -71,13 +71,13 @@ def test_bad_addresses_sizes_and_combinations_are_refused_before_anything_loads(
         main(["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / "out.jsonl")])
 
 
-def _serve(model_dir, workdir, python_flags=()):
+def _serve(model_dir, workdir, python_flags=(), extra=()):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = (workdir / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, *python_flags, "-m", "pyserve.cli", "serve", str(model_dir), "--port",
-                             str(port), "--num-kv-blocks", "64", "--block-size", "4"], stdout=log,
+                             str(port), "--num-kv-blocks", "64", "--block-size", "4", *extra], stdout=log,
                             stderr=subprocess.STDOUT, cwd=workdir)
     return proc, f"http://127.0.0.1:{port}", workdir / "serve.log"
 
@@ -134,3 +134,12 @@ def test_a_file_that_cannot_be_served_fails_before_torch_is_imported(tmp_path):
     assert "the model failed to load: WeightsError" in log and "is not a readable GGUF file" in log
     imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
     assert "pyserve.server.app" in imported and "torch" not in imported
+
+
+def test_a_context_past_the_models_fails_before_torch_is_imported(llama_dir, tmp_path):
+    proc, _, log_path = _serve(llama_dir, tmp_path, python_flags=("-X", "importtime"), extra=("--max-model-len", "100000"))
+    assert proc.wait(timeout=120) == 1
+    log = log_path.read_text()
+    assert "max_model_len 100000 is longer than the model's context of 512 tokens" in log
+    imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
+    assert "torch" not in imported
