@@ -16,7 +16,7 @@ class BlockEmbedding(nn.Module):
     """`blocks` [num_embeddings, row bytes] uint8 of GGUF type `kind`; rows are looked up as `dtype`
     (the model's)."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, blocks: torch.Tensor, kind: str, dtype: torch.dtype):
         super().__init__()
         self.kind, self.dtype = kind, dtype
         self.num_embeddings, self.embedding_dim = blocks.shape[0], fan_in(kind, blocks.shape[1])
