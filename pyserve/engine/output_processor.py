@@ -30,6 +30,7 @@ class StreamDelta:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # the stop string or token that ended it (vLLM's field)
 
 
 class ClientTooSlow(RuntimeError):
@@ -236,7 +237,7 @@ class OutputProcessor(Actor):
             del self._samples[delta.internal_id]
         stream = sample.stream
         if stream.streaming:
-            return self._publish(stream, StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason), aborts) \
+            return self._publish(stream, StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason, c.stop_reason), aborts) \
                 and finish is not None
         return finish is not None
 

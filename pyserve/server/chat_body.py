@@ -37,9 +37,10 @@ class ChatBody:
             finish = calls.finish_reason(d.finish_reason, has_calls)
             if delta == {} and not finish and lp is None:
                 return None
-            return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": d.stop_reason}
         delta = {"content": d.text} if d.text or not d.finish_reason else {}
-        return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason}
 
     def choice(self, i: int, output, c, idx: int) -> dict:
         message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
@@ -49,7 +50,8 @@ class ChatBody:
             finish = calls.finish_reason(finish, "tool_calls" in message or "function_call" in message)
         lp = None if c.logprobs is None else self.logprobs(c.token_ids, c.logprobs)
         # OpenAI's message always has a refusal; this server never refuses
-        return {"index": idx, "message": message | {"refusal": None}, "logprobs": lp, "finish_reason": finish}
+        return {"index": idx, "message": message | {"refusal": None}, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason}
 
     def logprobs(self, token_ids: list[int], entries) -> dict:
         tokenizer = self.tokenizer

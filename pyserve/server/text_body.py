@@ -29,13 +29,15 @@ class TextBody:
         if d.logprobs is not None:
             lp = self.logprobs(d.token_ids, d.logprobs, offset=self._streamed_chars.get(idx, 0))
             self._streamed_chars[idx] = self._streamed_chars.get(idx, 0) + sum(map(len, lp["tokens"]))
-        return {"index": idx, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"index": idx, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason}
 
     def choice(self, i: int, output, c, idx: int) -> dict:
         if self.echo is not None:
             return self._echoed(i, output, c, idx)
         lp = None if c.logprobs is None else self.logprobs(c.token_ids, c.logprobs)
-        return {"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        return {"index": idx, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
     def logprobs(self, token_ids: list[int], entries, offset: int = 0) -> dict:
         """`offset`: the characters of the choice's text before these tokens."""
@@ -67,4 +69,5 @@ class TextBody:
                 tail = self.logprobs(tokens, c.logprobs, offset=sum(len(t) for t in lp["tokens"]))
                 lp = {k: lp[k] + tail[k] for k in lp}
         finish = "length" if self.echo_only else c.finish_reason
-        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
+        return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": None if self.echo_only else c.stop_reason}

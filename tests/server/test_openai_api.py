@@ -258,6 +258,27 @@ def test_continue_final_message_continues_the_assistants_text(server, model_dirs
     assert r.status_code == 200, r.text  # a variable the template does not read changes nothing
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(server):
+    """vLLM's `stop_reason`: the stop string (or stop token id) that ended it; None at EOS or max_tokens."""
+    body = COMPLETION | {"prompt": "def f(x):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = post(server, "/v1/completions", body).json()["choices"][0]
+    assert (free["finish_reason"], free["stop_reason"]) == ("length", None)
+    text = free["text"]  # a random model's: the first character after the first that the text has once there
+    at = next(i for i, ch in enumerate(text) if i > 0 and ch.strip() and ch != "\ufffd" and text.index(ch) == i)
+    stop = text[at]
+    chat = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "def f(x):"}]}
+    for path, sent in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        r = post(server, path, sent | {"stop": [stop]})
+        choice = r.json()["choices"][0]
+        if path == "/v1/completions":
+            assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (text[:at], "stop", stop)
+        elif choice["finish_reason"] == "stop":
+            assert choice["stop_reason"] == stop
+        chunks = _sse(post(server, path, sent | {"stop": [stop], "stream": True}))
+        last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
+        assert last["stop_reason"] == choice["stop_reason"]
+
+
 def test_integers_are_numbers(server):
     r = post(server, "/v1/completions", COMPLETION | {"temperature": 0, "top_p": 1, "presence_penalty": 0})
     assert r.status_code == 200, r.text
