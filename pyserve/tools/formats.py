@@ -69,20 +69,23 @@ class ToolFormat:
         opening = f'<[{special[self.open]}]> "\\n"' if self.open in special else json.dumps(self.open + "\n")
         closing = f'"\\n" <[{special[self.close]}]>' if self.close in special else json.dumps("\n" + self.close)
         more = f'("\\n" {opening} call_rest){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        # The calls may end with a newline, as Qwen2.5 ends them (`</tool_call>\n`, then its end
+        # of text): a newline that had to open another call made it write calls until max_tokens.
+        calls = f'{opening} call_rest {more} "\\n"?'
         lines = [f"call_rest: ({one}) {closing}"]
         plain = re.escape(self.open).replace("/", "\\/")
         no_opening = f"PLAIN: /(?s:.*)/ & ~/(?s:.*{plain}.*)/"  # text never spells a call's opening out
         if free_text and self.open in special:
             # The opening token ends the text: a special token is no bytes of any text.
-            lines += [f"start: TEXT | TEXT? {opening} call_rest {more}", no_opening, "TEXT: PLAIN"]
+            lines += [f"start: TEXT | TEXT? {calls}", no_opening, "TEXT: PLAIN"]
         elif free_text:
             # Text, and text with a call's opening after it, are one lexeme each, both started at
             # the text's first byte: the lexer follows the two, so text may hold any prefix of the
             # opening, and the opening is where the text ends.
-            lines += [f"start: TEXT | TEXT_OPEN call_rest {more}", no_opening, "TEXT: PLAIN",
+            lines += [f'start: TEXT | TEXT_OPEN call_rest {more} "\\n"?', no_opening, "TEXT: PLAIN",
                       f"TEXT_OPEN: PLAIN {opening}"]
         else:
-            lines.append(f"start: {opening} call_rest {more}")
+            lines.append(f"start: {calls}")
         return "\n".join([*lines, *rules])
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import llguidance
 import openai
 import pytest
 
 from pyserve import LLM
 from pyserve.testing import build_model, start_server, stop_server
+from pyserve.tools.formats import FORMATS
 
 MARKERS = ("<tool_call>", "</tool_call>")
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -75,4 +77,13 @@ def test_strict_auto_answers_in_text_or_calls_with_the_marker_tokens(client):
 def test_grammar_names_the_marker_tokens_by_id(model_dir):
     with LLM(model=str(model_dir)) as llm:
         ids = llm.tokenizer.encode("".join(MARKERS), add_special_tokens=False)
-        assert llm.engine.grammar_compiler.special_tokens(MARKERS + ("add",)) == dict(zip(MARKERS, ids))
+        compiler = llm.engine.grammar_compiler
+        special = compiler.special_tokens(MARKERS + ("add",))
+        assert special == dict(zip(MARKERS, ids))
+        grammar = FORMATS["hermes"].grammar([{"name": "add", "parameters": ADD}], True, special=special)
+        body = llm.tokenizer.encode('\n{"name": "add", "arguments": {"a": 5}}\n', add_special_tokens=False)
+        newline = llm.tokenizer.encode("\n", add_special_tokens=False)
+        for tail, accepted in (([], True), (newline, True), (newline + newline, False)):  # a newline may end the calls
+            m = llguidance.LLMatcher(compiler.tokenizer, llguidance.grammar_from("lark", grammar), log_level=0)
+            tokens = [ids[0], *body, ids[1], *tail]
+            assert (m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()) == accepted
