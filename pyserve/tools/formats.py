@@ -69,8 +69,8 @@ class ToolFormat:
         opening = f'<[{special[self.open]}]> "\\n"' if self.open in special else json.dumps(self.open + "\n")
         closing = f'"\\n" <[{special[self.close]}]>' if self.close in special else json.dumps("\n" + self.close)
         more = f'("\\n" {opening} call_rest){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
-        # The calls may end with a newline, as Qwen2.5 ends them (`</tool_call>\n`, then its end
-        # of text): a newline that had to open another call made it write calls until max_tokens.
+        # The calls may end with a newline: Qwen2.5 writes one after its last `</tool_call>`, then
+        # its end of text (were a newline only the start of another call, it would write calls on).
         calls = f'{opening} call_rest {more} "\\n"?'
         lines = [f"call_rest: ({one}) {closing}"]
         plain = re.escape(self.open).replace("/", "\\/")
