@@ -304,14 +304,6 @@ class AsyncEngine:
             compiling.cancel()
             raise GrammarError(f"the constraint did not compile within {GRAMMAR_COMPILE_TIMEOUT} s") from e
 
-    async def special_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
-        """Those of `texts` the grammar engine reads as one special token of this vocabulary, with
-        its id (a grammar must name them by it); the vocabulary's one-off build runs off the loop."""
-        try:
-            return await asyncio.to_thread(self.grammar_compiler.special_tokens, texts)
-        except GrammarError:  # no grammar can be built on this tokenizer: the compile says so
-            return {}
-
     async def load_lora(self, lora: LoRARequest) -> None:
         """Loads (once per id and path) and validates the adapter, off the event loop; raises a
         ValueError saying why an adapter is refused. The running engine is not affected."""

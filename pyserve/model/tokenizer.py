@@ -99,6 +99,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def single_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
+        """Those of `texts` this vocabulary encodes as one token, with its id."""
+        found = {t: self.encode(t, add_special_tokens=False) for t in texts}
+        return {t: ids[0] for t, ids in found.items() if len(ids) == 1}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 

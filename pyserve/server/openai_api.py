@@ -34,7 +34,7 @@ from pyserve.server.decision import serve_decided
 from pyserve.server.models import RouteSpec, ServedModel
 from pyserve.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pyserve.server.state import ServerState
-from pyserve.server.tool_calls import FORCED_FORMAT, plan_tools
+from pyserve.server.tool_calls import plan_tools
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 from pyserve.tools.formats import FORMATS, ToolFormat, detect
 from pyserve.server.replay import replayed
@@ -42,6 +42,7 @@ from pyserve.server.text_body import TextBody
 
 
 log = structlog.get_logger("pyserve.server")
+
 
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
@@ -98,10 +99,7 @@ async def _chat_on(state: ServerState, model: ServedModel, lora: LoRARequest | N
     if req.chat_template is not None and not settings.trust_request_chat_template:
         raise BadRequest("chat_template: this server renders only the model's chat template "
                          "(start it with --trust-request-chat-template to accept one per request)", param=param)
-    fmt = _tool_format(settings, req.chat_template or tok.chat_template)
-    tools = req.tools or req.functions
-    special = await model.engine.special_tokens((fmt or FORCED_FORMAT).markers) if tools else {}
-    plan = plan_tools(req, fmt, special)
+    plan = plan_tools(req, _tool_format(settings, req.chat_template or tok.chat_template), tok.single_tokens)
     budget = _prompt_budget(model, req)
 
     def prompt_of(messages: list[dict]) -> list[int]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +43,11 @@ class ToolPlan:
 FORCED_FORMAT = FORMATS["hermes"]
 
 
-def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None, special: dict[str, int] | None = None) -> ToolPlan:
-    """The request's tools, checked; a BadRequest names the field at fault. `special`: the
-    format's markers the model's vocabulary holds as one special token, with its id (ToolFormat.grammar)."""
+def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None,
+               single_tokens: Callable[[tuple[str, ...]], dict[str, int]]) -> ToolPlan:
+    """The request's tools, checked; a BadRequest names the field at fault. `single_tokens`: of
+    the texts given, those the model's vocabulary holds as one token, with its id (the format's
+    markers a grammar names so: ToolFormat.grammar)."""
     legacy = req.functions is not None or req.function_call is not None
     if legacy and (req.tools is not None or req.tool_choice is not None):
         raise BadRequest("functions: give tools or the legacy functions, not both", param="functions")
@@ -85,7 +88,8 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None, special: dict
         if not any(f.strict for f in functions):
             return ToolPlan(tools, None, fmt, legacy, fallback=fallback)
         # A strict function's calls must match its schema, as OpenAI's: text or calls, held by a grammar.
-        grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True, special=special)
+        grammar = fmt.grammar(list(for_grammar.values()), parallel, free_text=True,
+                             marker_ids=single_tokens(fmt.markers))
         return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy, fallback=fallback)
     for stop_field in ("stop", "stop_token_ids"):  # either would cut a call the grammar holds to its schema
         if getattr(req, stop_field):
@@ -99,7 +103,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat | None, special: dict
         parallel = False
     else:  # required
         forced, parallel = functions, req.parallel_tool_calls and not legacy
-    grammar = fmt.grammar([for_grammar[f.name] for f in forced], parallel, special=special)
+    grammar = fmt.grammar([for_grammar[f.name] for f in forced], parallel, marker_ids=single_tokens(fmt.markers))
     return ToolPlan(tools, StructuredOutputsParams(grammar=grammar), fmt, legacy,
                     named=isinstance(choice, (NamedToolChoice, NamedFunction)), forced=True)
 

@@ -89,14 +89,6 @@ class GrammarCompiler:
                 self._json_vocab = JsonVocab([tokenizer.decode_bytes([i]) for i in range(self.vocab_size)])
             return self._json_vocab
 
-    def special_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
-        """Those of `texts` that the vocabulary holds as one special token, with its id: a grammar
-        names them as `<[id]>`, since a quoted literal matches only their text spelled out in
-        other tokens."""
-        tokenizer = self.tokenizer
-        found = {t: tokenizer.tokenize_str(t) for t in texts}
-        return {t: ids[0] for t, ids in found.items() if len(ids) == 1 and tokenizer.is_special_token(ids[0])}
-
     def prepare(self) -> None:
         """Builds what every compile needs once (a second or two on a 150k vocabulary)."""
         _ = self.json_vocab  # builds the tokenizer too

@@ -42,14 +42,15 @@ class ToolFormat:
         return tuple(m for m in (self.open, self.close) if m is not None)
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool, free_text: bool = False,
-                special: dict[str, int] | None = None) -> str:
+                marker_ids: dict[str, int] | None = None) -> str:
         """A Lark grammar of one call (or, `parallel`, one to MAX_PARALLEL_CALLS) of `functions` (each
         {"name", "parameters"}), written as this format writes calls. `free_text`: the model may
         answer in text instead (tool_choice "auto" held to strict schemas): text that never
         writes a call's opening, then, where the format allows text before calls, calls.
-        `special`: the markers the vocabulary holds as one special token, with its id (Qwen's
-        `<tool_call>`): the grammar names that token, the one the model was trained to write, where
-        a quoted literal would allow only the text spelled out in pieces."""
+        `marker_ids`: the markers the vocabulary holds as one token, with its id (Qwen's
+        `<tool_call>`): the grammar names that token, the one the model was trained to write (a
+        quoted literal of an added token llguidance reads as special would allow only the text
+        spelled out in other tokens)."""
         rules = []
         for i, f in enumerate(functions):
             # The parameters sit under the call's args key: their local references ($defs, as
@@ -65,9 +66,9 @@ class ToolFormat:
             if free_text:  # text is what does not open as a call does
                 lines.append("TEXT: /(?s:.*)/ & ~/(?s:[ \\t\\n]*\\{.*)/")
             return "\n".join([*lines, *rules])
-        special = special or {}  # a marker held as a special token is named by its id: <[id]>
-        opening = f'<[{special[self.open]}]> "\\n"' if self.open in special else json.dumps(self.open + "\n")
-        closing = f'"\\n" <[{special[self.close]}]>' if self.close in special else json.dumps("\n" + self.close)
+        ids = marker_ids or {}  # a marker held as one token is named by its id: <[id]>
+        opening = f'<[{ids[self.open]}]> "\\n"' if self.open in ids else json.dumps(self.open + "\n")
+        closing = f'"\\n" <[{ids[self.close]}]>' if self.close in ids else json.dumps("\n" + self.close)
         more = f'("\\n" {opening} call_rest){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         # The calls may end with a newline: Qwen2.5 writes one after its last `</tool_call>`, then
         # its end of text (were a newline only the start of another call, it would write calls on).
@@ -75,8 +76,8 @@ class ToolFormat:
         lines = [f"call_rest: ({one}) {closing}"]
         plain = re.escape(self.open).replace("/", "\\/")
         no_opening = f"PLAIN: /(?s:.*)/ & ~/(?s:.*{plain}.*)/"  # text never spells a call's opening out
-        if free_text and self.open in special:
-            # The opening token ends the text: a special token is no bytes of any text.
+        if free_text and self.open in ids:
+            # The opening token ends the text, which never spells the opening out.
             lines += [f"start: TEXT | TEXT? {calls}", no_opening, "TEXT: PLAIN"]
         elif free_text:
             # Text, and text with a call's opening after it, are one lexeme each, both started at

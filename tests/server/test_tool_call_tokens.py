@@ -77,13 +77,12 @@ def test_strict_auto_answers_in_text_or_calls_with_the_marker_tokens(client):
 def test_grammar_names_the_marker_tokens_by_id(model_dir):
     with LLM(model=str(model_dir)) as llm:
         ids = llm.tokenizer.encode("".join(MARKERS), add_special_tokens=False)
-        compiler = llm.engine.grammar_compiler
-        special = compiler.special_tokens(MARKERS + ("add",))
-        assert special == dict(zip(MARKERS, ids))
-        grammar = FORMATS["hermes"].grammar([{"name": "add", "parameters": ADD}], True, special=special)
+        marker_ids = llm.tokenizer.single_tokens(MARKERS + ("hello world",))
+        assert marker_ids == dict(zip(MARKERS, ids))
+        grammar = FORMATS["hermes"].grammar([{"name": "add", "parameters": ADD}], True, marker_ids=marker_ids)
         body = llm.tokenizer.encode('\n{"name": "add", "arguments": {"a": 5}}\n', add_special_tokens=False)
         newline = llm.tokenizer.encode("\n", add_special_tokens=False)
         for tail, accepted in (([], True), (newline, True), (newline + newline, False)):  # a newline may end the calls
-            m = llguidance.LLMatcher(compiler.tokenizer, llguidance.grammar_from("lark", grammar), log_level=0)
+            m = llguidance.LLMatcher(llm.engine.grammar_compiler.tokenizer, llguidance.grammar_from("lark", grammar), log_level=0)
             tokens = [ids[0], *body, ids[1], *tail]
             assert (m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()) == accepted
