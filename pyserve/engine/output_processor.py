@@ -237,8 +237,8 @@ class OutputProcessor(Actor):
             del self._samples[delta.internal_id]
         stream = sample.stream
         if stream.streaming:
-            return self._publish(stream, StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason, c.stop_reason), aborts) \
-                and finish is not None
+            published = StreamDelta(c.index, text, tokens, new_logprobs, c.finish_reason, c.stop_reason)
+            return self._publish(stream, published, aborts) and finish is not None
         return finish is not None
 
     def _publish(self, stream: RequestStream, delta: StreamDelta, aborts: list[int]) -> bool:

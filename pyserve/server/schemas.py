@@ -334,21 +334,22 @@ class ChatCompletionRequest(SamplingFields):
         # As OpenAI's: a tool message answers an earlier call, and an assistant message's calls
         # are each answered by the tool messages right after it.
         called: set[str] = set()
-        unanswered: tuple[int, list[str]] | None = None  # the last calls' message, its ids not yet answered
+        at, unanswered = 0, []  # the last message with calls, and its calls no tool message answered yet
         for i, m in enumerate(self.messages):
-            if m.role != "tool" and unanswered is not None and unanswered[1]:
-                _raise_unanswered(*unanswered)
-            if m.tool_calls:
-                unanswered = (i, [c.id for c in m.tool_calls])
-                called.update(unanswered[1])
             if m.role == "tool":
                 if m.tool_call_id not in called:
                     raise BadRequest(f"messages.{i}.tool_call_id: no earlier assistant message has a tool call "
                                      f"with id {m.tool_call_id!r}", param=f"messages.{i}.tool_call_id")
-                if unanswered is not None and m.tool_call_id in unanswered[1]:
-                    unanswered[1].remove(m.tool_call_id)
-        if unanswered is not None and unanswered[1]:
-            _raise_unanswered(*unanswered)
+                if m.tool_call_id in unanswered:
+                    unanswered.remove(m.tool_call_id)
+                continue
+            if unanswered:
+                _raise_unanswered(at, unanswered)
+            if m.tool_calls:
+                at, unanswered = i, [c.id for c in m.tool_calls]
+                called.update(unanswered)
+        if unanswered:
+            _raise_unanswered(at, unanswered)
 
     def num_logprobs(self) -> int | None:
         """The alternatives per token the response lists; None: no logprobs."""
