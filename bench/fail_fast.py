@@ -7,8 +7,7 @@ and to the process's exit (status 1 expected).
   missing      a path that does not exist and is no hub id
   bad-file     1 KB of random bytes named model.gguf
   unknown-arch SmolLM2-135M-Instruct's GGUF file rewritten as general.architecture "phi3": its
-               first open (an empty metadata cache: `gguf`'s reader parses the 49k-token
-               vocabulary before the architecture can be checked) and a later one (from the cache)
+               first open (an empty metadata cache) and a later one (from the cache)
   hub          a hub id with HF_ENDPOINT at a closed local port (an unreachable hub)
 
   python bench/fail_fast.py [--runs 3]

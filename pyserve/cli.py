@@ -78,6 +78,7 @@ def _served_models(args: argparse.Namespace) -> dict:
     from pyserve.options import from_args
     from pyserve.server.model_specs import (ModelEntry, ModelsConfigError, default_pair, engine_configs,
                                             load_models_file, model_flag)
+    from pyserve.model.hub import is_hub_id
     from pyserve.server.models import ModelSpec
 
     try:
@@ -102,10 +103,38 @@ def _served_models(args: argparse.Namespace) -> dict:
         configs = engine_configs(entries, base)
     except ModelsConfigError as e:
         sys.exit(f"pyserve serve: {e}")
+    for config, _ in configs.values():
+        _check_model(config)
     policies = {e.name: e.policy for e in entries}
     return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name],
-                            check=lambda c=config: _read_config(c))
+                            check=(lambda c=config: _read_config(c)) if is_hub_id(config.model) else None)
             for name, (config, loras) in configs.items()}
+
+
+def _check_model(config) -> None:
+    """Before the server's imports (~0.5 s) and its socket, a local model's config read, a hub id's
+    repository looked up (its config is read once its files are downloaded): a model that cannot
+    load ends the command at once."""
+    from pyserve.model.hub import check_hub_model, is_hub_id
+
+    try:
+        if is_hub_id(config.model):
+            check_hub_model(config.model, config.revision, config.gguf_file)
+        else:
+            _read_config(config)
+    except Exception as e:  # noqa: BLE001 - any failure to read the model ends the command
+        _exit_load_failed(e)
+
+
+def _exit_load_failed(error: BaseException) -> None:
+    """Ends `pyserve serve` before its socket is bound: `server_load_failed` logged, exit 1."""
+    import structlog
+
+    from pyserve.logs import process_seconds
+
+    structlog.get_logger("pyserve.cli").error("server_load_failed", error=repr(error),
+                                              seconds=round(process_seconds(), 3))
+    sys.exit(f"pyserve serve: the model failed to load: {error!r}")
 
 
 def _read_config(config):
@@ -130,16 +159,10 @@ def _download(config):
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Binds the socket at once and builds the engines behind it (/health: 503 "loading", then
-    200); exits non-zero when one fails to load."""
-    import structlog
-    import uvicorn
-
+    """Reads each local model's config (one that cannot load ends the command at once), then binds
+    the socket and builds the engines behind it (/health: 503 "loading", then 200); exits non-zero
+    when one fails to load."""
     from pyserve.logs import configure_logging
-    from pyserve.options import from_args
-    from pyserve.server.app import build_app
-    from pyserve.server.draining_server import DrainingServer
-    from pyserve.server.settings import ServerSettings
 
     configure_logging()
     if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:  # a torchrun rank but the first
@@ -155,6 +178,14 @@ def serve(args: argparse.Namespace) -> None:
                      "--lora-modules, and run batches against a server of its own")
         return _serve_data_parallel(args)
     models = _served_models(args)
+    import structlog  # the server's imports come after the local models' checks
+    import uvicorn
+
+    from pyserve.options import from_args
+    from pyserve.server.app import build_app
+    from pyserve.server.draining_server import DrainingServer
+    from pyserve.server.settings import ServerSettings
+
     failures: list[BaseException] = []
 
     def load_failed(error: BaseException) -> None:

@@ -123,9 +123,9 @@ def test_serve_exits_non_zero_when_the_model_fails_to_load(llama_dir, tmp_path):
     assert "pyserve serve: the model failed to load: WeightsError" in log and "no *.safetensors" in log
 
 
-def test_a_file_that_cannot_be_served_fails_before_torch_is_imported(tmp_path):
-    """The model's config is read (without torch) before the engine is built: a bad file ends the
-    start without the seconds torch's import takes."""
+def test_a_file_that_cannot_be_served_fails_before_the_server_is_imported(tmp_path):
+    """A local model's config is read (without torch) before the server's modules are imported and
+    its socket bound: a bad file ends the start without the seconds those take."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(60))
     proc, _, log_path = _serve(bad, tmp_path, python_flags=("-X", "importtime"))
@@ -133,7 +133,8 @@ def test_a_file_that_cannot_be_served_fails_before_torch_is_imported(tmp_path):
     log = log_path.read_text()
     assert "the model failed to load: WeightsError" in log and "is not a readable GGUF file" in log
     imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
-    assert "pyserve.server.app" in imported and "torch" not in imported
+    assert "server_load_failed" in _events(log_path)
+    assert "pyserve.model.checkpoint" in imported and "pyserve.server.app" not in imported and "torch" not in imported
 
 
 def test_a_context_past_the_models_fails_before_torch_is_imported(llama_dir, tmp_path):

@@ -46,11 +46,31 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
     return download(m.group("repo"), revision, m.group("file") or gguf_file)
 
 
+def check_hub_model(model: str, revision: str | None, gguf_file: str | None) -> None:
+    """A hub id checked by one metadata request before the server binds its socket (its files are
+    fetched behind it): a repository or revision the hub does not have, or a hub that cannot be
+    reached while the cache lacks the files, is a HubError at once. Any failure of that request is
+    left to `download` to name: the hub's answer through its request, no answer through the cache,
+    as snapshot_download falls back to it."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    m = HUB_ID.fullmatch(model)
+    repo, gguf_file = m.group("repo"), m.group("file") or gguf_file
+    try:
+        HfApi().repo_info(repo, revision=revision, timeout=5)
+    except HfHubHTTPError:  # the hub answered: its answer, as the download reads it
+        download(repo, revision, gguf_file)
+    except Exception:  # noqa: BLE001 - no answer (offline, refused, timed out): the cache alone
+        download(repo, revision, gguf_file, local_only=True)
+
+
 @lru_cache(maxsize=16)
-def download(repo: str, revision: str | None, gguf_file: str | None) -> str:
-    """The repository's needed files in the hub cache (fetched if missing): its snapshot folder,
-    or the GGUF file's path. A process resolves each (repo, revision, file) once: the server's
-    start downloads before it builds the engine, which asks again (a failure is not kept)."""
+def download(repo: str, revision: str | None, gguf_file: str | None, local_only: bool = False) -> str:
+    """The repository's needed files in the hub cache (fetched if missing; from the cache alone
+    where `local_only`): its snapshot folder, or the GGUF file's path. A process resolves each
+    (repo, revision, file) once: the server's start downloads before it builds the engine, which
+    asks again (a failure is not kept)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -58,7 +78,8 @@ def download(repo: str, revision: str | None, gguf_file: str | None) -> str:
     patterns = [gguf_file] if gguf_file else NEEDED
     where = f"{repo}" + (f" at revision {revision}" if revision else "")
     try:
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, etag_timeout=5))
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, etag_timeout=5,
+                                        local_files_only=local_only))
     except GatedRepoError:
         raise HubError(f"{where} is gated: accept its terms on the hub and set HF_TOKEN to a token that may "
                        "read it") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from pyserve.server.decision import check_routes, load_route, parse_cascade, par
 from pyserve.server.lora_registry import LoraRegistry
 from pyserve.server.models import ModelSpec, ModelTable, ServedModel
 from pyserve.http.errors import NotFound
+from pyserve.logs import process_seconds
 from pyserve.server.settings import RequestPolicy, ServerSettings
 from pyserve.server.state import ServerMetrics, ServerState
 
@@ -38,20 +38,6 @@ if TYPE_CHECKING:
     from pyserve.engine.async_engine import AsyncEngine
 
 log = structlog.get_logger("pyserve.server")
-_IMPORTED_AT = time.monotonic()
-
-
-def process_seconds() -> float:
-    """Seconds since this process started: from /proc (Linux, 10 ms resolution), elsewhere since
-    this module was imported."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 on: field 22 is the start time
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, AttributeError):  # no /proc, no CLOCK_BOOTTIME or no sysconf
-        return time.monotonic() - _IMPORTED_AT
-
-
 async def _in_thread(fn: Callable[[], AsyncEngine]) -> AsyncEngine:
     """fn() in a daemon thread (a server stopped while it runs need not wait for it)."""
     loop = asyncio.get_running_loop()

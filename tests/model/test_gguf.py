@@ -317,6 +317,20 @@ def test_an_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
         load_config(gguf)
 
 
+def test_an_unsupported_architecture_is_refused_before_the_rest_of_the_file_is_read(tiny, tmp_path):
+    """Files write general.architecture first: a first open refuses it before it parses the
+    vocabulary (here cut off after 256 bytes: the refusal names the architecture, not a bad file)."""
+    def cut(arch):
+        part = tmp_path / f"{arch}-cut.gguf"
+        part.write_bytes(gguf_from_hf(tiny["llama"], tmp_path / f"{arch}.gguf", arch=arch).read_bytes()[:256])
+        return part
+
+    with pytest.raises(UnsupportedModelError, match="general.architecture 'phi3'"):
+        load_config(cut("phi3"))
+    with pytest.raises(WeightsError, match="llama-cut.gguf is not a readable GGUF file"):
+        load_config(cut("llama"))
+
+
 def test_an_unsupported_tensor_type_is_refused_naming_it(tiny, tmp_path):
     gguf = gguf_from_hf(tiny["llama"], tmp_path / "m.gguf")
     iq = np.zeros((128, 64 // 32 * 18), np.uint8)  # IQ4_NL: 18 bytes per 32 weights; ffn_up is 64 -> 128

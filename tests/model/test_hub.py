@@ -56,9 +56,11 @@ def test_a_hub_id_is_downloaded_then_served_offline_from_the_cache(tiny, tmp_pat
             stop_server(proc)
         fetched = {r.rsplit("/", 1)[1] for r in hub.requests if r.startswith("GET /org/tiny/resolve/")}
         listings = [r for r in hub.requests if r.startswith("GET /api/models/org/tiny/revision/")]
+        looked_up = hub.requests.count("GET /api/models/org/tiny")
     assert fetched == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                        "tokenizer_config.json"}
     assert len(listings) == 1, hub.requests  # resolved once, though the start and the engine both ask
+    assert looked_up == 1  # the repository's lookup before the socket
     proc, base = start_server("org/tiny", workdir=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
     try:
         assert _completion(base, "org/tiny") == online
@@ -102,6 +104,26 @@ def test_an_unreachable_hub_fails_at_once_naming_it(tmp_path):
     got = _fetch("org/anything", env)
     assert "org/anything" in got["error"] and "reach" in got["error"]
     assert got["seconds"] < 1.0
+
+
+def _serve_imports(model: str, env: dict[str, str]) -> tuple[int, str, list[str]]:
+    """`pyserve serve MODEL` run to its exit: its status, its last line and the modules it imported."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "pyserve.cli", "serve", model, "--port", "9"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    imported = [ln.rsplit("|", 1)[1].strip() for ln in run.stderr.splitlines() if ln.startswith("import time:")]
+    return run.returncode, run.stderr.strip().splitlines()[-1], imported
+
+
+def test_serve_refuses_a_missing_repository_and_an_unreachable_hub_before_the_server_is_imported(tmp_path):
+    with HubStandIn() as hub:
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
+        missing = _serve_imports("org/nothing", env)
+    unreachable = _serve_imports("org/anything", {**env, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert missing[0] == unreachable[0] == 1
+    assert "org/nothing was not found on the hub" in missing[1]
+    assert "org/anything is not in the local hub cache and the hub cannot be reached" in unreachable[1]
+    for _, _, imported in (missing, unreachable):
+        assert "huggingface_hub" in imported and "pyserve.server.app" not in imported
 
 
 PARSE = ("import json, sys; from pyserve.speculative.config import SpeculativeConfig\n"

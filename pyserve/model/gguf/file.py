@@ -25,6 +25,14 @@ INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # Int8Linear: each row re
 DEQUANTIZED_TYPES = ("Q2_K", "Q3_K")  # widened once at load
 
 
+def check_architecture(architecture: Any) -> str:
+    """`general.architecture` when pyserve serves it; else an UnsupportedModelError naming it."""
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF general.architecture {architecture!r} is not supported; "
+                                    f"supported: {', '.join(ARCHITECTURES)}")
+    return architecture
+
+
 def gguf_path(path: str | Path) -> Path | None:
     """The GGUF file a model path names: the path itself when it is a `.gguf` file, or the one
     `.gguf` file of a directory without a config.json; None for a Hugging Face directory."""
@@ -72,15 +80,14 @@ class GgufFile:
                 metadata_cache.store(self.path, size, mtime_ns, cached)
             else:
                 mapped = np.memmap(self.path, mode="c").view(np.ndarray)  # the view keeps the map alive
+        except UnsupportedModelError:
+            raise
         except (ValueError, OSError, IndexError) as e:  # a truncated file or a bad magic
             raise WeightsError(f"{self.path} is not a readable GGUF file: {e}") from None
         self._fields = dict(cached.fields)
         self._unread = set(cached.long_keys)  # kept apart by the cache: read when first asked for
         self.tensors = {t.name: GgufTensor(t.type_name, t.shape, _view(mapped, t)) for t in cached.tensors}
-        self.architecture = self.get("general.architecture")
-        if self.architecture not in ARCHITECTURES:
-            raise UnsupportedModelError(f"GGUF general.architecture {self.architecture!r} is not supported; "
-                                        f"supported: {', '.join(ARCHITECTURES)}")
+        self.architecture = check_architecture(self.get("general.architecture"))
         served = PLAIN_TYPES + INT4_TYPES + INT8_TYPES + DEQUANTIZED_TYPES
         for name, t in self.tensors.items():
             if t.type_name not in served:
@@ -164,7 +171,9 @@ def _reader(path: Path):
     """llama.cpp's GGUFReader over the file mapped copy-on-write (tensors may be used in place),
     slicing the map as a plain ndarray: it slices it at least once per metadata value (~250k
     times for a 49k-token vocabulary and its merges), and a numpy.memmap's slice costs ~3x a plain
-    array's (SmolLM2's metadata: 2.8 s through the memmap, 1.3 s through the plain view)."""
+    array's (SmolLM2's metadata: 2.8 s through the memmap, 1.3 s through the plain view).
+    An architecture pyserve does not serve is refused as soon as its value is read: files write it
+    first, before the vocabulary, whose parse takes most of a first open."""
     from gguf import GGUFReader  # imported here, where a GGUF is opened
 
     class PlainViewReader(GGUFReader):
@@ -175,5 +184,10 @@ def _reader(path: Path):
         @data.setter
         def data(self, mapped: np.memmap) -> None:
             self._plain = mapped.view(np.ndarray)  # the view keeps the map alive
+
+        def _push_field(self, field, skip_sum: bool = False) -> int:
+            if field.name == "general.architecture":
+                check_architecture(field.contents())
+            return super()._push_field(field, skip_sum)
 
     return PlainViewReader(str(path), "c")
