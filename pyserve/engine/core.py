@@ -115,6 +115,7 @@ class EngineCore(Actor):
         out = self.scheduler.schedule(None if self.step_budget is None else self.step_budget.next_budget(),
                                       max_background)
         if out.num_reqs == 0:
+            self.worker.copy_blocks(out)
             ready = self.scheduler.update(NO_TOKENS, NO_TOKENS).fork_ready
             self._fork(ready)
             if self.scheduler.has_unfinished_requests() and not ready:

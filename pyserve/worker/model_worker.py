@@ -295,6 +295,19 @@ class ModelWorker:
             self.eagle.record(out, self.model.aux_hidden, result.num_sampled, result.token_ids, result.tree_paths)
         return result
 
+    def copy_blocks(self, out) -> None:
+        """The step's copies on write (`out.block_copies`, [src, dst] pairs), before anything
+        writes the KV; also for a step that schedules no request (a prompt held whole by the cache,
+        its last block matched in part)."""
+        if not out.block_copies.size:
+            return
+        pairs = torch.from_numpy(out.block_copies).to(self.device)
+        if self.model.lockstep is not None:
+            self.model.lockstep.announce_copy_blocks(pairs)
+        copy_blocks(self.kv_caches, pairs)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(pairs)
+
     def _keep_paths(self, out, paths: dict[int, np.ndarray]) -> None:
         """Moves the KV of each token tree's kept rows to the slots after the request's last
         token, where the scheduler counts them (the tree puts its likeliest chain first, so
@@ -311,16 +324,10 @@ class ModelWorker:
 
     def _execute(self, out, rows: StepRows, adapter_ids: np.ndarray | None,
                  prompt_rows: PromptRows | None) -> StepResult:
+        self.copy_blocks(out)
         if out.num_reqs == 0:
             return StepResult(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         dev = self.device
-        if out.block_copies.size:
-            pairs = torch.from_numpy(out.block_copies).to(dev)
-            if self.model.lockstep is not None:
-                self.model.lockstep.announce_copy_blocks(pairs)
-            copy_blocks(self.kv_caches, pairs)
-            if self.proposer is not None:
-                self.proposer.copy_blocks(pairs)
         if self.lora is not None:
             self.lora.prepare_step(adapter_ids, out.num_scheduled_tokens, dev)
             if self.model.lockstep is not None:  # the other ranks apply the same changes and map

@@ -86,9 +86,10 @@ def test_shared_prefix_is_served_from_cache():
     s.update([1], [1])
     s.add_request(2, prompt[:17] + [99], max_tokens=1)
     out = s.schedule()
-    assert out.num_scheduled_tokens.tolist() == [2]  # 16 of 18 tokens were cached
-    assert s.request_state(2)["num_cached_tokens"] == 16
-    assert s.stats()["prefix_cache_hits"] == 16
+    assert out.num_scheduled_tokens.tolist() == [1]  # 17 of 18 tokens were cached
+    assert s.request_state(2)["num_cached_tokens"] == 17  # 4 whole blocks and the first token of the fifth
+    assert s.stats()["prefix_cache_hits"] == 17
+    assert out.block_copies.shape == (1, 2)  # that fifth block, copied before the request writes into it
 
 
 def test_speculative_drafts_are_verified_and_rolled_back():

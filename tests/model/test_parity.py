@@ -42,6 +42,19 @@ def test_prefix_reuse_gives_cached_tokens_and_same_output(model_dirs, references
         assert llm.stats()["prefix_cache_hits"] > 0
 
 
+def test_a_prompt_that_parts_from_a_cached_one_inside_a_block_reuses_that_blocks_first_tokens(model_dirs):
+    """The cache matches up to the token where two prompts part, inside a block of 4 there: that
+    block is copied, its first tokens kept, and the output is still transformers'."""
+    ps = prompts(300, seed=3, lengths=(22, 22, 22, 22))
+    variants = [p[:13 + i] + [(t + 1) % 300 or 2 for t in p[13 + i:]] for i, p in enumerate(ps)]
+    references = hf_greedy(model_dirs["llama"], variants)
+    with LLM(str(model_dirs["llama"]), block_size=4, num_kv_blocks=512) as llm:
+        llm.generate(ps, GREEDY, use_tqdm=False)
+        outs = llm.generate(variants, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [13, 14, 15, 16]
+    assert_parity([o.outputs[0].token_ids for o in outs], references)
+
+
 def test_parity_under_forced_preemption(model_dirs, references):
     ps = prompts(300)
     # 64 + 12 tokens need 19 blocks of 4: the pool holds one long request and little else.

@@ -122,7 +122,7 @@ fn radix(c: &mut Criterion) {
 
     g.sampling_mode(SamplingMode::Auto).sample_size(20);
     let tree = build_tree(&ch);
-    assert!(ch.seqs.iter().all(|(tokens, blocks, _)| tree.match_prefix(&ns, tokens, usize::MAX) == *blocks));
+    assert!(ch.seqs.iter().all(|(tokens, blocks, _)| tree.match_prefix(&ns, tokens, usize::MAX).blocks == *blocks));
     g.throughput(Throughput::Elements(CHAIN as u64));
     let mut i = 0;
     g.bench_function("match_prefix_hit_64_blocks", |b| {
@@ -135,7 +135,7 @@ fn radix(c: &mut Criterion) {
     g.throughput(Throughput::Elements(SHARED as u64));
     let mut query = ch.seqs[0].0.clone();
     query[SHARED * BS] = u32::MAX;
-    assert_eq!(tree.match_prefix(&ns, &query, usize::MAX).len(), SHARED);
+    assert_eq!(tree.match_prefix(&ns, &query, usize::MAX).blocks.len(), SHARED);
     g.bench_function("match_prefix_partial_16_blocks", |b| {
         b.iter(|| tree.match_prefix(&ns, black_box(&query), usize::MAX))
     });

@@ -6,7 +6,7 @@
 
 use crate::block_pool::{BlockId, BlockPool, NULL_BLOCK};
 use crate::error::Result;
-use crate::radix::RadixCache;
+use crate::radix::{PrefixMatch, RadixCache};
 use crate::request::Request;
 
 struct AllocationPlan {
@@ -69,53 +69,53 @@ impl KvCacheManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Cached full blocks that prefix the request's tokens, leaving at least one token to
-    /// compute (its logits are needed).
-    pub fn match_prefix(&self, req: &Request) -> Vec<BlockId> {
+    /// The cached prefix of the request's tokens, leaving at least one token to compute (its
+    /// logits are needed).
+    pub fn match_prefix(&self, req: &Request) -> PrefixMatch {
         if !self.enable_caching || req.num_tokens() == 0 {
-            return Vec::new();
+            return PrefixMatch::NONE;
         }
-        let max_blocks = (req.num_tokens() - 1) / self.block_size;
-        self.radix.match_prefix(&req.namespace, &req.token_ids, max_blocks)
+        self.radix.match_prefix(&req.namespace, &req.token_ids, req.num_tokens() - 1)
     }
 
     /// Whether [`Self::allocate_slots`] with the same arguments would succeed.
-    pub fn can_allocate(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> bool {
-        self.plan_allocation(req, hits, num_slots).cost <= self.num_allocatable()
+    pub fn can_allocate(&self, req: &Request, hit: &PrefixMatch, num_slots: usize) -> bool {
+        self.plan_allocation(req, hit, num_slots).cost <= self.num_allocatable()
     }
 
-    /// Makes the request hold `hits` (prefix-cache blocks appended to its empty table) and enough
-    /// blocks for `num_slots` token slots in all. A shared block about to be written is copied
-    /// first (copy-on-write); the `[src, dst]` pair goes to `copies`. Returns false, changing
-    /// nothing, when the pool cannot supply the blocks: the caller preempts.
+    /// Makes the request hold `hit`'s blocks (appended to its empty table) and enough blocks for
+    /// `num_slots` token slots in all. A shared block about to be written is copied first
+    /// (copy-on-write: a fork's partly filled block, or a hit's last block matched only in its
+    /// first tokens); the `[src, dst]` pair goes to `copies`. Returns false, changing nothing,
+    /// when the pool cannot supply the blocks: the caller preempts.
     #[inline]
     pub fn allocate_slots(
         &mut self,
         req: &mut Request,
-        hits: &[BlockId],
+        hit: &PrefixMatch,
         num_slots: usize,
         copies: &mut Vec<[BlockId; 2]>,
     ) -> bool {
         // The common decode step: the next slots are in blocks the request owns alone.
-        if hits.is_empty() && !req.forked && self.blocks_for(num_slots) <= req.block_table.len() {
+        if hit.blocks.is_empty() && !req.forked && self.blocks_for(num_slots) <= req.block_table.len() {
             return true;
         }
-        self.allocate_slots_slow(req, hits, num_slots, copies)
+        self.allocate_slots_slow(req, hit, num_slots, copies)
     }
 
     fn allocate_slots_slow(
         &mut self,
         req: &mut Request,
-        hits: &[BlockId],
+        hit: &PrefixMatch,
         num_slots: usize,
         copies: &mut Vec<[BlockId; 2]>,
     ) -> bool {
-        debug_assert!(hits.is_empty() || req.block_table.is_empty());
-        let plan = self.plan_allocation(req, hits, num_slots);
+        debug_assert!(hit.blocks.is_empty() || req.block_table.is_empty());
+        let plan = self.plan_allocation(req, hit, num_slots);
         if plan.cost > self.num_allocatable() {
             return false;
         }
-        for &block in hits {
+        for &block in &hit.blocks {
             self.take_ref(block);
             req.block_table.push(block);
         }
@@ -226,16 +226,16 @@ impl KvCacheManager {
 
     /// What an allocation needs: fresh blocks, the block to copy on write, and the total it takes
     /// from the allocatable supply (cached hits with no reference count too).
-    fn plan_allocation(&self, req: &Request, hits: &[BlockId], num_slots: usize) -> AllocationPlan {
-        let held = req.block_table.len() + hits.len();
+    fn plan_allocation(&self, req: &Request, hit: &PrefixMatch, num_slots: usize) -> AllocationPlan {
+        let held = req.block_table.len() + hit.blocks.len();
         let new_blocks = self.blocks_for(num_slots).saturating_sub(held);
-        let revived = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
-        let cow = self.shared_write_block(req);
+        let revived = hit.blocks.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        let cow = if hit.num_tokens % self.block_size != 0 { Some(held - 1) } else { self.shared_write_block(req) };
         AllocationPlan { new_blocks, cow, cost: new_blocks + revived + usize::from(cow.is_some()) }
     }
 
     /// Index of the partly filled block the next token will be written to, if other requests
-    /// share it. Only a fork shares a partly filled block (cached blocks are full).
+    /// share it. Only a fork shares a partly filled block (a request's cached blocks are full).
     fn shared_write_block(&self, req: &Request) -> Option<usize> {
         if !req.forked {
             return None;
@@ -282,10 +282,10 @@ mod tests {
         let mut kv = KvCacheManager::new(5, 4, false).unwrap(); // 4 usable blocks
         let mut copies = Vec::new();
         let mut a = request(1, 12);
-        assert!(kv.allocate_slots(&mut a, &[], 12, &mut copies));
+        assert!(kv.allocate_slots(&mut a, &PrefixMatch::NONE, 12, &mut copies));
         assert_eq!((a.block_table.len(), kv.num_free()), (3, 1));
         let mut b = request(2, 8);
-        assert!(!kv.allocate_slots(&mut b, &[], 8, &mut copies), "two blocks wanted, one free");
+        assert!(!kv.allocate_slots(&mut b, &PrefixMatch::NONE, 8, &mut copies), "two blocks wanted, one free");
         assert_eq!((b.block_table.len(), kv.num_free()), (0, 1));
         kv.free(&mut a);
         assert_eq!((a.block_table.len(), kv.num_free(), kv.usage()), (0, 4, 0.0));
@@ -297,7 +297,7 @@ mod tests {
         let mut kv = KvCacheManager::new(9, 4, false).unwrap();
         let mut copies = Vec::new();
         let mut parent = request(1, 6);
-        assert!(kv.allocate_slots(&mut parent, &[], 6, &mut copies));
+        assert!(kv.allocate_slots(&mut parent, &PrefixMatch::NONE, 6, &mut copies));
         parent.num_computed_tokens = 6;
         let mut child = parent.clone();
         child.block_table = kv.fork(&parent);
@@ -306,7 +306,7 @@ mod tests {
         assert_eq!(child.block_table, parent.block_table);
         assert_eq!(kv.ref_count(parent.block_table[1]), 2);
         // The child writes position 6, in the shared half-full block 1: it gets a copy.
-        assert!(kv.allocate_slots(&mut child, &[], 7, &mut copies));
+        assert!(kv.allocate_slots(&mut child, &PrefixMatch::NONE, 7, &mut copies));
         assert_eq!(copies, vec![[parent.block_table[1], child.block_table[1]]]);
         assert_eq!(child.block_table[0], parent.block_table[0], "the full block stays shared");
         assert_eq!((kv.ref_count(parent.block_table[0]), kv.ref_count(parent.block_table[1])), (2, 1));

@@ -50,6 +50,6 @@ pub use config::SchedulerConfig;
 pub use error::{CoreError, Result};
 pub use kv_manager::KvCacheManager;
 pub use output::{ScheduledRequest, SchedulerOutput, UpdateResult};
-pub use radix::{Namespace, NodeId, RadixCache};
+pub use radix::{Namespace, NodeId, PrefixMatch, RadixCache};
 pub use request::{FinishReason, NewRequest, Request, RequestId, RequestStatus};
 pub use scheduler::{Scheduler, SchedulerStats, BACKGROUND_PRIORITY, MAX_TREE_DRAFTS};

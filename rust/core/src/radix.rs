@@ -3,6 +3,8 @@
 //! Each edge is exactly one block of tokens (a page-granular radix tree: the KV cache is only
 //! shared and evicted in whole blocks, so edges are never split). Children are looked up by the
 //! full token slice, compared for equality: a hash only picks the bucket, never decides identity.
+//! A lookup may end inside a block, where a child's first tokens match what follows the chain:
+//! the caller copies that block rather than sharing it.
 //! Each [`Namespace`] (LoRA adapter, cache salt) has its own root, so two adapters or tenants never
 //! share a block.
 //!
@@ -33,6 +35,19 @@ impl Namespace {
     pub fn new(adapter_id: u32, salt: impl Into<String>) -> Self {
         Self { adapter_id, salt: salt.into() }
     }
+}
+
+/// A cached prefix: its blocks, and the tokens they hold for it. Where `num_tokens` is not a
+/// multiple of the block size the last block matched only its first tokens.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub blocks: Vec<BlockId>,
+    pub num_tokens: usize,
+}
+
+impl PrefixMatch {
+    /// No cached prefix.
+    pub const NONE: PrefixMatch = PrefixMatch { blocks: Vec::new(), num_tokens: 0 };
 }
 
 /// Handle of a tree node. Valid while the node's block is referenced (such a node is never
@@ -94,19 +109,33 @@ impl RadixCache {
         self.node_of_block[block as usize] != NO_NODE
     }
 
-    /// Longest cached chain of full blocks that prefixes `tokens`, at most `max_blocks` long.
-    pub fn match_prefix(&self, ns: &Namespace, tokens: &[u32], max_blocks: usize) -> Vec<BlockId> {
-        let mut out = Vec::new();
+    /// Longest cached prefix of `tokens`, at most `max_tokens` long: the chain of full blocks
+    /// that prefixes them, then the block whose first tokens match the most of what follows
+    /// (ties: any), where one matches at least one token.
+    pub fn match_prefix(&self, ns: &Namespace, tokens: &[u32], max_tokens: usize) -> PrefixMatch {
+        let mut out = PrefixMatch::default();
         let Some(&root) = self.roots.get(ns) else { return out };
+        let tokens = &tokens[..max_tokens.min(tokens.len())];
         let mut node = root;
-        for key in tokens.chunks_exact(self.block_size).take(max_blocks) {
+        for key in tokens.chunks_exact(self.block_size) {
             match self.nodes[node as usize].children.get(key) {
                 Some(&child) => {
-                    out.push(self.nodes[child as usize].block);
+                    out.blocks.push(self.nodes[child as usize].block);
                     node = child;
                 }
                 None => break,
             }
+        }
+        out.num_tokens = out.blocks.len() * self.block_size;
+        let rest = &tokens[out.num_tokens..];
+        let partial = self.nodes[node as usize]
+            .children
+            .iter()
+            .map(|(key, &child)| (key.iter().zip(rest).take_while(|(a, b)| a == b).count(), child))
+            .max_by_key(|&(shared, _)| shared);
+        if let Some((shared, child)) = partial.filter(|&(shared, _)| shared > 0) {
+            out.blocks.push(self.nodes[child as usize].block);
+            out.num_tokens += shared;
         }
         out
     }
@@ -309,15 +338,23 @@ mod tests {
         Namespace::new(a, "")
     }
 
+    fn hit(blocks: &[BlockId], num_tokens: usize) -> PrefixMatch {
+        PrefixMatch { blocks: blocks.to_vec(), num_tokens }
+    }
+
     #[test]
-    fn match_is_token_exact_and_block_granular() {
+    fn match_is_token_exact_and_ends_inside_a_block() {
         let mut t = RadixCache::new(16, 2);
         let toks = [1, 2, 3, 4, 5];
         assert_eq!(t.insert(&ns(0), &toks, &[7, 8], 0), vec![7, 8]);
-        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 9], 10), vec![7, 8]);
-        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 9], 10), vec![7]);
-        assert_eq!(t.match_prefix(&ns(0), &[1, 3], 10), Vec::<u32>::new());
-        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 1), vec![7]);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 9], 10), hit(&[7, 8], 4));
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 9], 10), hit(&[7, 8], 3), "block 8's first token");
+        assert_eq!(t.match_prefix(&ns(0), &[1, 3], 10), hit(&[7], 1));
+        assert_eq!(t.match_prefix(&ns(0), &[2, 3], 10), PrefixMatch::NONE);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 3), hit(&[7, 8], 3), "at most max_tokens");
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 2), hit(&[7], 2));
+        t.insert(&ns(0), &[1, 2, 3, 6, 5, 5], &[7, 9, 10], 0);
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 6, 5, 1], 10), hit(&[7, 9, 10], 5), "inside the block after the chain");
     }
 
     #[test]
@@ -331,10 +368,10 @@ mod tests {
     fn namespaces_never_share() {
         let mut t = RadixCache::new(16, 2);
         t.insert(&ns(0), &[1, 2], &[3], 0);
-        assert!(t.match_prefix(&ns(1), &[1, 2], 10).is_empty());
-        assert!(t.match_prefix(&Namespace::new(0, "tenant"), &[1, 2], 10).is_empty());
+        assert_eq!(t.match_prefix(&ns(1), &[1, 2], 10), PrefixMatch::NONE);
+        assert_eq!(t.match_prefix(&Namespace::new(0, "tenant"), &[1, 2], 10), PrefixMatch::NONE);
         assert_eq!(t.insert(&ns(1), &[1, 2], &[4], 0), vec![4]);
-        assert_eq!(t.match_prefix(&ns(1), &[1, 2], 10), vec![4]);
+        assert_eq!(t.match_prefix(&ns(1), &[1, 2], 10), hit(&[4], 2));
     }
 
     #[test]

@@ -24,9 +24,15 @@ fn cached_prefix_is_not_recomputed() {
     other.extend([30, 31]);
     d.add(req(2, other, 1)).unwrap();
     let out = d.step(no_drafts);
-    assert_eq!(out.num_scheduled_tokens, vec![3], "12 of 15 tokens come from the cache");
-    assert_eq!(out.positions, vec![12, 13, 14]);
-    assert_eq!(d.sched.stats().prefix_cache_hits, 12);
+    assert_eq!(out.num_scheduled_tokens, vec![2], "13 of 15 tokens come from the cache");
+    assert_eq!(out.positions, vec![13, 14]);
+    assert_eq!(d.sched.stats().prefix_cache_hits, 13);
+    // Three whole blocks shared, and the fourth (tokens 12..16) copied: its first token matches.
+    assert_eq!(out.block_copies.len(), 2, "one [src, dst] pair");
+    assert_ne!(out.block_copies[0], out.block_copies[1]);
+    d.run_to_end(10, no_drafts);
+    let prompt2: Vec<u32> = (0..13).chain([30, 31]).collect();
+    assert_eq!(d.finished[&2], reference_output(&prompt2, 1, None));
 }
 
 #[test]

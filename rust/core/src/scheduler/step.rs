@@ -6,6 +6,7 @@ use std::ops::Bound::{Excluded, Unbounded};
 use super::{insert_sorted, Planned, QueueKey, Scheduler, BACKGROUND_PRIORITY};
 use crate::error::{step_err, Result};
 use crate::output::{ScheduledRequest, SchedulerOutput, UpdateResult};
+use crate::radix::PrefixMatch;
 use crate::request::{RequestId, RequestStatus};
 
 impl Scheduler {
@@ -80,7 +81,7 @@ impl Scheduler {
                 let reaches_end = start + num_new >= req.num_tokens();
                 let slots = start + num_new + if reaches_end { lookahead } else { 0 };
                 let mut scheduled = true;
-                while !self.kv.allocate_slots(&mut self.requests[slot], &[], slots, &mut copies) {
+                while !self.kv.allocate_slots(&mut self.requests[slot], &PrefixMatch::NONE, slots, &mut copies) {
                     let &(victim_key, victim) = self.running.last().expect("the request itself is running");
                     if background && victim_key.0 < BACKGROUND_PRIORITY {
                         scheduled = false; // a background request never preempts a foreground one
@@ -139,13 +140,13 @@ impl Scheduler {
                 if !lora_fits(&loras, req.namespace.adapter_id, max_loras) {
                     continue;
                 }
-                let hits = self.kv.match_prefix(req);
-                let cached = hits.len() * self.config.block_size;
+                let hit = self.kv.match_prefix(req);
+                let cached = hit.num_tokens;
                 // A held request's limit is at least `cached`: the last prompt token is never a hit.
                 let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
                 let reaches_end = cached + num_new >= req.num_tokens();
                 let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
-                if !self.kv.allocate_slots(req, &hits, slots, &mut copies) {
+                if !self.kv.allocate_slots(req, &hit, slots, &mut copies) {
                     break;
                 }
                 req.num_computed_tokens = cached;
