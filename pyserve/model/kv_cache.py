@@ -64,13 +64,21 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
-    """Copy-on-write: copies block `src` to block `dst` for each row of `pairs` ([m, 2])."""
+    """Copy-on-write: copies block `src` to block `dst` for each row of `pairs` ([m, 2]), in
+    order: a block copied to may be copied from by a later row (a request's copy cached as it was
+    dropped, then found by the next request in the same step)."""
     if pairs.numel() == 0:
         return
     src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+    chained = bool(torch.isin(src, dst).any())
     for k, v in kv_caches:
-        k[dst] = k[src]
-        v[dst] = v[src]
+        if chained:
+            for s, d in pairs.tolist():
+                k[d] = k[s]
+                v[d] = v[s]
+        else:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
 
 def move_slots(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src: np.ndarray, dst: np.ndarray) -> None:

@@ -133,8 +133,14 @@ impl KvCacheManager {
         true
     }
 
-    /// Drops every block of the request; cached ones stay in the tree as evictable.
+    /// Drops every block of the request; cached ones stay in the tree as evictable. With caching
+    /// on, its computed tokens are cached first: its full blocks, and the computed start of its
+    /// last block where it holds that block alone (so a next turn that resends them finds them).
     pub fn free(&mut self, req: &mut Request) {
+        if self.enable_caching {
+            self.cache_full_blocks(req);
+            self.cache_tail_block(req);
+        }
         // Tail first, so a prefix outlives its extensions in LRU order.
         for &block in req.block_table.iter().rev() {
             self.release(block);
@@ -175,6 +181,23 @@ impl KvCacheManager {
         }
         req.cache_node = Some(node);
         req.num_inserted_blocks = full;
+    }
+
+    fn cache_tail_block(&mut self, req: &Request) {
+        let computed = req.num_computed_tokens.min(req.num_tokens());
+        let full = computed / self.block_size;
+        if computed % self.block_size == 0 || full >= req.block_table.len() || req.num_inserted_blocks != full {
+            return;
+        }
+        let block = req.block_table[full];
+        if self.pool.ref_count(block) != 1 || self.radix.is_cached(block) {
+            return; // shared with a fork, or cached already: not this request's to cache
+        }
+        let parent = match req.cache_node {
+            Some(node) => node,
+            None => self.radix.root(&req.namespace),
+        };
+        self.radix.insert_tail(parent, &req.token_ids[full * self.block_size..computed], block);
     }
 
     /// References the blocks that hold the parent's computed KV, for a forked child.

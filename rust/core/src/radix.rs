@@ -1,10 +1,11 @@
-//! Token-exact radix tree over full KV blocks.
+//! Token-exact radix tree over KV blocks.
 //!
-//! Each edge is exactly one block of tokens (a page-granular radix tree: the KV cache is only
-//! shared and evicted in whole blocks, so edges are never split). Children are looked up by the
-//! full token slice, compared for equality: a hash only picks the bucket, never decides identity.
-//! A lookup may end inside a block, where a child's first tokens match what follows the chain:
-//! the caller copies that block rather than sharing it.
+//! Each edge is one block of tokens (a page-granular radix tree: the KV cache is only shared and
+//! evicted in whole blocks, so edges are never split): a full block, or, for a leaf, the first
+//! tokens of a finished sequence's last block (a tail). Children are looked up by the token slice,
+//! compared for equality: a hash only picks the bucket, never decides identity. A lookup may end
+//! inside a block, where a child's first tokens match what follows the chain: the caller copies
+//! that block rather than sharing it.
 //! Each [`Namespace`] (LoRA adapter, cache salt) has its own root, so two adapters or tenants never
 //! share a block.
 //!
@@ -199,6 +200,19 @@ impl RadixCache {
         (self.add_child(parent, key, block), block)
     }
 
+    /// Caches `block` as a tail under `parent`: it holds `key`, fewer tokens than a block, the
+    /// start of the block after `parent`'s (a lookup's partial match may copy it). Nothing is
+    /// cached where a child of `parent` already starts with those tokens. Returns whether `block`
+    /// is now cached; it must be referenced and not cached.
+    pub fn insert_tail(&mut self, parent: NodeId, key: &[u32], block: BlockId) -> bool {
+        debug_assert!(!key.is_empty() && key.len() < self.block_size);
+        if self.nodes[parent as usize].children.keys().any(|k| k.starts_with(key)) {
+            return false;
+        }
+        self.add_child(parent, key, block);
+        true
+    }
+
     /// A cached block gained its first reference: it is no longer evictable.
     pub fn mark_referenced(&mut self, block: BlockId) {
         let node = self.node_of_block[block as usize];
@@ -355,6 +369,21 @@ mod tests {
         assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4], 2), hit(&[7], 2));
         t.insert(&ns(0), &[1, 2, 3, 6, 5, 5], &[7, 9, 10], 0);
         assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 6, 5, 1], 10), hit(&[7, 9, 10], 5), "inside the block after the chain");
+    }
+
+    #[test]
+    fn a_tail_is_matched_in_part_and_never_twice() {
+        let mut t = RadixCache::new(16, 4);
+        t.insert(&ns(0), &[1, 2, 3, 4], &[7], 0);
+        let node = t.node_of_block[7];
+        assert!(t.insert_tail(node, &[5, 6], 8));
+        assert!(!t.insert_tail(node, &[5], 9), "a child already starts with it");
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 5, 6, 9], 10), hit(&[7, 8], 6));
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 5, 9], 10), hit(&[7, 8], 5));
+        assert_eq!(t.match_prefix(&ns(0), &[1, 2, 3, 4, 5, 6], 5), hit(&[7, 8], 5), "at most max_tokens");
+        assert!(t.mark_unreferenced(8) && t.mark_unreferenced(7));
+        t.check().unwrap();
+        assert_eq!((t.evict_lru(), t.evict_lru(), t.evict_lru()), (Some(8), Some(7), None), "the tail is a leaf");
     }
 
     #[test]

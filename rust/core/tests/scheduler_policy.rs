@@ -36,6 +36,22 @@ fn cached_prefix_is_not_recomputed() {
 }
 
 #[test]
+fn a_next_turn_finds_every_computed_token_of_the_last_one() {
+    let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
+    let prompt: Vec<u32> = (0..10).collect();
+    d.add(req(1, prompt.clone(), 2)).unwrap();
+    d.run_to_end(10, no_drafts);
+    // 12 tokens, 11 computed (the last output never is): two full blocks and 3 tokens of a third.
+    let mut next = [prompt, d.finished[&1].0.clone()].concat();
+    next.extend([40, 41]);
+    d.add(req(2, next, 1)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_scheduled_tokens, vec![3], "11 of 14 tokens come from the cache");
+    assert_eq!(d.sched.stats().prefix_cache_hits, 11);
+    assert_eq!(out.block_copies.len(), 2, "the tail block, copied");
+}
+
+#[test]
 fn adapters_and_salts_do_not_share_prefixes() {
     let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
     let prompt: Vec<u32> = (0..9).collect();
