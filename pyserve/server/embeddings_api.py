@@ -43,8 +43,9 @@ def token_inputs(encoder, raw: str | list) -> list[list[int]]:
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]
     texts = [i for i, x in enumerate(raw) if isinstance(x, str)]
-    if any(not raw[i] for i in texts):
-        raise BadRequest("input: an input must not be empty", param="input")
+    empty = next((i for i in texts if not raw[i]), None)
+    if empty is not None:
+        raise BadRequest(f"input: input {empty} is empty", param="input")
     tokenized = encoder.tokenize([raw[i] for i in texts]) if texts else []
     inputs = [list(x) if not isinstance(x, str) else None for x in raw]
     for i, ids in zip(texts, tokenized):
@@ -63,7 +64,8 @@ async def embeddings(request: Request) -> Response:
     encoder = state.encoder
     if encoder is None or req.model != encoder.name:
         served = "no embedding model" if encoder is None else f"the embedding model {encoder.name!r}"
-        raise NotFound(f"model {req.model!r} does not exist; this server serves {served}", param="model",
+        what = "is not an embedding model" if state.models.is_taken(req.model) else "does not exist"
+        raise NotFound(f"model {req.model!r} {what}; this server embeds with {served}", param="model",
                        code="model_not_found")
     if req.dimensions is not None and req.dimensions != encoder.dim:
         raise BadRequest(f"dimensions: {encoder.name} has {encoder.dim} dimensions", param="dimensions")

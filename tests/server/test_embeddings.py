@@ -79,6 +79,18 @@ async def test_bad_input_is_refused_naming_the_field_and_the_server_carries_on(c
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 256
 
 
+@pytest.mark.parametrize("body, status, says", [
+    ({"input": ["a", ""]}, 400, "input: input 1 is empty"),
+    ({"input": "x", "model": "tiny"}, 404, f"model 'tiny' is not an embedding model; this server embeds with "
+                                           f"the embedding model {packaged.NAME!r}"),
+    ({"input": "x", "model": "nope"}, 404, "model 'nope' does not exist"),
+])
+async def test_refusals_say_what_is_wrong(client, body, status, says):
+    _, http = client
+    r = await http.post("/v1/embeddings", json={"model": packaged.NAME} | body)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
+
+
 async def test_a_hugging_face_encoder_directory_by_flag(tmp_path, llama_dir):
     import torch
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
