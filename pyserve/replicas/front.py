@@ -255,7 +255,7 @@ def _pass_through(upstream: httpx.Response, replica: Replica, flight: InFlight, 
             metrics.failures.inc(replica=replica.url)
             log.warning("replica_stream_cut", replica=replica.url, error=repr(e))
             if sse:
-                yield sse_events.raw_event(_failure(replica, e, pool, mid_stream=True))
+                yield sse_events.raw_event(_failure(replica, e, pool, mid_stream=True)) + sse_events.DONE
 
     async def close() -> None:
         await upstream.aclose()

@@ -238,6 +238,7 @@ class CompletionContext:
             except APIError as e:
                 self.outcome = self._failure(e)
                 yield sse.raw_event(error_body(e.status, e.type, e.message, e.param, e.code))
+                yield sse.DONE
                 return
             except ClientTooSlow:  # its requests are aborted already; the client is not reading
                 self.outcome = "slow_client"

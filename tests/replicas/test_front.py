@@ -346,9 +346,10 @@ def test_a_stream_cut_inside_an_event_ends_with_a_whole_error_event(routers, fak
     base = routers([fakes(_cut_mid_event)])
     r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": True}, timeout=10)
     events = [e for e in r.text.split("\n\n") if e]
-    assert [json.loads(e.removeprefix("data: ")) for e in events][0] == {"id": "x", "choices": []}
-    error = json.loads(events[-1].removeprefix("data: "))["error"]  # each event whole JSON: the half one dropped
-    assert len(events) == 2 and error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
+    assert json.loads(events[0].removeprefix("data: ")) == {"id": "x", "choices": []}
+    error = json.loads(events[-2].removeprefix("data: "))["error"]  # each event whole JSON: the half one dropped
+    assert len(events) == 3 and error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
+    assert events[-1] == "data: [DONE]"
 
 
 def test_a_client_that_leaves_a_non_streamed_request_frees_the_replica(router, replicas):
@@ -411,7 +412,8 @@ def test_a_replica_that_stops_answering_ends_its_requests(replicas, model_dirs):
                     proc.send_signal(signal.SIGSTOP)
                     stopped_at = time.monotonic()
         assert time.monotonic() - stopped_at < 10
-        error = json.loads(lines[-1][6:])["error"]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
         assert error["type"] == "gateway_timeout" and "stopped answering mid-stream" in error["message"]
         proc.send_signal(signal.SIGCONT)
         wait_healthy()
@@ -440,7 +442,7 @@ def test_a_killed_replica_ends_its_streams_and_loses_its_traffic(router, replica
                 lines.append(line)
             if len(lines) == 3:
                 procs[victim].send_signal(signal.SIGKILL)
-    assert len(lines) > 3 and '"error"' in lines[-1] and "failed mid-stream" in lines[-1]
+    assert len(lines) > 4 and '"error"' in lines[-2] and "failed mid-stream" in lines[-2] and lines[-1] == "data: [DONE]"
     killed_at = time.monotonic()
     while httpx.get(router + "/health").json()["replicas_healthy"] != 1:
         assert time.monotonic() - killed_at < 1.0, "the router kept the dead replica for over a second"

@@ -183,7 +183,7 @@ def test_a_constraint_the_matcher_cannot_follow_fails_the_request(server, client
     assert r.json()["error"]["code"] == "constraint_failed" and "too many expressions" in r.json()["error"]["message"]
     with httpx.stream("POST", server + "/v1/chat/completions", json={**request, "stream": True}, timeout=30) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[-1][6:])["error"]["code"] == "constraint_failed", events[-2:]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "constraint_failed", events[-2:]
     assert not any('"finish_reason":"stop"' in e for e in events)
     ok = client.completions.create(model="tiny", prompt="def f():", max_tokens=4, temperature=0)  # serves on
     assert len(ok.choices[0].text) > 0
