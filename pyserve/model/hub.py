@@ -48,21 +48,27 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
 
 def check_hub_model(model: str, revision: str | None, gguf_file: str | None) -> None:
     """A hub id checked by one metadata request before the server binds its socket (its files are
-    fetched behind it): a repository or revision the hub does not have, or a hub that cannot be
-    reached while the cache lacks the files, is a HubError at once. Any failure of that request is
-    left to `download` to name: the hub's answer through its request, no answer through the cache,
-    as snapshot_download falls back to it."""
+    fetched behind it): a repository or revision the hub does not have, one without the weights
+    pyserve loads (safetensors, or the GGUF file named), or a hub that cannot be reached while the
+    cache lacks the files, is a HubError at once. Each refusal is `download`'s own: run at once
+    where the request failed (from the cache alone where the hub did not answer, as
+    snapshot_download falls back to it) or the listing lacks the weights."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     m = HUB_ID.fullmatch(model)
     repo, gguf_file = m.group("repo"), m.group("file") or gguf_file
     try:
-        HfApi().repo_info(repo, revision=revision, timeout=5)
+        info = HfApi().repo_info(repo, revision=revision, timeout=5)
     except HfHubHTTPError:  # the hub answered: its answer, as the download reads it
         download(repo, revision, gguf_file)
+        return
     except Exception:  # noqa: BLE001 - no answer (offline, refused, timed out): the cache alone
         download(repo, revision, gguf_file, local_only=True)
+        return
+    names = {s.rfilename for s in info.siblings or ()}
+    if gguf_file not in names if gguf_file else not any(n.endswith(".safetensors") for n in names):
+        download(repo, revision, gguf_file)
 
 
 @lru_cache(maxsize=16)

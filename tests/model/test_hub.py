@@ -114,15 +114,24 @@ def _serve_imports(model: str, env: dict[str, str]) -> tuple[int, str, list[str]
     return run.returncode, run.stderr.strip().splitlines()[-1], imported
 
 
-def test_serve_refuses_a_missing_repository_and_an_unreachable_hub_before_the_server_is_imported(tmp_path):
+def test_serve_refuses_repositories_it_cannot_serve_and_an_unreachable_hub_before_the_server_is_imported(
+        tiny, tmp_path):
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    (pickles / "config.json").write_text((tiny / "config.json").read_text())
+    (pickles / "pytorch_model.bin").write_bytes(b"not loaded")
     with HubStandIn() as hub:
+        hub.add_folder("org/pickles", pickles)
+        hub.add_folder("org/tiny", tiny)
         env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
-        missing = _serve_imports("org/nothing", env)
+        missing, pickled, no_file = (_serve_imports(m, env) for m in ("org/nothing", "org/pickles", "org/tiny:x.gguf"))
     unreachable = _serve_imports("org/anything", {**env, "HF_ENDPOINT": "http://127.0.0.1:9"})
-    assert missing[0] == unreachable[0] == 1
+    assert missing[0] == pickled[0] == no_file[0] == unreachable[0] == 1
     assert "org/nothing was not found on the hub" in missing[1]
+    assert "org/pickles has no safetensors weights" in pickled[1]
+    assert "org/tiny has no file x.gguf" in no_file[1]
     assert "org/anything is not in the local hub cache and the hub cannot be reached" in unreachable[1]
-    for _, _, imported in (missing, unreachable):
+    for _, _, imported in (missing, pickled, no_file, unreachable):
         assert "huggingface_hub" in imported and "pyserve.server.app" not in imported
 
 
