@@ -2,7 +2,8 @@
 tokens use them): a completion prompt or chat messages to token ids, and token ids to text.
 
 /tokenize takes `prompt` (with `add_special_tokens`, default true) or `messages` (rendered by the
-model's chat template, with `tools` when given; `add_generation_prompt` default true); it
+model's chat template, with `tools` when given; `add_generation_prompt` default true;
+`continue_final_message` and `chat_template_kwargs` as chat completions take them); it
 answers {count, max_model_len, tokens, token_strs} (`token_strs` with `return_token_strs: true`,
 else null). /detokenize takes `tokens` (and `skip_special_tokens`, default false: special tokens
 are text too, as vLLM gives them) and answers {prompt}, so that /tokenize of messages then
@@ -16,13 +17,13 @@ reads it, then tokenizes through /tokenize).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.model.tokenizer import ChatTemplateError
+from pyserve.model.tokenizer import ChatTemplateError, check_continuable, check_template_kwargs
 from pyserve.http.responses import json_body, json_response
 from pyserve.server.body import check_token_ids, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
@@ -44,15 +45,31 @@ class TokenizeRequest(BaseModel):
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools: allowed only with messages")
         return self
+
+    def check(self) -> None:
+        """The chat fields: only with messages, and as chat completions take them (a 400 naming
+        the field)."""
+        for name in ("tools", "continue_final_message", "chat_template_kwargs"):
+            if self.messages is None and name in self.model_fields_set:
+                raise BadRequest(f"{name}: allowed only with messages", param=name)
+        try:
+            if self.continue_final_message:
+                check_continuable([m.for_template() for m in self.messages], self.add_generation_prompt)
+        except ValueError as e:
+            raise BadRequest(str(e), param="continue_final_message") from e
+        try:
+            check_template_kwargs(self.chat_template_kwargs or {})
+        except ValueError as e:
+            raise BadRequest(str(e), param="chat_template_kwargs") from e
 
 
 class DetokenizeRequest(BaseModel):
@@ -66,6 +83,7 @@ class DetokenizeRequest(BaseModel):
 async def tokenize(request: Request) -> Response:
     state: ServerState = request.app.state.pyserve
     req = validate(TokenizeRequest, await json_body(request))
+    req.check()
     engine = state.models.resolve(req.model)[0].engine
     tok = engine.tokenizer
     if req.prompt is not None:
@@ -75,7 +93,8 @@ async def tokenize(request: Request) -> Response:
         try:
             tools = template_tools([t.function for t in req.tools]) if req.tools else None
             text = await run_with_deadline(tok.apply_chat_template, [m.for_template() for m in req.messages],
-                                           req.add_generation_prompt, None, tools, timeout=timeout)
+                                           req.add_generation_prompt, None, tools, req.continue_final_message,
+                                           req.chat_template_kwargs, timeout=timeout)
         except ChatTemplateError as e:
             raise BadRequest(str(e), param="messages") from e
         except DeadlineExceeded as e:

@@ -85,3 +85,25 @@ async def test_tokenizer_info_gives_what_a_remote_tokenizer_reads(llama_dir):
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
         odd = await c.get("/tokenizer_info?modle=tiny")
         assert odd.status_code == 400 and odd.json()["error"]["param"] == "modle"
+
+
+async def test_messages_tokenize_continuing_the_final_message_with_template_variables(llama_dir):
+    """As the chat request would render them: the last assistant message left open, and the
+    template's own variables (a template may read them)."""
+    messages = [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "Hel"}]
+    async with client(llama_dir) as (engine, c):
+        tok = engine.tokenizer
+        body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        r = await c.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == tok.chat_prompt(messages, False, continue_final_message=True,
+                                                     template_kwargs={"enable_thinking": False})
+        assert tok.decode(r.json()["tokens"], skip_special_tokens=False).endswith("Hel")
+        closed = (await c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
+        assert not tok.decode(closed["tokens"], skip_special_tokens=False).endswith("Hel")
+        for bad, param in ((body | {"add_generation_prompt": True}, "continue_final_message"),
+                           ({"prompt": "x", "continue_final_message": True}, "continue_final_message"),
+                           ({"messages": messages, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+            r = await c.post("/tokenize", json=bad)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
