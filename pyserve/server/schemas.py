@@ -297,6 +297,21 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
+def check_template_options(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's chat template fields, as a chat request and /tokenize take them: a 400 naming the
+    field where the template cannot honour one."""
+    try:
+        if continue_final_message:
+            check_continuable(messages, add_generation_prompt)
+    except ValueError as e:
+        raise BadRequest(str(e), param="continue_final_message") from e
+    try:
+        check_template_kwargs(chat_template_kwargs or {})
+    except ValueError as e:
+        raise BadRequest(str(e), param="chat_template_kwargs") from e
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, bounded("max_tokens")] | None = None
@@ -322,15 +337,8 @@ class ChatCompletionRequest(SamplingFields):
             raise BadRequest("top_logprobs: needs logprobs set to true", param="top_logprobs")
         if "parallel_tool_calls" in self.model_fields_set and self.tools is None:
             raise BadRequest("parallel_tool_calls: allowed only with tools", param="parallel_tool_calls")
-        try:
-            if self.continue_final_message:
-                check_continuable(self.template_messages(), self.add_generation_prompt)
-        except ValueError as e:
-            raise BadRequest(str(e), param="continue_final_message") from e
-        try:
-            check_template_kwargs(self.chat_template_kwargs or {})
-        except ValueError as e:
-            raise BadRequest(str(e), param="chat_template_kwargs") from e
+        check_template_options(self.template_messages(), self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
         # As OpenAI's: a tool message answers an earlier call, and an assistant message's calls
         # are each answered by the tool messages right after it.
         called: set[str] = set()

@@ -23,12 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pyserve.model.tokenizer import ChatTemplateError, check_continuable, check_template_kwargs
+from pyserve.model.tokenizer import ChatTemplateError
 from pyserve.http.responses import json_body, json_response
 from pyserve.server.body import check_token_ids, validate
 from pyserve.server.deadline import DeadlineExceeded, run_with_deadline
 from pyserve.http.errors import BadRequest
-from pyserve.server.schemas import MAX_TOOLS, ChatMessage, ToolDef
+from pyserve.server.schemas import MAX_TOOLS, ChatMessage, ToolDef, check_template_options
 from pyserve.server.tool_calls import template_tools
 from pyserve.server.state import ServerState
 
@@ -61,15 +61,9 @@ class TokenizeRequest(BaseModel):
         for name in ("tools", "continue_final_message", "chat_template_kwargs"):
             if self.messages is None and name in self.model_fields_set:
                 raise BadRequest(f"{name}: allowed only with messages", param=name)
-        try:
-            if self.continue_final_message:
-                check_continuable([m.for_template() for m in self.messages], self.add_generation_prompt)
-        except ValueError as e:
-            raise BadRequest(str(e), param="continue_final_message") from e
-        try:
-            check_template_kwargs(self.chat_template_kwargs or {})
-        except ValueError as e:
-            raise BadRequest(str(e), param="chat_template_kwargs") from e
+        if self.messages is not None:
+            check_template_options([m.for_template() for m in self.messages], self.add_generation_prompt,
+                                   self.continue_final_message, self.chat_template_kwargs)
 
 
 class DetokenizeRequest(BaseModel):

@@ -82,11 +82,16 @@ def test_a_gguf_file_named_in_a_repository_is_the_only_file_fetched(tiny, tmp_pa
     assert len(fetched) == 1 and fetched[0].endswith("/tiny-q8_0.gguf")
 
 
+def _pickle_only(model: Path, folder: Path) -> Path:
+    """A repository folder with `model`'s config and only a pickled checkpoint."""
+    folder.mkdir()
+    (folder / "config.json").write_text((model / "config.json").read_text())
+    (folder / "pytorch_model.bin").write_bytes(b"not loaded")
+    return folder
+
+
 def test_missing_gated_and_pickle_only_repositories_are_refused_naming_the_cause(tiny, tmp_path):
-    pickles = tmp_path / "pickles"
-    pickles.mkdir()
-    (pickles / "config.json").write_text((tiny / "config.json").read_text())
-    (pickles / "pytorch_model.bin").write_bytes(b"not loaded")
+    pickles = _pickle_only(tiny, tmp_path / "pickles")
     with HubStandIn() as hub:
         hub.add_folder("org/gated", tiny)
         hub.gated.add("org/gated")
@@ -116,10 +121,7 @@ def _serve_imports(model: str, env: dict[str, str]) -> tuple[int, str, list[str]
 
 def test_serve_refuses_repositories_it_cannot_serve_and_an_unreachable_hub_before_the_server_is_imported(
         tiny, tmp_path):
-    pickles = tmp_path / "pickles"
-    pickles.mkdir()
-    (pickles / "config.json").write_text((tiny / "config.json").read_text())
-    (pickles / "pytorch_model.bin").write_bytes(b"not loaded")
+    pickles = _pickle_only(tiny, tmp_path / "pickles")
     with HubStandIn() as hub:
         hub.add_folder("org/pickles", pickles)
         hub.add_folder("org/tiny", tiny)
