@@ -12,7 +12,11 @@ with 128 out, 10% long with 64 out), with the long ones 384 tokens instead of 10
 newest turn always fits the smallest budget; the text is random words (no model was trained on
 it). Reported per budget: TTFT p50 / p99 (and of first turns alone: cold), tokens prefilled
 (prompt less cached), the hit rate (cached / prompt tokens), tokens removed, and the p50 TTFT
-ratio against no budget. With --together the conversations are users taking turns, their
+ratio against no budget; and what no budget policy can beat on this workload: each budget's
+hit-rate ceiling (every turn's tokens that no cache held in the unbudgeted run, its new message
+and template, must be prefilled under any budget, in a prompt of at most min(history, budget)
+tokens) and the TTFT floor (each turn's new message alone after the cached system prompt: a
+budgeted turn prefills at least that). With --together the conversations are users taking turns, their
 histories sharing the KV pool (--num-kv-blocks sizes it: a server under load holds a small share
 of each history), one budget after another.
 
@@ -119,6 +123,72 @@ async def replay_together(base: str, model: str, convs: list[list[tuple[str, int
     return results
 
 
+async def floor(base: str, model: str, conv: list[tuple[str, int]]) -> list[dict]:
+    """Each turn's new message alone after the system prompt (cached after the first request): the
+    least a budgeted turn prefills, at the least context."""
+    results = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        for question, _ in conv:
+            messages = [{"role": "system", "content": "You are a helpful assistant."},
+                        {"role": "user", "content": question}]
+            results.append(await turn(client, base, model, messages, 1, None, "floor"))
+    return results
+
+
+def hit_rate_ceiling(unbudgeted: list[list[dict]], budget: int) -> float:
+    """The most cached / prompt tokens any policy within `budget` can reach: the tokens each turn
+    prefilled without a budget are prefilled under it too, in a prompt of at most min(prompt, budget)."""
+    done = [t for conv in unbudgeted for t in conv if "error" not in t]
+    return round(1 - sum(t["prompt"] - t["cached"] for t in done) / sum(min(t["prompt"], budget) for t in done), 4)
+
+
+def turn_dropping_ceiling(unbudgeted: list[list[dict]], floors: list[list[dict]], budget: int) -> float | None:
+    """The most cached / prompt tokens a policy that drops whole older turns can reach within
+    `budget` on a server whose prefix cache is exact (a cached token's keys hold for the tokens
+    before it only), over every choice of cut at every turn. A turn that keeps the cut of the turn
+    before it prefills what the unbudgeted turn did (its new message); one that moves it starts its
+    kept turns at new positions, so only what every prompt starts with (the system prompt and the
+    first words of a message: the most the new messages alone found cached) is found cached. Sizes come from the
+    runs: turn i's prompt with turns before c dropped is P_i - P_c + P_0 + F_c - F_0 (P: the
+    unbudgeted prompts, F: each new message alone after the system prompt). None where a newest
+    turn alone does not fit."""
+    convs = []
+    for conv, alone in zip(unbudgeted, floors, strict=True):
+        if any("error" in t for t in conv + alone):
+            return None
+        p, f = [t["prompt"] for t in conv], [t["prompt"] for t in alone]
+        kept = [[p[i] - p[c] + p[0] + f[c] - f[0] for c in range(i + 1)] for i in range(len(conv))]
+        if any(row[-1] > budget for row in kept):
+            return None
+        convs.append((conv, alone, kept))
+
+    def best(rate: float) -> float:
+        """max over policies of sum(cached - rate * prompt): >= 0 exactly where `rate` is reachable."""
+        total = 0.0
+        for conv, alone, kept in convs:
+            head = max(t["cached"] for t in alone)  # the system prompt and the words every message starts with
+            gain = {0: conv[0]["cached"] - rate * kept[0][0]}  # the cut after turn i -> the best sum so far
+            for i in range(1, len(conv)):
+                nxt = {}
+                for c in range(i + 1):
+                    if kept[i][c] > budget:
+                        continue
+                    stay = conv[i]["cached"] - kept[i][0] + kept[i][c]  # all but the new message
+                    for prev, g in gain.items():
+                        cached = stay if prev == c else head
+                        value = g + cached - rate * kept[i][c]
+                        nxt[c] = max(nxt.get(c, value), value)
+                gain = nxt
+            total += max(gain.values())
+        return total
+
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if best(mid) >= 0 else (low, mid)
+    return round(low, 4)
+
+
 def summary(turns: list[list[dict]]) -> dict:
     done = [t for conv in turns for t in conv if "error" not in t]
     ttfts = [t["ttft"] for t in done]
@@ -154,6 +224,7 @@ def main() -> None:
     convs = conversations(args.conversations, args.seed, args.min_turns, args.max_turns)
     path = fetch(args.model)
     results: dict[str, list[list[dict]]] = {str(b): [] for b in budgets}
+    floors: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as work:
         flags = [*(["--no-prefix-caching"] if args.no_prefix_caching else []),
                  *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else [])]
@@ -165,9 +236,11 @@ def main() -> None:
                 for b in budgets:
                     results[str(b)] = asyncio.run(replay_together(base, model, convs, b, f"budget-{b}"))
                     print(f"  budget {b}: done", flush=True)
+                floors = [asyncio.run(floor(base, model, conv)) for conv in convs]
             for i, conv in enumerate(convs if not args.together else []):
                 for b in budgets:
                     results[str(b)].append(asyncio.run(replay(base, model, conv, b, f"budget-{b}-{i}")))
+                floors.append(asyncio.run(floor(base, model, conv)))
                 print(f"  conversation {i + 1}/{len(convs)}: {len(conv)} turns", flush=True)
         finally:
             stop_server(proc)
@@ -176,14 +249,24 @@ def main() -> None:
               "budgets": {}}
     summaries = {b: summary(results[str(b)]) for b in budgets}
     base_p50 = summaries[None]["ttft_p50_s"]
+    floor_p50 = statistics.median(t["ttft"] for conv in floors for t in conv if "error" not in t)
+    report["ttft_floor_p50_s"] = round(floor_p50, 4)
+    report["most_any_budget_gains_ttft_p50"] = round(base_p50 / floor_p50, 3)
     print(f"{'budget':>7} {'turns':>5} {'refused':>7} {'TTFT p50':>9} {'p99':>7} {'cold p50':>9} {'prefilled':>9} "
-          f"{'hit rate':>8} {'removed':>8} {'x none':>7}")
+          f"{'hit rate':>8} {'ceiling':>8} {'by turns':>8} {'removed':>8} {'x none':>7}")
     for b, s in summaries.items():
         s["ttft_p50_vs_none"] = round(base_p50 / s["ttft_p50_s"], 3)
+        s["hit_rate_ceiling"] = s["hit_rate"] if b is None else hit_rate_ceiling(results["None"], b)
+        s["turn_dropping_ceiling"] = s["hit_rate"] if b is None or args.together else \
+            turn_dropping_ceiling(results["None"], floors, b)
         report["budgets"]["none" if b is None else str(b)] = s
         print(f"{'none' if b is None else b:>7} {s['turns']:>5} {s['refused']:>7} {s['ttft_p50_s']:>9.4f} "
               f"{s['ttft_p99_s']:>7.3f} {s['first_turn_ttft_p50_s']:>9.4f} {s['prefilled_tokens']:>9} "
-              f"{s['hit_rate']:>8.3f} {s['removed_tokens']:>8} {s['ttft_p50_vs_none']:>7.2f}")
+              f"{s['hit_rate']:>8.3f} {s['hit_rate_ceiling']:>8.3f} {s['turn_dropping_ceiling'] or 0:>8.3f} "
+              f"{s['removed_tokens']:>8} "
+              f"{s['ttft_p50_vs_none']:>7.2f}")
+    print(f"TTFT floor p50 (each turn's new message alone after the cached system prompt) {floor_p50:.4f} s: "
+          f"no budget can make TTFT p50 more than {base_p50 / floor_p50:.2f}x lower")
     harness.write_report(args.out, report)
 
 
