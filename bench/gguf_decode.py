@@ -102,8 +102,9 @@ def embedding_table_bytes(llm: LLM) -> int:
     model = llm.engine.worker.model
     table = model.model.embed_tokens
     if isinstance(table, BlockEmbedding):  # the file's blocks, which a head of the same blocks shares
-        head = getattr(model.lm_head, "blocks", None)
-        return 0 if head is not None and head.data_ptr() == table.blocks.data_ptr() else table.weight_bytes
+        head = getattr(model.lm_head, "parts", ())  # a KQuantLinear's tensors of rows
+        shared = any(part.data_ptr() == table.blocks.data_ptr() for part in head)
+        return 0 if shared else table.weight_bytes
     head = getattr(model.lm_head, "weight", None)
     shared = head is not None and head.data_ptr() == table.weight.data_ptr()
     return 0 if shared else table.weight.numel() * table.weight.element_size()
