@@ -38,7 +38,11 @@ A verdict is never final: the first step of each shape (draft count) a bucket se
 not measured (a first run allocates, a draft model's first proposal at a depth is slow), and a
 bucket found priced out explores again after RECHECK_FIRST probe intervals, then after twice as
 many each time it is found so again (up to RECHECK_MOST): costs measured on a cold process must
-not switch speculation off for good.
+not switch speculation off for good. Rechecks after the first also wait until the bucket's steps
+without drafts since the last one took 1 / RECHECK_SHARE times what it cost (its steps' time over
+a0, its proposals' with their catch-up): at a large batch a recheck costs a dozen plain steps
+(an EAGLE head catching up on every request's tokens, steps of five rows a request), and it must
+not cost the batch more than that share of its time.
 No torch here: the EngineCore calls it between steps.
 """
 
@@ -51,6 +55,7 @@ PROBE_EVERY = 16  # steps at depth 0 before a probe
 PROBE_ACCEPTANCE = 0.9  # a probe is made where guesses accepted this often would pay
 SPECULATE_MARGIN = 1.10  # predicted speed-up needed to leave depth 0
 RECHECK_FIRST, RECHECK_MOST = 8, 128  # probe intervals a priced-out bucket waits before exploring again
+RECHECK_SHARE = 0.01  # the most of a priced-out bucket's time its rechecks may cost
 EXPLORE_NODE_PRICE = 0.2  # a token tree's price per draft off its chain before a row's cost is measured
 
 
@@ -100,12 +105,16 @@ class Bucket:
         self.priced_out = False
         self.warm: set[int] = set()  # draft counts of steps seen (a shape's first step is not measured)
         self.recheck_every, self.waited = RECHECK_FIRST, 0  # in probe intervals
+        self.rechecks = 0
+        # Since the last recheck began: what speculating cost over plain steps, and the seconds
+        # of steps without drafts.
+        self.spent = self.plain_since = 0.0
 
     def recheck_due(self) -> bool:
         """Counts a probe interval of a priced-out bucket; True (and the next wait doubled) when
         it should explore again."""
         self.waited += 1
-        if self.waited < self.recheck_every:
+        if self.waited < self.recheck_every or (self.rechecks and self.plain_since * RECHECK_SHARE < self.spent):
             return False
         self.waited, self.recheck_every = 0, min(2 * self.recheck_every, RECHECK_MOST)
         return True
@@ -114,6 +123,8 @@ class Bucket:
         """Forgets the step and proposal costs measured with drafts; exploration resumes at half depth."""
         self.spec, self.draft, self.slope = LinearFit(), LinearFit(), None
         self.choices, self.priced_out = EXPLORE_STEPS, False
+        self.rechecks += 1
+        self.spent = self.plain_since = 0.0
 
     def exploring(self, max_k: int) -> int | None:
         """The depth to try while the bucket is new, else None: 0 until a step without drafts was
@@ -128,6 +139,10 @@ class Bucket:
         return None
 
     def observe_step(self, drafts: int, seconds: float) -> None:
+        if drafts:
+            self.spent += max(0.0, seconds - self.plain())
+        else:
+            self.plain_since += seconds
         if drafts not in self.warm:
             self.warm.add(drafts)
             return
@@ -192,6 +207,11 @@ class DepthController:
     def observe_step(self, batch_size: int, num_draft_tokens: int, seconds: float) -> None:
         """A decode-only step of `batch_size` requests that verified `num_draft_tokens` drafts."""
         self._bucket(batch_size).observe_step(num_draft_tokens, seconds)
+
+    def charge(self, batch_size: int, seconds: float) -> None:
+        """A proposal for a step of `batch_size` requests took `seconds`, catching up included
+        (what rechecks count; observe_proposal's seconds leave the catching up out)."""
+        self._bucket(batch_size).spent += seconds
 
     def observe_proposal(self, batch_size: int, k: int, num_proposed: int, seconds: float) -> None:
         """A proposer asked for k drafts for each of `batch_size` requests returned

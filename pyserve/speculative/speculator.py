@@ -97,7 +97,9 @@ class Speculator:
             batch.max_nodes = self.max_tree_nodes
             batch.node_price = self.depth.node_price(out.num_reqs, len(candidates), k)
         drafts = await self.proposer.propose(batch)
-        seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
+        elapsed = time.perf_counter() - start
+        self.depth.charge(out.num_reqs, elapsed)
+        seconds = elapsed - self.proposer.catch_up_seconds
         if self.max_tree_nodes:
             self.last_proposal = (out.num_reqs, tree, seconds)
         self.depth.observe_proposal(len(candidates), k, sum(min(len(d), k) for d in drafts), seconds)

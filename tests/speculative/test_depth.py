@@ -3,7 +3,7 @@ and the acceptance rate; a fixed depth stays fixed."""
 
 from __future__ import annotations
 
-from pyserve.speculative.depth import EXPLORE_STEPS, PROBE_EVERY, RECHECK_FIRST, DepthController
+from pyserve.speculative.depth import EXPLORE_STEPS, PROBE_EVERY, RECHECK_FIRST, RECHECK_SHARE, DepthController
 
 
 def test_depth_follows_the_measured_costs():
@@ -37,6 +37,7 @@ def simulate(ctl: DepthController, steps: int, accept, plain=0.001, verify=0.000
         k = ctl.choose(1, 1)
         depths.append(k)
         if k:
+            ctl.charge(1, proposal + per_guess * k)  # as the Speculator times a proposal
             ctl.observe_proposal(1, k, k, proposal + per_guess * k)
             ctl.observe_verification(k, accept(step, k))
         ctl.observe_step(1, k, plain + (verify + per_draft * k if k else 0.0))
@@ -67,13 +68,26 @@ def test_full_depth_is_tried_where_half_depths_costs_overprice_it():
 
 
 def test_no_probes_where_even_good_guesses_would_not_pay():
-    # A draft token costs as much as the step itself (a large batch): off, never probed, and
-    # explored again only after RECHECK_FIRST probe intervals, then twice as rarely.
-    depths = simulate(DepthController(8, has_draft_cost=True), 1000, lambda step, k: k, verify=0.001,
-                      per_draft=0.001)
-    on = [i for i, k in enumerate(depths) if k]
-    assert len(on) <= 3 * EXPLORE_STEPS + 2 * EXPLORE_STEPS  # the first exploration, two shorter ones
-    assert min(on[3 * EXPLORE_STEPS:]) > RECHECK_FIRST * PROBE_EVERY
+    # A draft token costs as much as the step itself (a large batch): off, never probed, explored
+    # again after RECHECK_FIRST probe intervals, then only once the steps without drafts since have
+    # run 1 / RECHECK_SHARE times what that recheck cost.
+    # long enough for the plain steps to pay for one recheck (~0.024 s of extra time), not two
+    depths = simulate(DepthController(8, has_draft_cost=True), 200 + round(0.04 / RECHECK_SHARE / 0.001),
+                      lambda step, k: k, verify=0.001, per_draft=0.001)
+    runs: list[list[int]] = []  # the stretches of steps that verified drafts
+    for i, k in enumerate(depths):
+        if k:
+            if not runs or runs[-1][-1] != i - 1:
+                runs.append([])
+            runs[-1].append(i)
+    assert len(runs) == 3 and all(len(run) == EXPLORE_STEPS for run in runs)  # the exploration, two rechecks
+    assert runs[1][0] > RECHECK_FIRST * PROBE_EVERY
+    first, second = runs[1:]
+    k = depths[first[0]]
+    # each step of a recheck: its time over a plain one (verify + per_draft * k), its proposal's
+    cost = EXPLORE_STEPS * (0.001 + 0.001 * k + 0.0005 + 0.0001 * k)
+    plain_seconds = (second[0] - first[-1] - 1) * 0.001
+    assert plain_seconds * RECHECK_SHARE >= cost > (plain_seconds - PROBE_EVERY * 0.001) * RECHECK_SHARE
 
 
 def test_costs_measured_cold_do_not_switch_speculation_off_for_good():
