@@ -106,8 +106,8 @@ class Bucket:
         self.warm: set[int] = set()  # draft counts of steps seen (a shape's first step is not measured)
         self.recheck_every, self.waited = RECHECK_FIRST, 0  # in probe intervals
         self.rechecks = 0
-        # Since the last recheck began: what speculating cost over plain steps, and the seconds
-        # of steps without drafts.
+        # Since the last recheck began: what its exploring steps cost over plain ones (speculation
+        # chosen because it pays is not counted), and the seconds of steps without drafts.
         self.spent = self.plain_since = 0.0
 
     def recheck_due(self) -> bool:
@@ -138,11 +138,16 @@ class Bucket:
             return max_k
         return None
 
+    @property
+    def explored(self) -> bool:
+        """Whether the bucket's last choice was made after its exploration (`exploring` None)."""
+        return self.choices >= 3 * EXPLORE_STEPS and bool(self.plain_weight) and bool(self.spec.count)
+
     def observe_step(self, drafts: int, seconds: float) -> None:
-        if drafts:
-            self.spent += max(0.0, seconds - self.plain())
-        else:
+        if not drafts:
             self.plain_since += seconds
+        elif not self.explored:
+            self.spent += max(0.0, seconds - self.plain())
         if drafts not in self.warm:
             self.warm.add(drafts)
             return
@@ -210,8 +215,10 @@ class DepthController:
 
     def charge(self, batch_size: int, seconds: float) -> None:
         """A proposal for a step of `batch_size` requests took `seconds`, catching up included
-        (what rechecks count; observe_proposal's seconds leave the catching up out)."""
-        self._bucket(batch_size).spent += seconds
+        (what rechecks count while exploring; observe_proposal's seconds leave the catching up out)."""
+        bucket = self._bucket(batch_size)
+        if not bucket.explored:
+            bucket.spent += seconds
 
     def observe_proposal(self, batch_size: int, k: int, num_proposed: int, seconds: float) -> None:
         """A proposer asked for k drafts for each of `batch_size` requests returned

@@ -134,3 +134,34 @@ def test_a_batch_larger_than_one_where_good_guesses_would_not_pay_is_not_explore
     assert run_batch(ctl, 4, 40).count(0) == 40
     assert run_batch(ctl, 16, 40).count(0) == 40 and run_batch(ctl, 64, 40).count(0) == 40  # never explored
     assert any(run_batch(DepthController(8, has_draft_cost=True), 64, 40))  # alone, a large batch explores
+
+
+def test_speculation_that_pays_is_not_charged_to_the_next_recheck():
+    # Priced out (a draft costs a step), then cheap drafts: a recheck finds that guesses pay and
+    # speculation runs for a long while; then drafts are dear again. The next recheck waits for
+    # what the last one's exploration cost, not for the time spent speculating while it paid.
+    ctl, per_draft = DepthController(8, has_draft_cost=True), [0.001]
+    depths: list[int] = []
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            k = ctl.choose(1, 1)
+            depths.append(k)
+            if k:
+                ctl.charge(1, 0.0001)
+                ctl.observe_proposal(1, k, k, 0.0001)
+                ctl.observe_verification(k, k)
+            ctl.observe_step(1, k, 0.001 + (0.0002 + per_draft[0] * k if k else 0.0))
+
+    steps(200)  # explored, priced out, the first recheck (which waits for no cost)
+    per_draft[0] = 0.00001
+    steps(3000)  # a later recheck finds guesses pay: speculation on
+    assert min(depths[-500:]) >= 4
+    per_draft[0] = 0.001
+    off = len(depths)
+    steps(4000)
+    rechecks = [i for i in range(off + 1, len(depths)) if depths[i] and not depths[i - 1]]
+    # off again at once; the next look follows well within what the speculating stretch
+    # (~2,000 steps of drafts) would have bought at RECHECK_SHARE
+    assert depths[off + 200:].count(0) > 3500 and rechecks
+    assert rechecks[0] - off < 2500
