@@ -49,6 +49,12 @@ pub struct PrefixMatch {
 impl PrefixMatch {
     /// No cached prefix.
     pub const NONE: PrefixMatch = PrefixMatch { blocks: Vec::new(), num_tokens: 0 };
+
+    /// The match without a last block matched only in its first tokens (blocks of `block_size`).
+    pub fn whole_blocks(&self, block_size: usize) -> PrefixMatch {
+        let n = self.num_tokens / block_size;
+        PrefixMatch { blocks: self.blocks[..n].to_vec(), num_tokens: n * block_size }
+    }
 }
 
 /// Handle of a tree node. Valid while the node's block is referenced (such a node is never

@@ -36,6 +36,23 @@ fn cached_prefix_is_not_recomputed() {
 }
 
 #[test]
+fn a_hit_inside_a_block_gives_way_to_its_whole_blocks_where_the_pool_cannot_hold_its_copy() {
+    // Four usable blocks of 4. The second prompt shares 13 tokens with the first: its hit ends a
+    // token into the fourth block, whose copy would need a fifth block beside the four held.
+    let mut d = Driver::new(Scheduler::new(config(5, 4, 64)).unwrap());
+    let prompt: Vec<u32> = (0..15).collect();
+    d.add(req(1, prompt.clone(), 1)).unwrap();
+    d.run_to_end(10, no_drafts);
+    let other: Vec<u32> = (0..13).chain([30, 31]).collect();
+    d.add(req(2, other.clone(), 1)).unwrap();
+    let out = d.step(no_drafts);
+    assert_eq!(out.num_scheduled_tokens, vec![3], "the three whole blocks (12 tokens) come from the cache");
+    assert!(out.block_copies.is_empty());
+    d.run_to_end(10, no_drafts);
+    assert_eq!(d.finished[&2], reference_output(&other, 1, None));
+}
+
+#[test]
 fn a_next_turn_finds_every_computed_token_of_the_last_one() {
     let mut d = Driver::new(Scheduler::new(config(64, 4, 64)).unwrap());
     let prompt: Vec<u32> = (0..10).collect();

@@ -141,14 +141,23 @@ impl Scheduler {
                     continue;
                 }
                 let hit = self.kv.match_prefix(req);
-                let cached = hit.num_tokens;
-                // A held request's limit is at least `cached`: the last prompt token is never a hit.
-                let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
-                let reaches_end = cached + num_new >= req.num_tokens();
-                let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
-                if !self.kv.allocate_slots(req, &hit, slots, &mut copies) {
-                    break;
+                // A hit that ends inside a block holds that block beside its copy while it is
+                // copied: where the pool has no block for that, the hit's whole blocks (what the
+                // request needs without any hit, or less).
+                let whole = hit.whole_blocks(self.config.block_size);
+                let mut admitted = None;
+                for hit in [hit, whole] {
+                    let cached = hit.num_tokens;
+                    // A held request's limit is at least `cached`: the last prompt token is never a hit.
+                    let num_new = (req.compute_limit() - cached).min(budget.min(prompt_budget));
+                    let reaches_end = cached + num_new >= req.num_tokens();
+                    let slots = cached + num_new + if reaches_end { lookahead } else { 0 };
+                    if self.kv.allocate_slots(req, &hit, slots, &mut copies) {
+                        admitted = Some((cached, num_new, reaches_end));
+                        break;
+                    }
                 }
+                let Some((cached, num_new, reaches_end)) = admitted else { break };
                 req.num_computed_tokens = cached;
                 if !req.admitted_once {
                     req.admitted_once = true;
