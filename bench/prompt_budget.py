@@ -15,9 +15,10 @@ it). Reported per budget: TTFT p50 / p99 (and of first turns alone: cold), token
 ratio against no budget; and what no budget policy can beat on this workload: each budget's
 hit-rate ceiling (every turn's tokens that no cache held in the unbudgeted run, its new message
 and template, must be prefilled under any budget, in a prompt of at most min(history, budget)
-tokens) and the TTFT floor (each turn's new message alone after the cached system prompt: a
-budgeted turn prefills at least that). With --together the conversations are users taking turns, their
-histories sharing the KV pool (--num-kv-blocks sizes it: a server under load holds a small share
+tokens), the tighter one of policies that drop whole older turns ("by turns": a moved cut
+recomputes the kept turns), and the TTFT floor (each turn's new message alone after the cached
+system prompt: a budgeted turn prefills at least that). With --together the conversations are
+users taking turns, their histories sharing the KV pool (--num-kv-blocks sizes it: a server under load holds a small share
 of each history), one budget after another.
 
   python bench/prompt_budget.py [--model smollm2-135m-instruct] [--conversations 4]
@@ -148,10 +149,10 @@ def turn_dropping_ceiling(unbudgeted: list[list[dict]], floors: list[list[dict]]
     before it only), over every choice of cut at every turn. A turn that keeps the cut of the turn
     before it prefills what the unbudgeted turn did (its new message); one that moves it starts its
     kept turns at new positions, so only what every prompt starts with (the system prompt and the
-    first words of a message: the most the new messages alone found cached) is found cached. Sizes come from the
-    runs: turn i's prompt with turns before c dropped is P_i - P_c + P_0 + F_c - F_0 (P: the
-    unbudgeted prompts, F: each new message alone after the system prompt). None where a newest
-    turn alone does not fit."""
+    first words of a message: the most the new messages alone found cached) is found cached.
+    Sizes come from the runs: turn i's prompt with turns before c dropped is
+    P_i - P_c + P_0 + F_c - F_0 (P: the unbudgeted prompts, F: each new message alone after the
+    system prompt). None where a newest turn alone does not fit."""
     convs = []
     for conv, alone in zip(unbudgeted, floors, strict=True):
         if any("error" in t for t in conv + alone):
