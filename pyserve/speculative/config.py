@@ -53,6 +53,9 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
         method = raw.get("method")
+        if method is None and raw.get("model") == "[ngram]":  # vLLM's spelling before its `method` key
+            raise ValueError('speculative_config.method: n-gram lookup is spelled "method": "ngram" here '
+                             '(not "model": "[ngram]")')
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
         defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
@@ -79,7 +82,8 @@ class SpeculativeConfig:
         if method in MODEL_METHODS:
             model = os.path.expanduser(fields["model"]) if fields["model"] else (default_models or {}).get(method)
             if model is None:
-                what = "the draft's model directory" if method == "draft_model" else "the EAGLE-3 head's directory"
+                what = "the draft model (a directory, a GGUF file or a hub id)" if method == "draft_model" \
+                    else "the EAGLE-3 head's directory"
                 raise ValueError(f"speculative_config.model: {method} needs {what}")
             if is_hub_id(str(model)):  # ORG/NAME or ORG/NAME:FILE.gguf, as the target takes them
                 try:

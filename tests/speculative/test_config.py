@@ -18,6 +18,13 @@ def test_config_errors_name_the_key(tmp_path):
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 1, 4)
 
 
+def test_vllms_older_ngram_spelling_and_a_draft_model_without_one_say_what_to_write():
+    with pytest.raises(ValueError, match=r'spelled "method": "ngram" here \(not "model": "\[ngram\]"\)'):
+        SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 4})
+    with pytest.raises(ValueError, match="draft_model needs the draft model \\(a directory, a GGUF file or a hub id\\)"):
+        SpeculativeConfig.parse({"method": "draft_model"})
+
+
 def test_a_depth_the_user_gives_is_fixed_unless_adaptive_is_asked_for():
     assert SpeculativeConfig.parse({"method": "ngram"}).adaptive
     fixed = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
