@@ -141,8 +141,8 @@ class Bucket:
 
     @property
     def explored(self) -> bool:
-        """Whether the bucket's last choice was made after its exploration (`exploring` None)."""
-        return self.choices >= 3 * EXPLORE_STEPS and bool(self.plain_weight) and bool(self.spec.count)
+        """Whether the bucket's last choice was made after its exploration."""
+        return self.exploring(1) is None  # its end does not depend on the depth
 
     def observe_step(self, drafts: int, seconds: float) -> None:
         if not drafts:
