@@ -105,6 +105,7 @@ def _served_models(args: argparse.Namespace) -> dict:
         sys.exit(f"pyserve serve: {e}")
     for config, _ in configs.values():
         _check_model(config)
+        _check_speculation(config)
     policies = {e.name: e.policy for e in entries}
     return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name],
                             check=(lambda c=config: _read_config(c)) if is_hub_id(config.model) else None)
@@ -124,6 +125,17 @@ def _check_model(config) -> None:
             _read_config(config)
     except Exception as e:  # noqa: BLE001 - any failure to read the model ends the command
         _exit_load_failed(e)
+
+
+def _check_speculation(config) -> None:
+    """The config's speculative_config checked as its engine will parse it (a hub id looked up,
+    not fetched) before the server's imports and its socket: a bad one ends the command at once."""
+    from pyserve.speculative.config import SpeculativeConfig, default_speculators
+
+    try:
+        SpeculativeConfig.parse(config.speculative_config, default_speculators(config.model), download=False)
+    except ValueError as e:
+        sys.exit(f"pyserve serve: {e}")
 
 
 def _exit_load_failed(error: BaseException) -> None:

@@ -144,3 +144,19 @@ def test_a_context_past_the_models_fails_before_torch_is_imported(llama_dir, tmp
     assert "max_model_len 100000 is longer than the model's context of 512 tokens" in log
     imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
     assert "torch" not in imported
+
+
+def test_a_bad_speculative_config_fails_before_torch_is_imported(llama_dir, tmp_path):
+    """Each refusal names its key, before the server's imports: a method pyserve lacks, vLLM's
+    older n-gram spelling, a draft that is no model."""
+    for config, message in (({"method": "medusa"}, "speculative_config.method must be one of"),
+                            ({"model": "[ngram]"}, 'spelled "method": "ngram"'),
+                            ({"method": "draft_model", "model": str(tmp_path)},
+                             "is neither a model directory (config.json), a GGUF file nor a hub id")):
+        proc, _, log_path = _serve(llama_dir, tmp_path, python_flags=("-X", "importtime"),
+                                   extra=("--speculative-config", json.dumps(config)))
+        assert proc.wait(timeout=120) == 1
+        log = log_path.read_text()
+        assert "pyserve serve: speculative_config." in log and message in log
+        imported = [ln.rsplit("|", 1)[1].strip() for ln in log.splitlines() if ln.startswith("import time:")]
+        assert "torch" not in imported and "pyserve.server.app" not in imported

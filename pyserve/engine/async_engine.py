@@ -10,7 +10,6 @@ import gc
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyserve import _core
 from pyserve.actors import ActorSystem, EngineDeadError
@@ -32,7 +31,7 @@ from pyserve.lora.request import LoRARequest
 from pyserve.model.checkpoint import load_config, load_tokenizer
 from pyserve.model.config import ModelConfig
 from pyserve.model.hub import fetch_model
-from pyserve.speculative.config import SpeculativeConfig
+from pyserve.speculative.config import SpeculativeConfig, default_speculators
 from pyserve.speculative.eagle_config import HeadConfig
 from pyserve.speculative.proposer import NgramProposer, WorkerProposer
 from pyserve.speculative.speculator import Speculator
@@ -48,15 +47,6 @@ GRAMMAR_COMPILE_TIMEOUT = 1.0  # seconds
 # see AsyncEngine.__init__). A GPU engine has a thread of its own.
 CPU_ENGINE_THREAD = SharedLoopThread("pyserve-engine")
 atexit.register(gc.unfreeze)  # see AsyncEngine.start
-
-
-def default_speculators(model: str) -> dict[str, str]:
-    """The embedded draft and EAGLE head by method when `model` is the embedded target, else none."""
-    from pyserve.default_model import DRAFT_DIR, HEAD_DIR, TARGET_DIR
-
-    if Path(model).resolve() != TARGET_DIR:
-        return {}
-    return {"draft_model": str(DRAFT_DIR), "eagle3": str(HEAD_DIR)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,8 +96,8 @@ class AsyncEngine:
             cfg = self.model_config
             self.max_model_len = cfg.served_length(config.max_model_len)
             cfg.check_context(self.max_model_len)
-            self.tokenizer = load_tokenizer(self.model_path)
             self.spec_config = SpeculativeConfig.parse(config.speculative_config, default_speculators(self.model_path))
+            self.tokenizer = load_tokenizer(self.model_path)
             spec = self.spec_config
             draft_config = self._check_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
             head_config = HeadConfig.from_dir(spec.model, cfg) if spec is not None and spec.method == "eagle3" else None

@@ -10,13 +10,22 @@ from pathlib import Path
 from typing import Any
 
 from pyserve.model.gguf.file import gguf_path
-from pyserve.model.hub import fetch_model, is_hub_id
+from pyserve.model.hub import check_hub_model, fetch_model, is_hub_id
 
 METHODS = ("ngram", "draft_model", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_TREE_NODES = 16
 MAX_TREE_NODES = 63  # the scheduler's MAX_TREE_DRAFTS: a tree's rows hide keys through 64-bit masks
+
+
+def default_speculators(model: str) -> dict[str, str]:
+    """The embedded draft and EAGLE head by method when `model` is the embedded target, else none."""
+    from pyserve.default_model import DRAFT_DIR, HEAD_DIR, TARGET_DIR
+
+    if Path(model).resolve() != TARGET_DIR:
+        return {}
+    return {"draft_model": str(DRAFT_DIR), "eagle3": str(HEAD_DIR)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +44,12 @@ class SpeculativeConfig:
     tree_nodes: int = 0
 
     @classmethod
-    def parse(cls, raw: dict[str, Any] | str | None, default_models: dict[str, str] | None = None
-              ) -> SpeculativeConfig | None:
+    def parse(cls, raw: dict[str, Any] | str | None, default_models: dict[str, str] | None = None,
+              download: bool = True) -> SpeculativeConfig | None:
         """`raw` as given by a user (a dict, or its JSON text); `default_models` the model a
-        method uses where the config names none, by method (the embedded family's draft and head)."""
+        method uses where the config names none, by method (the embedded family's draft and head).
+        `download=False` (`pyserve serve`'s check before its socket): a hub id `model` is looked up
+        by one request (`check_hub_model`), not fetched, and kept as given."""
         if raw is None:
             return None
         if isinstance(raw, str):
@@ -87,6 +98,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.model: {method} needs {what}")
             if is_hub_id(str(model)):  # ORG/NAME or ORG/NAME:FILE.gguf, as the target takes them
                 try:
+                    if not download:
+                        check_hub_model(str(model), None, None)
+                        return cls(**{**fields, "model": str(model)})
                     model = fetch_model(str(model), None, None)
                 except ValueError as e:
                     raise ValueError(f"speculative_config.model: {e}") from None

@@ -138,23 +138,30 @@ def test_serve_refuses_repositories_it_cannot_serve_and_an_unreachable_hub_befor
 
 
 PARSE = ("import json, sys; from pyserve.speculative.config import SpeculativeConfig\n"
-         "try:\n    c = SpeculativeConfig.parse({'method': 'draft_model', 'model': sys.argv[1]})\n"
+         "try:\n    c = SpeculativeConfig.parse({'method': 'draft_model', 'model': sys.argv[1]}, None,\n"
+         "                                  download=sys.argv[2] == 'download')\n"
          "    print(json.dumps({'path': c.model}))\n"
          "except ValueError as e:\n    print(json.dumps({'error': str(e)}))\n")
 
 
 def test_a_draft_model_named_by_hub_id_is_downloaded(tiny, tmp_path):
+    """`serve`'s check before its socket (download=False) looks the id up and fetches nothing; the
+    engine's parse downloads it."""
     with HubStandIn() as hub:
         hub.add_folder("org/draft", tiny)
         env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
 
-        def parse(model: str) -> dict:
-            run = subprocess.run([sys.executable, "-c", PARSE, model], capture_output=True, text=True, env=env,
+        def parse(model: str, how: str = "download") -> dict:
+            run = subprocess.run([sys.executable, "-c", PARSE, model, how], capture_output=True, text=True, env=env,
                                  timeout=60)
             assert run.returncode == 0, run.stderr
             return json.loads(run.stdout.strip().splitlines()[-1])
 
+        checked, missing_checked = parse("org/draft", "check"), parse("org/nothing", "check")
+        fetched_by_check = (tmp_path / "hf").exists() and any((tmp_path / "hf").rglob("config.json"))
         got, missing = parse("org/draft"), parse("org/nothing")
+    assert checked == {"path": "org/draft"} and not fetched_by_check
+    assert missing_checked["error"].startswith("speculative_config.model: org/nothing was not found on the hub")
     assert (tmp_path / "hf") in Path(got["path"]).parents
     assert json.loads((Path(got["path"]) / "config.json").read_text()) == json.loads((tiny / "config.json").read_text())
     assert missing["error"].startswith("speculative_config.model: org/nothing was not found on the hub")
