@@ -1,7 +1,8 @@
 """A local stand-in for the Hugging Face Hub's HTTP API (the hub itself is unreachable here), enough
 for huggingface_hub's snapshot_download: a repository's file list at a revision
 (`/api/models/{repo}/revision/{rev}`) and its files (`/{repo}/resolve/{rev}/{file}`, HEAD and GET),
-repositories gated (401) or missing (404) as the hub answers them. Point HF_ENDPOINT at `url`."""
+repositories gated (401) or missing (404) and revisions other than `main` and the repository's
+commit (404) as the hub answers them. Point HF_ENDPOINT at `url`."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ class HubStandIn:
                     repo = "/".join(parts[2:4])
                     if not self._visible(repo):
                         return
+                    if len(parts) >= 6 and parts[4] in ("revision", "tree") and not self._known(repo, parts[5]):
+                        return
                     if len(parts) >= 6 and parts[4] == "tree":
                         tree = [{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
                                 for n, d in sorted(hub.repos[repo].items())]
@@ -72,7 +75,7 @@ class HubStandIn:
                     return self._send(200, json.dumps(info).encode(), body, {"Content-Type": "application/json"})
                 if len(parts) >= 5 and parts[2] == "resolve":
                     repo, name = "/".join(parts[:2]), "/".join(parts[4:])
-                    if not self._visible(repo):
+                    if not self._visible(repo) or not self._known(repo, parts[3]):
                         return
                     data = hub.repos[repo].get(name)
                     if data is None:
@@ -92,6 +95,13 @@ class HubStandIn:
                                {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this model is restricted"})
                     return False
                 return True
+
+            def _known(self, repo: str, revision: str) -> bool:
+                if revision in ("main", hub.commit(repo)):
+                    return True
+                self._send(404, b"Invalid rev id", True,
+                           {"X-Error-Code": "RevisionNotFound", "X-Error-Message": f"Invalid rev id: {revision}"})
+                return False
 
             def _send(self, status: int, data: bytes, body: bool, headers: dict[str, str]) -> None:
                 self.send_response(status)

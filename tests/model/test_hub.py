@@ -14,14 +14,14 @@ import httpx
 import pytest
 
 from pyserve.model.errors import WeightsError
-from pyserve.model.hub import fetch_model
+from pyserve.model.hub import check_hub_model, fetch_model
 from pyserve.testing import build_model, start_server, stop_server
 from pyserve.testing.hub_standin import HubStandIn
 from pyserve.testing.tiny_gguf import gguf_from_hf
 
 FETCH = ("import json, sys, time; from pyserve.model.hub import fetch_model\n"
          "start = time.perf_counter()\n"
-         "try:\n    print(json.dumps({'path': fetch_model(sys.argv[1], None, None)}))\n"
+         "try:\n    print(json.dumps({'path': fetch_model(sys.argv[1], (sys.argv[2:] or [None])[0], None)}))\n"
          "except ValueError as e:\n    print(json.dumps({'error': str(e), 'seconds': time.perf_counter() - start}))\n")
 
 
@@ -30,8 +30,9 @@ def tiny(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("hub") / "tiny", "qwen2")
 
 
-def _fetch(model: str, env: dict[str, str]) -> dict:
-    run = subprocess.run([sys.executable, "-c", FETCH, model], capture_output=True, text=True, env=env, timeout=60)
+def _fetch(model: str, env: dict[str, str], revision: str | None = None) -> dict:
+    run = subprocess.run([sys.executable, "-c", FETCH, model, *([revision] if revision else [])], capture_output=True,
+                         text=True, env=env, timeout=60)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -80,6 +81,23 @@ def test_a_gguf_file_named_in_a_repository_is_the_only_file_fetched(tiny, tmp_pa
         fetched = [r for r in hub.requests if r.startswith("GET /org/ggufs/resolve/")]
     assert got["path"].endswith("tiny-q8_0.gguf")
     assert len(fetched) == 1 and fetched[0].endswith("/tiny-q8_0.gguf")
+
+
+def test_a_revision_is_fetched_as_named_and_one_the_repository_lacks_is_refused(tiny, tmp_path):
+    with HubStandIn() as hub:
+        hub.add_folder("org/tiny", tiny)
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.url, "PATH": ""}
+        commit = hub.commit("org/tiny")
+        pinned, missing = _fetch("org/tiny", env, commit), _fetch("org/tiny", env, "nosuch")
+    assert Path(pinned["path"]).name == commit and (Path(pinned["path"]) / "config.json").is_file()
+    assert missing["error"] == "org/tiny has no revision 'nosuch'"
+
+
+def test_a_gguf_file_other_than_the_one_the_id_names_is_refused_by_the_lookup_too():
+    """`serve`'s lookup before its socket and the download refuse it alike, before any request."""
+    for call in (check_hub_model, fetch_model):
+        with pytest.raises(ValueError, match="gguf_file 'b.gguf' differs from the file the model names \\('a.gguf'\\)"):
+            call("org/m:a.gguf", None, "b.gguf")
 
 
 def _pickle_only(model: Path, folder: Path) -> Path:
