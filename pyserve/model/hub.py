@@ -38,12 +38,18 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
                 raise WeightsError(f"gguf_file: no {gguf_file} in {model}")
             return str(path / gguf_file)
         return model
-    m = HUB_ID.fullmatch(model)
-    if m is None:
+    if HUB_ID.fullmatch(model) is None:
         raise FileNotFoundError(f"model: {model!r} is neither a local path nor a hub id (ORG/NAME)")
+    repo, gguf_file = _repo_and_file(model, gguf_file)
+    return download(repo, revision, gguf_file)
+
+
+def _repo_and_file(hub_id: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """The repository a hub id names and the GGUF file it or `gguf_file` names (None: neither)."""
+    m = HUB_ID.fullmatch(hub_id)
     if m.group("file") and gguf_file and m.group("file") != gguf_file:
         raise ValueError(f"gguf_file {gguf_file!r} differs from the file the model names ({m.group('file')!r})")
-    return download(m.group("repo"), revision, m.group("file") or gguf_file)
+    return m.group("repo"), m.group("file") or gguf_file
 
 
 def check_hub_model(model: str, revision: str | None, gguf_file: str | None) -> None:
@@ -56,8 +62,7 @@ def check_hub_model(model: str, revision: str | None, gguf_file: str | None) -> 
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    m = HUB_ID.fullmatch(model)
-    repo, gguf_file = m.group("repo"), m.group("file") or gguf_file
+    repo, gguf_file = _repo_and_file(model, gguf_file)
     try:
         info = HfApi().repo_info(repo, revision=revision, timeout=5)
     except HfHubHTTPError:  # the hub answered: its answer, as the download reads it

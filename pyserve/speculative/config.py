@@ -106,7 +106,11 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.model: {e}") from None
             if method == "eagle3" and not (Path(model) / "config.json").is_file():
                 raise ValueError(f"speculative_config.model: {model} is not a head directory (config.json)")
-            if not (Path(model) / "config.json").is_file() and gguf_path(model) is None:
+            try:
+                found = (Path(model) / "config.json").is_file() or gguf_path(model) is not None
+            except ValueError as e:  # a file that is no GGUF, a folder of several
+                raise ValueError(f"speculative_config.model: {e}") from None
+            if not found:
                 raise ValueError(f"speculative_config.model: {model} is neither a model directory (config.json), "
                                  "a GGUF file nor a hub id (ORG/NAME)")
             fields["model"] = str(model)

@@ -22,6 +22,7 @@ from pyserve.model.gguf.weights import int8_rows, q4_blocks
 from pyserve.model.kquant_linear import KQuantLinear
 from pyserve.model.loader import load_model
 from pyserve.model.quantized_linear import Int4Linear, Int8Linear, quantize_int8, weight_bytes
+from pyserve.speculative.config import SpeculativeConfig
 from pyserve.testing import build_model
 from pyserve.testing.tiny_gguf import LLAMA_ROPE, gguf_from_hf, gguf_rewritten
 
@@ -309,6 +310,18 @@ def test_a_directory_holding_one_gguf_is_served_from_it(tiny, tmp_path):
     gguf_from_hf(tiny["qwen2"], folder / "other.gguf")
     with pytest.raises(WeightsError, match="several GGUF files.*m.gguf, other.gguf"):
         gguf_path(folder)
+
+
+def test_a_file_is_a_gguf_by_its_name_or_its_magic_and_any_other_is_refused(tiny, tmp_path):
+    blob = tmp_path / "sha256-0f3a"  # an Ollama blob: named by its digest
+    blob.write_bytes(gguf_from_hf(tiny["qwen2"], tmp_path / "m.gguf").read_bytes())
+    assert gguf_path(blob) == blob and load_config(blob).family == "qwen2"
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(WeightsError, match="notes.txt is a file but not a GGUF file"):
+        load_config(text)
+    with pytest.raises(ValueError, match="speculative_config.model: .*notes.txt is a file but not a GGUF file"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": str(text)})
 
 
 def test_an_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):

@@ -34,11 +34,15 @@ def check_architecture(architecture: Any) -> str:
 
 
 def gguf_path(path: str | Path) -> Path | None:
-    """The GGUF file a model path names: the path itself when it is a `.gguf` file, or the one
-    `.gguf` file of a directory without a config.json; None for a Hugging Face directory."""
+    """The GGUF file a model path names: the path itself when it is a `.gguf` file or a file that
+    starts with GGUF's magic (an Ollama blob is named by its digest), or the one `.gguf` file of a
+    directory without a config.json; None for a Hugging Face directory. Any other file is refused."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix == ".gguf" else None
+        if path.suffix == ".gguf" or _starts_with_magic(path):
+            return path
+        raise WeightsError(f"{path} is a file but not a GGUF file (.gguf); pyserve serves a GGUF file, a model "
+                           "directory (config.json and safetensors weights) or a hub id (ORG/NAME)")
     if not path.is_dir() or (path / "config.json").is_file():
         return None
     files = sorted(path.glob("*.gguf"))
@@ -46,6 +50,11 @@ def gguf_path(path: str | Path) -> Path | None:
         raise WeightsError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); "
                            "name the one to serve (its path, or --gguf-file)")
     return files[0] if files else None
+
+
+def _starts_with_magic(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def open_gguf(path: str | Path) -> GgufFile:
