@@ -83,7 +83,8 @@ class ServerMetrics:
         per_model("pyserve:spec_decode_mean_acceptance_length",
                   "Tokens per verifying sequence step (accepted drafts + 1), averaged since start.",
                   "spec_decode_mean_acceptance_length")
-        per_model("pyserve:spec_decode_depth", "Draft tokens per sequence chosen for the next step (0 = off).",
+        per_model("pyserve:spec_decode_depth",
+                  "Draft tokens per sequence chosen for the latest step with requests that may draft (0 = off).",
                   "spec_decode_depth")
         for key, help_text in [
             ("spec_decode_num_draft_tokens_per_pos", "Speculative draft tokens verified, by draft position (from 0; "

@@ -85,9 +85,10 @@ class Speculator:
             if n and req is not None and rid not in finished and can_speculate(req, n_out):
                 rows.append(i)
                 candidates.append(req)
-        k = self.depth.choose(out.num_reqs, len(candidates))
-        self.last_depth = k
-        if not k or not candidates:
+        if not candidates:  # nothing to draft for: the depth last chosen stands
+            return {}
+        k = self.last_depth = self.depth.choose(out.num_reqs, len(candidates))
+        if not k:
             return {}
         start = time.perf_counter()
         tokens_read = [token_ids(r.internal_id) for r in candidates] if self.proposer.reads_tokens else None

@@ -84,6 +84,7 @@ def test_draft_equal_to_target_accepts_everything(temperature, llama_dir):
         stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 20
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_depth"] == 3  # the fixed depth, still shown once every request ended
 
 
 def test_stops_inside_an_accepted_run_end_at_the_right_token(llama_dir):
