@@ -146,6 +146,8 @@ def test_models_health_version_metrics(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert httpx.get(server + "/health").status_code == 200
     assert "version" in httpx.get(server + "/version", headers=auth).json()
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(server + "/v1/completions", headers=auth, json=body, timeout=60).status_code == 200  # latencies
     text = httpx.get(server + "/metrics", headers=auth).text
     for name in ["pyserve:num_requests_running", "pyserve:num_requests_waiting", "pyserve:kv_cache_usage_perc",
                  "pyserve:time_to_first_token_seconds_count", "pyserve:inter_token_latency_seconds_count",
