@@ -143,12 +143,45 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         if spec.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if spec.regex is not None:
-            return llguidance.grammar_from("regex", spec.regex)
+            return llguidance.grammar_from("regex", ascii_classes(spec.regex))
         if spec.choice is not None:
             return llguidance.grammar_from("choice", list(spec.choice))
         return llguidance.grammar_from("grammar", spec.grammar)
     except ValueError as e:
         raise GrammarError(_what_is_wrong(str(e))) from e
+
+
+_ASCII = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"), "D": ("[^0-9]", None),
+          "W": ("[^0-9A-Za-z_]", None)}
+
+
+def ascii_classes(regex: str) -> str:
+    """`regex` with `\\d`, `\\w` (and outside brackets `\\D`, `\\W`) as ASCII classes, as JSON
+    Schema's patterns (ECMAScript) and vLLM read them: llguidance's regexes read them as Unicode
+    classes, which let `\\d` match any script's digits."""
+    out, depth, i = [], 0, 0  # depth: the brackets open around i
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            outside, inside = _ASCII.get(regex[i + 1], (None, None))
+            replacement = inside if depth else outside
+            out.append(replacement if replacement is not None else regex[i : i + 2])
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            out.append(c)
+            i += 1
+            for literal in ("^", "]"):  # a class's leading ^, then a ] right after its start, are its own
+                if i < len(regex) and regex[i] == literal:
+                    out.append(literal)
+                    i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _what_is_wrong(message: str) -> str:

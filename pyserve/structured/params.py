@@ -90,8 +90,8 @@ def _check_schema(schema: dict[str, Any] | str) -> None:
 
 
 def _walk(node: Any, depth: int, counts: dict[str, int]) -> None:
-    """Counts properties and enum values and measures nesting; the recursion is bounded by
-    MAX_NESTING (a list nested in a list counts as a level too)."""
+    """Counts properties and enum values, measures nesting and refuses `multipleOf`; the
+    recursion is bounded by MAX_NESTING (a list nested in a list counts as a level too)."""
     if depth > MAX_NESTING:
         raise GrammarError(f"json: the schema nests deeper than {MAX_NESTING} levels")
     if isinstance(node, list):
@@ -100,6 +100,9 @@ def _walk(node: Any, depth: int, counts: dict[str, int]) -> None:
         return
     if not isinstance(node, dict):
         return
+    if "multipleOf" in node:  # the digit limit and the close within max_tokens cannot both hold beside it
+        raise GrammarError("json: multipleOf is not supported: a number it constrains may have no ending within "
+                           "a machine number's digits or max_tokens")
     props = node.get("properties")
     if isinstance(props, dict):
         counts["properties"] += len(props)

@@ -58,6 +58,8 @@ def _nested(depth: int) -> dict:
     ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5001)}}, "more than 5000"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}}}, "multipleOf is not supported"),
+    ({"items": {"anyOf": [{"type": "number", "multipleOf": 0.5}]}}, "multipleOf is not supported"),
 ])
 def test_schemas_over_the_limits_are_refused_before_compiling(schema, message):
     start = time.perf_counter()
@@ -69,6 +71,23 @@ def test_schemas_over_the_limits_are_refused_before_compiling(schema, message):
 def test_the_limits_themselves_are_allowed():
     StructuredOutputsParams(json=_nested(10))
     StructuredOutputsParams(json={"enum": list(range(1000))})
+    StructuredOutputsParams(json={"type": "object", "properties": {"multipleOf": {"type": "integer"}}})  # a name
+
+
+@pytest.mark.parametrize("regex, ascii", [
+    (r"\d{4}-\d{2}", "[0-9]{4}-[0-9]{2}"), (r"[\d.]+\w", "[0-9.]+[0-9A-Za-z_]"), (r"[^\d\]]", r"[^0-9\]]"),
+    (r"[]\d]", "[]0-9]"), (r"\D\W", "[^0-9][^0-9A-Za-z_]"), (r"\\d\p{L}", r"\\d\p{L}"),
+])
+def test_a_regexs_digit_and_word_classes_are_ascii(regex, ascii):
+    assert compiler_module.ascii_classes(regex) == ascii
+
+
+def test_a_regex_digit_is_an_ascii_digit_only(compiler, tok):
+    """As in JSON Schema's patterns: `\\d` takes 7, not another script's digit (U+0661)."""
+    for text, taken in (("7", True), ("\u0661", False)):
+        ids = tok.inner.encode(text, add_special_tokens=False).ids
+        matcher = compiler.compile(StructuredOutputsParams(regex=r"\d")).matcher()
+        assert (matcher.try_consume_tokens(ids) == len(ids)) is taken, text
 
 
 @pytest.mark.parametrize("spec, message", [
