@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from pyserve.structured.params import GrammarError, StructuredOutputsParams
 
@@ -118,8 +118,14 @@ class SamplingParams:
     # Keep only the prompt's last this many tokens (-1: as many as the model's length), vLLM's
     # left truncation; None keeps it whole.
     truncate_prompt_tokens: int | None = None
+    # vLLM's older name of structured_outputs (its GuidedDecodingParams have the same fields).
+    guided_decoding: InitVar[StructuredOutputsParams | dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputsParams | dict | None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_decoding is vLLM's older name of structured_outputs: give one of them")
+            self.structured_outputs = guided_decoding
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):

@@ -58,3 +58,11 @@ def test_greedy_has_one_definition(temperature, greedy):
     greedy rows); the semantic cache asks it too (tests/server/test_semantic_cache.py)."""
     p = SamplingParams(temperature=temperature)
     assert is_greedy(temperature) == p.greedy == (p.temperature == 0.0) == greedy
+
+
+def test_vllms_older_guided_decoding_is_read_as_structured_outputs():
+    older = SamplingParams(guided_decoding={"regex": "[0-9]+"})
+    assert older.structured_outputs == SamplingParams(structured_outputs={"regex": "[0-9]+"}).structured_outputs
+    assert older.structured_outputs.regex == "[0-9]+"
+    with pytest.raises(ValueError, match="give one of them"):
+        SamplingParams(guided_decoding={"regex": "a"}, structured_outputs={"regex": "b"})
