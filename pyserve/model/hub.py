@@ -38,8 +38,6 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
                 raise WeightsError(f"gguf_file: no {gguf_file} in {model}")
             return str(path / gguf_file)
         return model
-    if HUB_ID.fullmatch(model) is None:
-        raise FileNotFoundError(f"model: {model!r} is neither a local path nor a hub id (ORG/NAME)")
     repo, gguf_file = _repo_and_file(model, gguf_file)
     return download(repo, revision, gguf_file)
 
@@ -47,6 +45,8 @@ def fetch_model(model: str, revision: str | None, gguf_file: str | None) -> str:
 def _repo_and_file(hub_id: str, gguf_file: str | None) -> tuple[str, str | None]:
     """The repository a hub id names and the GGUF file it or `gguf_file` names (None: neither)."""
     m = HUB_ID.fullmatch(hub_id)
+    if m is None:
+        raise FileNotFoundError(f"model: {hub_id!r} is neither a local path nor a hub id (ORG/NAME)")
     if m.group("file") and gguf_file and m.group("file") != gguf_file:
         raise ValueError(f"gguf_file {gguf_file!r} differs from the file the model names ({m.group('file')!r})")
     return m.group("repo"), m.group("file") or gguf_file
