@@ -79,6 +79,7 @@ def _served_models(args: argparse.Namespace) -> dict:
     from pyserve.server.model_specs import (ModelEntry, ModelsConfigError, default_pair, engine_configs,
                                             load_models_file, model_flag)
     from pyserve.model.hub import is_hub_id
+    from pyserve.serve_checks import check_model, check_speculation, hub_download, read_config
     from pyserve.server.models import ModelSpec
 
     try:
@@ -104,70 +105,12 @@ def _served_models(args: argparse.Namespace) -> dict:
     except ModelsConfigError as e:
         sys.exit(f"pyserve serve: {e}")
     for config, _ in configs.values():
-        _check_model(config)
-        _check_speculation(config)
+        check_model(config)
+        check_speculation(config)
     policies = {e.name: e.policy for e in entries}
-    return {name: ModelSpec(lambda c=config: _engine(c), loras, _download(config), policies[name],
-                            check=(lambda c=config: _read_config(c)) if is_hub_id(config.model) else None)
+    return {name: ModelSpec(lambda c=config: _engine(c), loras, hub_download(config), policies[name],
+                            check=(lambda c=config: read_config(c)) if is_hub_id(config.model) else None)
             for name, (config, loras) in configs.items()}
-
-
-def _check_model(config) -> None:
-    """Before the server's imports (~0.5 s) and its socket, a local model's config read, a hub id's
-    repository looked up (its config is read once its files are downloaded): a model that cannot
-    load ends the command at once."""
-    from pyserve.model.hub import check_hub_model, is_hub_id
-
-    try:
-        if is_hub_id(config.model):
-            check_hub_model(config.model, config.revision, config.gguf_file)
-        else:
-            _read_config(config)
-    except Exception as e:  # noqa: BLE001 - any failure to read the model ends the command
-        _exit_load_failed(e)
-
-
-def _check_speculation(config) -> None:
-    """The config's speculative_config checked as its engine will parse it (a hub id looked up,
-    not fetched) before the server's imports and its socket: a bad one ends the command at once."""
-    from pyserve.speculative.config import SpeculativeConfig, default_speculators
-
-    try:
-        SpeculativeConfig.parse(config.speculative_config, default_speculators(config.model), download=False)
-    except ValueError as e:
-        sys.exit(f"pyserve serve: {e}")
-
-
-def _exit_load_failed(error: BaseException) -> None:
-    """Ends `pyserve serve` before its socket is bound: `server_load_failed` logged, exit 1."""
-    import structlog
-
-    from pyserve.logs import process_seconds
-
-    structlog.get_logger("pyserve.cli").error("server_load_failed", error=repr(error),
-                                              seconds=round(process_seconds(), 3))
-    sys.exit(f"pyserve serve: the model failed to load: {error!r}")
-
-
-def _read_config(config):
-    """The config's model read as its engine will read it, without torch (whose import takes
-    seconds): a missing path, an unreadable file, an unsupported architecture or a context the
-    model cannot serve ends the load with its message at once."""
-    from pyserve.model.checkpoint import load_config
-    from pyserve.model.hub import fetch_model
-
-    cfg = load_config(fetch_model(config.model, config.revision, config.gguf_file))
-    cfg.check_context(cfg.served_length(config.max_model_len))
-    return cfg
-
-
-def _download(config):
-    """The hub download of the config's model before its engine is built (None: a local path)."""
-    from pyserve.model.hub import fetch_model, is_hub_id
-
-    if not is_hub_id(config.model):
-        return None
-    return lambda: fetch_model(config.model, config.revision, config.gguf_file)
 
 
 def serve(args: argparse.Namespace) -> None:
